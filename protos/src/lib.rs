@@ -1,0 +1,30 @@
+//! Wire messages of the flightdeck protocol, package `flightdeck.v1`.
+//!
+//! Generated at build time from `protos/flightdeck.proto`, the public contract:
+//! every command, ticket, action body and reply that travels inside Arrow Flight
+//! messages. Wire types stay at the edge; the server converts them to its
+//! domain types in one place (`flightdeck_server::convert`).
+
+#![allow(missing_docs)]
+
+/// Messages of package `flightdeck.v1`.
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/flightdeck.v1.rs"));
+}
+
+pub use v1::*;
+
+/// Action type names of `DoAction`.
+pub mod actions {
+    /// Seal a dataset: body `SealDataset`, result `DatasetInfo`.
+    pub const SEAL: &str = "seal";
+    /// Drop a dataset: body `DropDataset`, result `DatasetInfo`.
+    pub const DROP: &str = "drop";
+    /// Describe a dataset: body `DescribeDataset`, result `DatasetInfo`.
+    pub const DESCRIBE: &str = "describe";
+    /// Server statistics: empty body, result `ServerStats`.
+    pub const STATS: &str = "stats";
+}
+
+/// The proto source, for clients that compile it themselves.
+pub const PROTO_SOURCE: &str = include_str!("../flightdeck.proto");

@@ -1,0 +1,511 @@
+//! The catalog: datasets, committed attempts, seal and winners — the commit
+//! protocol of exactly-once ingest.
+//!
+//! A dataset is `open` (taking partition attempts) until `seal` makes it
+//! `sealed` (immutable, readable), until it is dropped. An attempt enters the
+//! catalog only through [`Catalog::commit`], which the ingest path calls once a
+//! `DoPut` stream has ended cleanly; nothing of a broken stream ever reaches
+//! here. At seal each partition's winner is the attempt named by the caller,
+//! else its first committed attempt; losers are freed.
+//!
+//! This module is pure: no I/O, no locks, no async. The caller serialises
+//! access and returns the bytes this module reports as freed to the budget.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
+
+use crate::error::{Error, Result};
+
+/// One attempt of one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AttemptKey {
+    /// Partition number.
+    pub partition: u32,
+    /// Attempt number within the partition.
+    pub attempt: u32,
+}
+
+/// Lifecycle state of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatasetState {
+    /// Accepting partitions, not readable.
+    Open,
+    /// Immutable and readable.
+    Sealed,
+}
+
+/// The data of one committed attempt.
+#[derive(Debug, Clone)]
+pub struct AttemptData {
+    /// Record batches in stream order.
+    pub batches: Vec<RecordBatch>,
+    /// Total rows.
+    pub rows: u64,
+    /// Bytes charged to the memory budget.
+    pub bytes: u64,
+}
+
+#[derive(Debug)]
+struct CommittedAttempt {
+    data: AttemptData,
+    /// Global commit order, for "first committed wins".
+    seq: u64,
+}
+
+/// A seal request in domain terms.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SealRequest {
+    /// Dataset to seal.
+    pub dataset: String,
+    /// Expected number of partitions `0..partitions`; 0 = don't check.
+    pub partitions: u32,
+    /// Named winners; partitions not named keep their first committed attempt.
+    pub winners: Vec<AttemptKey>,
+}
+
+/// The immutable, readable content of a sealed dataset: the winning attempts
+/// in partition order, rows addressed `0..rows` across them.
+#[derive(Debug)]
+pub struct SealedData {
+    schema: SchemaRef,
+    winners: Vec<AttemptKey>,
+    batches: Vec<RecordBatch>,
+    /// `starts[i]` is the first row of `batches[i]`; one extra entry = rows.
+    starts: Vec<u64>,
+}
+
+impl SealedData {
+    fn new(schema: SchemaRef, parts: Vec<(AttemptKey, AttemptData)>) -> Self {
+        let mut winners = Vec::with_capacity(parts.len());
+        let mut batches = Vec::new();
+        let mut starts = vec![0u64];
+        let mut rows = 0u64;
+        for (key, data) in parts {
+            winners.push(key);
+            for batch in data.batches {
+                if batch.num_rows() == 0 {
+                    continue;
+                }
+                rows += batch.num_rows() as u64;
+                starts.push(rows);
+                batches.push(batch);
+            }
+        }
+        Self {
+            schema,
+            winners,
+            batches,
+            starts,
+        }
+    }
+
+    /// The dataset's schema.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// Total rows.
+    pub fn rows(&self) -> u64 {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// The winning attempt of each partition, in partition order.
+    pub fn winners(&self) -> &[AttemptKey] {
+        &self.winners
+    }
+
+    /// The non-empty record batches, in row order.
+    pub fn batches(&self) -> &[RecordBatch] {
+        &self.batches
+    }
+
+    /// `(batch index, row within batch)` of global row `row` (below `rows()`).
+    pub fn locate(&self, row: u64) -> (usize, usize) {
+        debug_assert!(row < self.rows());
+        // The last start not greater than `row`.
+        let batch = self.starts.partition_point(|&s| s <= row) - 1;
+        (batch, (row - self.starts[batch]) as usize)
+    }
+}
+
+/// One dataset and its attempts.
+#[derive(Debug)]
+struct Dataset {
+    generation: u64,
+    schema: SchemaRef,
+    /// Committed attempts while open; the winners' data moves to `sealed`.
+    attempts: BTreeMap<AttemptKey, CommittedAttempt>,
+    sealed: Option<Arc<SealedData>>,
+    /// Per winning partition: (rows, bytes, committed attempts), kept after seal.
+    sealed_parts: Vec<PartitionSummary>,
+}
+
+/// What `describe` tells about one partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionSummary {
+    /// The winning (or, while open, first committed) attempt.
+    pub key: AttemptKey,
+    /// Rows of that attempt.
+    pub rows: u64,
+    /// Bytes of that attempt.
+    pub bytes: u64,
+    /// Committed attempts of the partition.
+    pub committed_attempts: u32,
+}
+
+/// What `describe`, `seal` and `drop` report about a dataset.
+#[derive(Debug, Clone)]
+pub struct DatasetSummary {
+    /// Dataset name.
+    pub name: String,
+    /// Lifecycle state.
+    pub state: DatasetState,
+    /// Generation: new each time a dataset of this name is created.
+    pub generation: u64,
+    /// The dataset's schema.
+    pub schema: SchemaRef,
+    /// Rows of the winning (or first committed) attempts.
+    pub rows: u64,
+    /// Bytes held for the dataset, all attempts included.
+    pub bytes: u64,
+    /// One entry per partition with a committed attempt, in partition order.
+    pub partitions: Vec<PartitionSummary>,
+}
+
+/// Totals for `stats`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CatalogTotals {
+    /// Datasets, open or sealed.
+    pub datasets: u32,
+    /// Sealed datasets.
+    pub sealed: u32,
+    /// Rows over all datasets (winners or first committed).
+    pub rows: u64,
+    /// Bytes held over all datasets.
+    pub bytes: u64,
+}
+
+/// All datasets of the server.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    datasets: BTreeMap<String, Dataset>,
+    next_generation: u64,
+    next_seq: u64,
+}
+
+/// Whether two schemas are the same for the purpose of one dataset: same
+/// fields (names, types, nullability) in the same order. Schema-level metadata
+/// is not compared, since writers attach different ones.
+pub fn same_fields(a: &Schema, b: &Schema) -> bool {
+    a.fields().len() == b.fields().len()
+        && a.fields().iter().zip(b.fields().iter()).all(|(x, y)| {
+            x.name() == y.name()
+                && x.data_type() == y.data_type()
+                && x.is_nullable() == y.is_nullable()
+        })
+}
+
+/// A short human rendering of a schema's fields for error messages.
+pub fn describe_fields(schema: &Schema) -> String {
+    let fields: Vec<String> = schema
+        .fields()
+        .iter()
+        .map(|f| {
+            let null = if f.is_nullable() { "" } else { " not null" };
+            format!("{}: {}{null}", f.name(), f.data_type())
+        })
+        .collect();
+    format!("[{}]", fields.join(", "))
+}
+
+impl Catalog {
+    /// An empty catalog.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Checks, before any data is received, that an attempt with `schema`
+    /// could be committed to `dataset`. [`Catalog::commit`] checks again.
+    pub fn check_put(&self, dataset: &str, key: AttemptKey, schema: &Schema) -> Result<()> {
+        let Some(ds) = self.datasets.get(dataset) else {
+            return Ok(());
+        };
+        if ds.sealed.is_some() {
+            return Err(Error::DatasetSealed {
+                dataset: dataset.to_string(),
+            });
+        }
+        if !same_fields(&ds.schema, schema) {
+            return Err(schema_mismatch(dataset, key, &ds.schema, schema));
+        }
+        if ds.attempts.contains_key(&key) {
+            return Err(Error::AttemptExists {
+                dataset: dataset.to_string(),
+                partition: key.partition,
+                attempt: key.attempt,
+            });
+        }
+        Ok(())
+    }
+
+    /// Commits a complete attempt, creating the dataset if it does not exist.
+    /// On error nothing is stored and the caller still owns the bytes.
+    pub fn commit(
+        &mut self,
+        dataset: &str,
+        key: AttemptKey,
+        schema: SchemaRef,
+        data: AttemptData,
+    ) -> Result<()> {
+        self.check_put(dataset, key, &schema)?;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if !self.datasets.contains_key(dataset) {
+            let generation = self.next_generation;
+            self.next_generation += 1;
+            self.datasets.insert(
+                dataset.to_string(),
+                Dataset {
+                    generation,
+                    schema,
+                    attempts: BTreeMap::new(),
+                    sealed: None,
+                    sealed_parts: Vec::new(),
+                },
+            );
+        }
+        let ds = self
+            .datasets
+            .get_mut(dataset)
+            .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in commit")))?;
+        ds.attempts.insert(key, CommittedAttempt { data, seq });
+        Ok(())
+    }
+
+    /// Seals a dataset; returns its summary and the bytes freed (losers).
+    pub fn seal(&mut self, req: &SealRequest) -> Result<(DatasetSummary, u64)> {
+        let name = req.dataset.as_str();
+        let ds = self
+            .datasets
+            .get_mut(name)
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })?;
+        if ds.sealed.is_some() {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{name}' is already sealed; drop it and write it again to change it"
+            )));
+        }
+        // Winners: named ones first, validated; then first committed.
+        let mut winners: BTreeMap<u32, AttemptKey> = BTreeMap::new();
+        for &w in &req.winners {
+            if winners.insert(w.partition, w).is_some() {
+                return Err(Error::invalid(format!(
+                    "seal of dataset '{name}' names partition {} more than once",
+                    w.partition
+                )));
+            }
+            if !ds.attempts.contains_key(&w) {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot seal dataset '{name}': the named winner, attempt {} of partition {}, \
+                     was never committed; name a committed attempt (see action 'describe')",
+                    w.attempt, w.partition
+                )));
+            }
+        }
+        let mut first: BTreeMap<u32, (u64, AttemptKey)> = BTreeMap::new();
+        for (key, a) in &ds.attempts {
+            let e = first.entry(key.partition).or_insert((a.seq, *key));
+            if a.seq < e.0 {
+                *e = (a.seq, *key);
+            }
+        }
+        for (p, (_, key)) in first {
+            winners.entry(p).or_insert(key);
+        }
+        if req.partitions > 0 {
+            let missing: Vec<u32> = (0..req.partitions)
+                .filter(|p| !winners.contains_key(p))
+                .collect();
+            if !missing.is_empty() {
+                return Err(Error::MissingPartitions {
+                    dataset: name.to_string(),
+                    expected: req.partitions,
+                    missing,
+                });
+            }
+            let extra: Vec<u32> = winners
+                .keys()
+                .copied()
+                .filter(|&p| p >= req.partitions)
+                .collect();
+            if !extra.is_empty() {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot seal dataset '{name}' with {} partitions: it also holds partitions \
+                     {extra:?}; seal with the right partition count, or drop the dataset and \
+                     write it again",
+                    req.partitions
+                )));
+            }
+        }
+        // Move winners out, free losers.
+        let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+        for key in ds.attempts.keys() {
+            *counts.entry(key.partition).or_default() += 1;
+        }
+        let mut freed = 0u64;
+        let mut parts = Vec::with_capacity(winners.len());
+        let mut summaries = Vec::with_capacity(winners.len());
+        for (key, a) in std::mem::take(&mut ds.attempts) {
+            if winners.get(&key.partition) == Some(&key) {
+                summaries.push(PartitionSummary {
+                    key,
+                    rows: a.data.rows,
+                    bytes: a.data.bytes,
+                    committed_attempts: counts.get(&key.partition).copied().unwrap_or(1),
+                });
+                parts.push((key, a.data));
+            } else {
+                freed += a.data.bytes;
+            }
+        }
+        ds.sealed = Some(Arc::new(SealedData::new(ds.schema.clone(), parts)));
+        ds.sealed_parts = summaries;
+        Ok((summarize(name, ds), freed))
+    }
+
+    /// Removes a dataset; returns its last summary and the bytes freed.
+    pub fn drop_dataset(&mut self, name: &str) -> Result<(DatasetSummary, u64)> {
+        let ds = self
+            .datasets
+            .remove(name)
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })?;
+        let summary = summarize(name, &ds);
+        Ok((summary.clone(), summary.bytes))
+    }
+
+    /// Summary of one dataset.
+    pub fn describe(&self, name: &str) -> Result<DatasetSummary> {
+        self.datasets
+            .get(name)
+            .map(|ds| summarize(name, ds))
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })
+    }
+
+    /// Summaries of all datasets, by name.
+    pub fn list(&self) -> Vec<DatasetSummary> {
+        self.datasets
+            .iter()
+            .map(|(name, ds)| summarize(name, ds))
+            .collect()
+    }
+
+    /// The readable content of a sealed dataset and its generation.
+    pub fn sealed(&self, name: &str) -> Result<(u64, Arc<SealedData>)> {
+        let ds = self
+            .datasets
+            .get(name)
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })?;
+        let data = ds.sealed.clone().ok_or_else(|| Error::DatasetNotSealed {
+            dataset: name.to_string(),
+        })?;
+        Ok((ds.generation, data))
+    }
+
+    /// The schema of a dataset, open or sealed.
+    pub fn schema(&self, name: &str) -> Result<SchemaRef> {
+        self.datasets
+            .get(name)
+            .map(|ds| ds.schema.clone())
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })
+    }
+
+    /// Totals over all datasets.
+    pub fn totals(&self) -> CatalogTotals {
+        self.list()
+            .iter()
+            .fold(CatalogTotals::default(), |mut t, s| {
+                t.datasets += 1;
+                t.sealed += u32::from(s.state == DatasetState::Sealed);
+                t.rows += s.rows;
+                t.bytes += s.bytes;
+                t
+            })
+    }
+}
+
+fn schema_mismatch(dataset: &str, key: AttemptKey, expected: &Schema, got: &Schema) -> Error {
+    Error::invalid(format!(
+        "schema of partition {} attempt {} does not match dataset '{dataset}': expected {}, got \
+         {}; every partition of a dataset must have the same schema (drop the dataset to change \
+         it)",
+        key.partition,
+        key.attempt,
+        describe_fields(expected),
+        describe_fields(got)
+    ))
+}
+
+fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
+    let (state, partitions) = match &ds.sealed {
+        Some(_) => (DatasetState::Sealed, ds.sealed_parts.clone()),
+        None => {
+            let mut parts: BTreeMap<u32, (u64, PartitionSummary)> = BTreeMap::new();
+            for (key, a) in &ds.attempts {
+                let e = parts.entry(key.partition).or_insert((
+                    a.seq,
+                    PartitionSummary {
+                        key: *key,
+                        rows: a.data.rows,
+                        bytes: a.data.bytes,
+                        committed_attempts: 0,
+                    },
+                ));
+                e.1.committed_attempts += 1;
+                if a.seq < e.0 {
+                    let count = e.1.committed_attempts;
+                    *e = (
+                        a.seq,
+                        PartitionSummary {
+                            key: *key,
+                            rows: a.data.rows,
+                            bytes: a.data.bytes,
+                            committed_attempts: count,
+                        },
+                    );
+                }
+            }
+            (
+                DatasetState::Open,
+                parts.into_values().map(|(_, s)| s).collect(),
+            )
+        }
+    };
+    let bytes = match &ds.sealed {
+        Some(_) => partitions.iter().map(|p| p.bytes).sum(),
+        None => ds.attempts.values().map(|a| a.data.bytes).sum(),
+    };
+    DatasetSummary {
+        name: name.to_string(),
+        state,
+        generation: ds.generation,
+        schema: ds.schema.clone(),
+        rows: partitions.iter().map(|p| p.rows).sum(),
+        bytes,
+        partitions,
+    }
+}
+
+#[cfg(test)]
+mod tests;

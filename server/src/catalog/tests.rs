@@ -1,0 +1,218 @@
+//! Unit and property tests of the commit protocol.
+
+use super::*;
+use arrow::array::{Array, Int64Array};
+use arrow::datatypes::{DataType, Field};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]))
+}
+
+/// An attempt whose values say where they came from: p * 1e6 + a * 1e3 + row.
+fn attempt(key: AttemptKey, rows: u64) -> AttemptData {
+    let base = i64::from(key.partition) * 1_000_000 + i64::from(key.attempt) * 1_000;
+    let values = Int64Array::from_iter_values((0..rows as i64).map(|r| base + r));
+    let batch = RecordBatch::try_new(schema(), vec![Arc::new(values)]).expect("valid batch");
+    AttemptData {
+        batches: vec![batch],
+        rows,
+        bytes: rows * 8,
+    }
+}
+
+fn key(partition: u32, attempt: u32) -> AttemptKey {
+    AttemptKey { partition, attempt }
+}
+
+fn all_values(data: &SealedData) -> Vec<i64> {
+    (0..data.rows())
+        .map(|row| {
+            let (b, r) = data.locate(row);
+            let col = data.batches()[b].column(0);
+            col.as_any()
+                .downcast_ref::<Int64Array>()
+                .expect("int64")
+                .value(r)
+        })
+        .collect()
+}
+
+#[test]
+fn duplicate_attempt_is_refused() {
+    let mut c = Catalog::new();
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("first");
+    let err = c
+        .commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect_err("duplicate");
+    assert!(matches!(err, Error::AttemptExists { .. }), "{err}");
+}
+
+#[test]
+fn schema_mismatch_is_refused_and_names_both() {
+    let mut c = Catalog::new();
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("first");
+    let other = Arc::new(Schema::new(vec![Field::new("v", DataType::Float32, false)]));
+    let err = c.check_put("d", key(1, 0), &other).expect_err("mismatch");
+    let msg = err.to_string();
+    assert!(msg.contains("v: Int64") && msg.contains("v: Float32"), "{msg}");
+}
+
+#[test]
+fn sealed_dataset_refuses_puts_and_second_seal() {
+    let mut c = Catalog::new();
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("commit");
+    let req = SealRequest {
+        dataset: "d".into(),
+        ..Default::default()
+    };
+    c.seal(&req).expect("seal");
+    assert!(matches!(
+        c.commit("d", key(1, 0), schema(), attempt(key(1, 0), 1)),
+        Err(Error::DatasetSealed { .. })
+    ));
+    assert!(matches!(c.seal(&req), Err(Error::FailedPrecondition(_))));
+}
+
+#[test]
+fn missing_partitions_are_listed_and_nothing_changes() {
+    let mut c = Catalog::new();
+    for p in [0, 2, 5] {
+        c.commit("d", key(p, 0), schema(), attempt(key(p, 0), 2))
+            .expect("commit");
+    }
+    let err = c
+        .seal(&SealRequest {
+            dataset: "d".into(),
+            partitions: 6,
+            winners: vec![],
+        })
+        .expect_err("missing");
+    match err {
+        Error::MissingPartitions { missing, .. } => assert_eq!(missing, vec![1, 3, 4]),
+        other => panic!("unexpected {other}"),
+    }
+    assert_eq!(c.describe("d").expect("still there").state, DatasetState::Open);
+    c.commit("d", key(1, 0), schema(), attempt(key(1, 0), 2))
+        .expect("commit");
+    let err = c
+        .seal(&SealRequest {
+            dataset: "d".into(),
+            partitions: 3,
+            winners: vec![],
+        })
+        .expect_err("extra partition 5");
+    assert!(err.to_string().contains("[5]"), "{err}");
+}
+
+#[test]
+fn unknown_dataset_is_not_found() {
+    let mut c = Catalog::new();
+    assert!(matches!(c.describe("x"), Err(Error::DatasetNotFound { .. })));
+    assert!(matches!(c.drop_dataset("x"), Err(Error::DatasetNotFound { .. })));
+    assert!(matches!(c.sealed("x"), Err(Error::DatasetNotFound { .. })));
+}
+
+#[test]
+fn drop_then_write_gets_a_new_generation() {
+    let mut c = Catalog::new();
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("commit");
+    let g0 = c.describe("d").expect("exists").generation;
+    let (_, freed) = c.drop_dataset("d").expect("drop");
+    assert_eq!(freed, 24);
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("commit again");
+    assert_ne!(c.describe("d").expect("exists").generation, g0);
+}
+
+/// One step of a random ingest history.
+#[derive(Debug, Clone)]
+enum Op {
+    Commit { partition: u32, attempt: u32, rows: u64 },
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(
+        (0u32..6, 0u32..3, 0u64..20).prop_map(|(partition, attempt, rows)| Op::Commit {
+            partition,
+            attempt,
+            rows,
+        }),
+        0..40,
+    )
+}
+
+proptest! {
+    /// Whatever the history of commits and whatever winners are named, a
+    /// successful seal keeps exactly one attempt per partition — the named
+    /// one, else the first committed — in partition order, and frees every
+    /// other byte.
+    #[test]
+    fn seal_keeps_exactly_the_winners(
+        history in ops(),
+        named in prop::collection::vec((0u32..6, 0u32..3), 0..4),
+        expected in 0u32..7,
+    ) {
+        let mut c = Catalog::new();
+        let mut committed: BTreeMap<AttemptKey, u64> = BTreeMap::new();
+        let mut first: BTreeMap<u32, AttemptKey> = BTreeMap::new();
+        for Op::Commit { partition, attempt: a, rows } in history {
+            let k = key(partition, a);
+            let res = c.commit("d", k, schema(), attempt(k, rows));
+            if committed.contains_key(&k) {
+                prop_assert!(matches!(res, Err(Error::AttemptExists { .. })), "duplicate accepted");
+            } else {
+                prop_assert!(res.is_ok());
+                committed.insert(k, rows);
+                first.entry(partition).or_insert(k);
+            }
+        }
+        let winners: Vec<AttemptKey> = named.iter().map(|&(p, a)| key(p, a)).collect();
+        let req = SealRequest { dataset: "d".into(), partitions: expected, winners: winners.clone() };
+        let total_bytes: u64 = committed.values().map(|r| r * 8).sum();
+
+        let mut chosen = first.clone();
+        let mut dup = false;
+        let mut seen = std::collections::HashSet::new();
+        for w in &winners {
+            dup |= !seen.insert(w.partition);
+            chosen.insert(w.partition, *w);
+        }
+        let named_ok = winners.iter().all(|w| committed.contains_key(w));
+        let complete = expected == 0
+            || ((0..expected).all(|p| chosen.contains_key(&p)) && chosen.keys().all(|&p| p < expected));
+
+        match c.seal(&req) {
+            Ok((summary, freed)) => {
+                prop_assert!(!dup && named_ok && complete && !committed.is_empty());
+                let kept: u64 = chosen.values().map(|k| committed[k] * 8).sum();
+                prop_assert_eq!(freed + kept, total_bytes);
+                prop_assert_eq!(summary.bytes, kept);
+                let (_, data) = c.sealed("d").expect("sealed");
+                let got_winners: Vec<AttemptKey> = chosen.values().copied().collect();
+                prop_assert_eq!(data.winners(), &got_winners[..]);
+                let expected_values: Vec<i64> = chosen
+                    .values()
+                    .flat_map(|k| {
+                        let base = i64::from(k.partition) * 1_000_000 + i64::from(k.attempt) * 1_000;
+                        (0..committed[k] as i64).map(move |r| base + r)
+                    })
+                    .collect();
+                prop_assert_eq!(all_values(&data), expected_values);
+            }
+            Err(e) => {
+                prop_assert!(committed.is_empty() || dup || !named_ok || !complete, "{}", e);
+                if !committed.is_empty() {
+                    let d = c.describe("d").expect("still there");
+                    prop_assert_eq!(d.state, DatasetState::Open);
+                    prop_assert_eq!(d.bytes, total_bytes);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! Server configuration: defaults that work with no flags, and validation.
+//!
+//! Only `main.rs` parses flags; tests and embedders build a [`ServerConfig`]
+//! directly.
+
+use std::net::SocketAddr;
+
+use crate::error::{Error, Result};
+
+/// Default rows per streamed record batch when a plan says 0.
+pub const DEFAULT_BATCH_ROWS: u32 = 16_384;
+/// Default rows per block of `SHUFFLE_BLOCK` when a plan says 0.
+pub const DEFAULT_BLOCK_ROWS: u32 = 1_024;
+/// Largest accepted `batch_rows`: bounds the size of one streamed message.
+pub const MAX_BATCH_ROWS: u32 = 1 << 24;
+/// Largest accepted world size.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+/// Default largest gRPC message the server accepts (pyarrow sends a whole
+/// record batch as one message).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1 << 30;
+
+/// Everything the server needs to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Address to listen on (the binary binds it; `serve` takes a listener).
+    pub listen: SocketAddr,
+    /// Hard limit on cached bytes, staged attempts included.
+    pub memory_limit: u64,
+    /// Largest gRPC message accepted or sent, in bytes.
+    pub max_message_bytes: usize,
+    /// Rows per streamed record batch when a plan says 0.
+    pub default_batch_rows: u32,
+    /// Rows per block of `SHUFFLE_BLOCK` when a plan says 0.
+    pub default_block_rows: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            memory_limit: default_memory_limit(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            default_batch_rows: DEFAULT_BATCH_ROWS,
+            default_block_rows: DEFAULT_BLOCK_ROWS,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Checks that the configuration can run.
+    pub fn validate(&self) -> Result<()> {
+        if self.memory_limit == 0 {
+            return Err(Error::invalid("--memory-limit must be greater than 0"));
+        }
+        if self.max_message_bytes < 1 << 20 {
+            return Err(Error::invalid("--max-message-size must be at least 1MiB"));
+        }
+        if self.default_batch_rows == 0 || self.default_batch_rows > MAX_BATCH_ROWS {
+            return Err(Error::invalid(format!(
+                "default batch rows must be between 1 and {MAX_BATCH_ROWS}"
+            )));
+        }
+        if self.default_block_rows == 0 {
+            return Err(Error::invalid("default block rows must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Half of the machine's physical memory, or 4 GiB where it cannot be read.
+pub fn default_memory_limit() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| parse_meminfo_total(&s))
+        .map(|total| total / 2)
+        .unwrap_or(4 << 30)
+}
+
+fn parse_meminfo_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Parses a byte size: a plain number of bytes or a number with a unit
+/// (`K`, `M`, `G`, `T`, with or without `iB`/`B`; powers of 1024), e.g.
+/// `8GiB`, `512m`, `1.5G`.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size; write e.g. 8GiB, 512MiB or 1073741824"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("unknown size unit '{other}' in '{s}'; use K, M, G or T")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("size '{s}' is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512m"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("5 parsecs").is_err());
+    }
+
+    #[test]
+    fn meminfo_parses() {
+        let m = "MemTotal:       24591812 kB\nMemFree: 1 kB\n";
+        assert_eq!(parse_meminfo_total(m), Some(24_591_812 * 1024));
+        assert_eq!(parse_meminfo_total("nothing"), None);
+    }
+
+    #[test]
+    fn defaults_validate() {
+        ServerConfig::default().validate().expect("defaults are valid");
+        let bad = ServerConfig {
+            memory_limit: 0,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,406 @@
+//! Wire (prost) ↔ domain conversions: the one place where a malformed
+//! message fails, with one error.
+//!
+//! Requests are decoded and validated here into plain domain types
+//! (`AttemptKey`, `order::ReadPlan`, `SealRequest`); replies are encoded from
+//! domain summaries. Nothing here touches the catalog or the network.
+
+use arrow::datatypes::Schema;
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::flight_descriptor::DescriptorType;
+use arrow_flight::{FlightDescriptor, IpcMessage, SchemaAsIpc};
+use bytes::Bytes;
+use flightdeck_protos as pb;
+use prost::Message;
+
+use crate::catalog::{AttemptKey, DatasetState, DatasetSummary, SealRequest};
+use crate::config::{MAX_BATCH_ROWS, MAX_WORLD_SIZE, ServerConfig};
+use crate::error::{Error, Result};
+use crate::order::{ReadPlan, Shuffle};
+
+/// Longest accepted dataset name, in bytes.
+pub const MAX_DATASET_NAME: usize = 256;
+
+/// Checks a dataset name: non-empty, at most [`MAX_DATASET_NAME`] bytes, no
+/// control characters.
+pub fn dataset_name(name: &str) -> Result<String> {
+    if name.is_empty() {
+        return Err(Error::invalid("dataset name is empty; name the dataset"));
+    }
+    if name.len() > MAX_DATASET_NAME {
+        return Err(Error::invalid(format!(
+            "dataset name is {} bytes long; the limit is {MAX_DATASET_NAME}",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::invalid(format!(
+            "dataset name {name:?} contains control characters"
+        )));
+    }
+    Ok(name.to_string())
+}
+
+fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> Result<M> {
+    M::decode(bytes).map_err(|e| {
+        Error::invalid(format!(
+            "{what} is not a valid flightdeck.v1 message ({e}); encode it from protos/flightdeck.proto"
+        ))
+    })
+}
+
+/// The dataset and attempt a `DoPut` descriptor names: a `PutPartition`
+/// command, or the path `[dataset, "<partition>"]` (attempt 0).
+pub fn put_target(descriptor: &FlightDescriptor) -> Result<(String, AttemptKey)> {
+    match descriptor.r#type() {
+        DescriptorType::Cmd => {
+            let cmd: pb::PutPartition = decode(&descriptor.cmd, "DoPut descriptor command")?;
+            Ok((
+                dataset_name(&cmd.dataset)?,
+                AttemptKey {
+                    partition: cmd.partition,
+                    attempt: cmd.attempt,
+                },
+            ))
+        }
+        DescriptorType::Path => match descriptor.path.as_slice() {
+            [dataset, partition] => {
+                let partition = partition.parse::<u32>().map_err(|_| {
+                    Error::invalid(format!(
+                        "DoPut path [{dataset:?}, {partition:?}]: the second element must be a \
+                         partition number"
+                    ))
+                })?;
+                Ok((
+                    dataset_name(dataset)?,
+                    AttemptKey {
+                        partition,
+                        attempt: 0,
+                    },
+                ))
+            }
+            other => Err(Error::invalid(format!(
+                "DoPut path descriptor must be [dataset, partition], got {other:?}"
+            ))),
+        },
+        DescriptorType::Unknown => Err(Error::invalid(
+            "DoPut descriptor has an unknown type; send a PutPartition command or a path",
+        )),
+    }
+}
+
+/// The read plan of a `GetFlightInfo` / `GetSchema` descriptor: a `ReadPlan`
+/// command, or the path `[dataset]` (one rank, unshuffled, everything).
+pub fn read_plan(descriptor: &FlightDescriptor, config: &ServerConfig) -> Result<ReadPlan> {
+    match descriptor.r#type() {
+        DescriptorType::Cmd => {
+            let plan: pb::ReadPlan = decode(&descriptor.cmd, "descriptor command")?;
+            read_plan_from_proto(&plan, config)
+        }
+        DescriptorType::Path => match descriptor.path.as_slice() {
+            [dataset] => read_plan_from_proto(
+                &pb::ReadPlan {
+                    dataset: dataset.clone(),
+                    world_size: 1,
+                    ..Default::default()
+                },
+                config,
+            ),
+            other => Err(Error::invalid(format!(
+                "path descriptor must be [dataset], got {other:?}"
+            ))),
+        },
+        DescriptorType::Unknown => Err(Error::invalid(
+            "descriptor has an unknown type; send a ReadPlan command or a path [dataset]",
+        )),
+    }
+}
+
+/// Validates a wire plan, filling the server's defaults for zero fields.
+pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<ReadPlan> {
+    let dataset = dataset_name(&p.dataset)?;
+    if p.world_size == 0 || p.world_size > MAX_WORLD_SIZE {
+        return Err(Error::invalid(format!(
+            "world_size {} for dataset '{dataset}' is out of range; it must be between 1 and \
+             {MAX_WORLD_SIZE}",
+            p.world_size
+        )));
+    }
+    if p.batch_rows > MAX_BATCH_ROWS {
+        return Err(Error::invalid(format!(
+            "batch_rows {} is larger than the limit {MAX_BATCH_ROWS}",
+            p.batch_rows
+        )));
+    }
+    let block_rows = if p.block_rows == 0 {
+        config.default_block_rows
+    } else {
+        p.block_rows
+    };
+    let shuffle = match pb::Shuffle::try_from(p.shuffle) {
+        Ok(pb::Shuffle::None) => Shuffle::None,
+        Ok(pb::Shuffle::Global) => Shuffle::Global,
+        Ok(pb::Shuffle::Block) => Shuffle::Block {
+            block_rows: u64::from(block_rows),
+        },
+        Err(_) => {
+            return Err(Error::invalid(format!(
+                "unknown shuffle mode {}; use SHUFFLE_NONE, SHUFFLE_GLOBAL or SHUFFLE_BLOCK",
+                p.shuffle
+            )));
+        }
+    };
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = p.columns.iter().find(|c| !seen.insert(c.as_str())) {
+        return Err(Error::invalid(format!(
+            "column '{dup}' is requested more than once"
+        )));
+    }
+    Ok(ReadPlan {
+        dataset,
+        world_size: p.world_size,
+        epoch: p.epoch,
+        seed: p.seed,
+        shuffle,
+        batch_rows: if p.batch_rows == 0 {
+            config.default_batch_rows
+        } else {
+            p.batch_rows
+        },
+        drop_last: p.drop_last,
+        columns: p.columns.clone(),
+        start_sample: p.start_sample,
+    })
+}
+
+/// The wire form of a validated plan, every default made explicit, so a
+/// ticket means the same on any server whatever its defaults.
+pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
+    let (shuffle, block_rows) = match plan.shuffle {
+        Shuffle::None => (pb::Shuffle::None, 0),
+        Shuffle::Global => (pb::Shuffle::Global, 0),
+        Shuffle::Block { block_rows } => (
+            pb::Shuffle::Block,
+            u32::try_from(block_rows).unwrap_or(u32::MAX),
+        ),
+    };
+    pb::ReadPlan {
+        dataset: plan.dataset.clone(),
+        world_size: plan.world_size,
+        epoch: plan.epoch,
+        seed: plan.seed,
+        shuffle: shuffle.into(),
+        batch_rows: plan.batch_rows,
+        drop_last: plan.drop_last,
+        columns: plan.columns.clone(),
+        start_sample: plan.start_sample,
+        block_rows,
+    }
+}
+
+/// A `DoGet` ticket: the plan, the rank and the dataset generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardTicket {
+    /// The validated plan.
+    pub plan: ReadPlan,
+    /// The rank whose shard to stream.
+    pub rank: u32,
+    /// Generation of the dataset the plan was made for.
+    pub generation: u64,
+}
+
+/// Encodes a ticket.
+pub fn encode_ticket(t: &ShardTicket) -> Bytes {
+    pb::ShardTicket {
+        plan: Some(read_plan_to_proto(&t.plan)),
+        rank: t.rank,
+        generation: t.generation,
+    }
+    .encode_to_vec()
+    .into()
+}
+
+/// Decodes and validates a ticket.
+pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket> {
+    let t: pb::ShardTicket = decode(bytes, "ticket").map_err(|_| {
+        Error::invalid("ticket is not one this server issued; get tickets from GetFlightInfo")
+    })?;
+    let plan = t.plan.ok_or_else(|| {
+        Error::invalid("ticket carries no read plan; get tickets from GetFlightInfo")
+    })?;
+    let plan = read_plan_from_proto(&plan, config)?;
+    if t.rank >= plan.world_size {
+        return Err(Error::invalid(format!(
+            "ticket rank {} is not below its world_size {}; get tickets from GetFlightInfo",
+            t.rank, plan.world_size
+        )));
+    }
+    Ok(ShardTicket {
+        plan,
+        rank: t.rank,
+        generation: t.generation,
+    })
+}
+
+/// A seal request from its wire form.
+pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
+    let s: pb::SealDataset = decode(body, "body of action 'seal'")?;
+    Ok(SealRequest {
+        dataset: dataset_name(&s.dataset)?,
+        partitions: s.partitions,
+        winners: s
+            .attempts
+            .iter()
+            .map(|a| AttemptKey {
+                partition: a.partition,
+                attempt: a.attempt,
+            })
+            .collect(),
+    })
+}
+
+/// The dataset named by a `drop` body.
+pub fn drop_request(body: &[u8]) -> Result<String> {
+    let d: pb::DropDataset = decode(body, "body of action 'drop'")?;
+    dataset_name(&d.dataset)
+}
+
+/// The dataset named by a `describe` body.
+pub fn describe_request(body: &[u8]) -> Result<String> {
+    let d: pb::DescribeDataset = decode(body, "body of action 'describe'")?;
+    dataset_name(&d.dataset)
+}
+
+/// A schema as an encapsulated IPC schema message (as in `FlightInfo.schema`).
+pub fn schema_to_ipc(schema: &Schema) -> Result<Bytes> {
+    let options = IpcWriteOptions::default();
+    let IpcMessage(bytes) = SchemaAsIpc::new(schema, &options)
+        .try_into()
+        .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))?;
+    Ok(bytes)
+}
+
+/// The wire form of a dataset summary.
+pub fn dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
+    Ok(pb::DatasetInfo {
+        dataset: s.name.clone(),
+        state: match s.state {
+            DatasetState::Open => pb::DatasetState::Open,
+            DatasetState::Sealed => pb::DatasetState::Sealed,
+        }
+        .into(),
+        rows: s.rows,
+        bytes: s.bytes,
+        committed_partitions: s.partitions.len() as u32,
+        schema: schema_to_ipc(&s.schema)?,
+        partitions: s
+            .partitions
+            .iter()
+            .map(|p| pb::PartitionInfo {
+                partition: p.key.partition,
+                attempt: p.key.attempt,
+                rows: p.rows,
+                bytes: p.bytes,
+                committed_attempts: p.committed_attempts,
+            })
+            .collect(),
+        generation: s.generation,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(m: impl Message) -> FlightDescriptor {
+        FlightDescriptor::new_cmd(m.encode_to_vec())
+    }
+
+    #[test]
+    fn put_targets_from_cmd_and_path() {
+        let d = cmd(pb::PutPartition {
+            dataset: "d".into(),
+            partition: 3,
+            attempt: 2,
+        });
+        assert_eq!(
+            put_target(&d).expect("valid"),
+            (
+                "d".to_string(),
+                AttemptKey {
+                    partition: 3,
+                    attempt: 2
+                }
+            )
+        );
+        let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);
+        assert_eq!(put_target(&d).expect("valid").1.partition, 7);
+        let d = FlightDescriptor::new_path(vec!["d".into(), "seven".into()]);
+        assert!(put_target(&d).is_err());
+        let d = FlightDescriptor::new_cmd(vec![0xff, 0xff, 0xff]);
+        assert!(put_target(&d).is_err());
+        let d = cmd(pb::PutPartition::default());
+        assert!(put_target(&d).expect_err("empty name").to_string().contains("empty"));
+    }
+
+    #[test]
+    fn plans_validate_and_round_trip() {
+        let config = ServerConfig::default();
+        let wire = pb::ReadPlan {
+            dataset: "d".into(),
+            world_size: 4,
+            shuffle: pb::Shuffle::Block.into(),
+            columns: vec!["a".into()],
+            ..Default::default()
+        };
+        let plan = read_plan_from_proto(&wire, &config).expect("valid");
+        assert_eq!(plan.batch_rows, config.default_batch_rows);
+        assert_eq!(
+            plan.shuffle,
+            Shuffle::Block {
+                block_rows: u64::from(config.default_block_rows)
+            }
+        );
+        let back = read_plan_from_proto(&read_plan_to_proto(&plan), &config).expect("valid");
+        assert_eq!(back, plan);
+
+        let zero = pb::ReadPlan {
+            world_size: 0,
+            ..wire.clone()
+        };
+        assert!(read_plan_from_proto(&zero, &config).is_err());
+        let bad_shuffle = pb::ReadPlan {
+            shuffle: 9,
+            ..wire.clone()
+        };
+        assert!(read_plan_from_proto(&bad_shuffle, &config).is_err());
+        let dup = pb::ReadPlan {
+            columns: vec!["a".into(), "a".into()],
+            ..wire
+        };
+        assert!(read_plan_from_proto(&dup, &config).is_err());
+    }
+
+    #[test]
+    fn tickets_round_trip_and_garbage_is_refused() {
+        let config = ServerConfig::default();
+        let plan = read_plan_from_proto(
+            &pb::ReadPlan {
+                dataset: "d".into(),
+                world_size: 2,
+                ..Default::default()
+            },
+            &config,
+        )
+        .expect("valid");
+        let t = ShardTicket {
+            plan,
+            rank: 1,
+            generation: 9,
+        };
+        assert_eq!(decode_ticket(&encode_ticket(&t), &config).expect("valid"), t);
+        assert!(decode_ticket(b"\xff\x00garbage", &config).is_err());
+        let bad_rank = ShardTicket { rank: 2, ..t };
+        assert!(decode_ticket(&encode_ticket(&bad_rank), &config).is_err());
+    }
+}

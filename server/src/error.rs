@@ -1,0 +1,151 @@
+//! The server's error type and its one mapping to gRPC status codes.
+//!
+//! Every failure a client can cause ends up here with a message that names the
+//! dataset, partition or column at fault and says what the caller can do. The
+//! mapping to `tonic::Status` is deliberate, variant by variant; `Internal` is
+//! for bugs only.
+
+use tonic::{Code, Status};
+
+/// Result with the server's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong serving a request.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed: a bad command, ticket, column or argument.
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    /// No dataset of this name exists.
+    #[error("dataset '{dataset}' does not exist; write it with DoPut, or list datasets with ListFlights")]
+    DatasetNotFound {
+        /// The dataset asked for.
+        dataset: String,
+    },
+
+    /// The attempt was committed before; attempts are immutable.
+    #[error(
+        "attempt {attempt} of partition {partition} of dataset '{dataset}' is already committed; \
+         retry with a new attempt number"
+    )]
+    AttemptExists {
+        /// Dataset of the attempt.
+        dataset: String,
+        /// Partition of the attempt.
+        partition: u32,
+        /// The attempt number.
+        attempt: u32,
+    },
+
+    /// The dataset is sealed and cannot take more partitions.
+    #[error(
+        "dataset '{dataset}' is sealed and accepts no more partitions; drop it and write it again \
+         to overwrite"
+    )]
+    DatasetSealed {
+        /// The sealed dataset.
+        dataset: String,
+    },
+
+    /// The dataset is still open and cannot be read yet.
+    #[error("dataset '{dataset}' is not sealed yet; seal it (action 'seal') before reading")]
+    DatasetNotSealed {
+        /// The open dataset.
+        dataset: String,
+    },
+
+    /// Seal found partitions missing.
+    #[error(
+        "cannot seal dataset '{dataset}': expected {expected} partitions but partitions {missing:?} \
+         have no committed attempt; write them, or seal with the right partition count"
+    )]
+    MissingPartitions {
+        /// The dataset being sealed.
+        dataset: String,
+        /// Expected partition count.
+        expected: u32,
+        /// Partitions without a committed attempt.
+        missing: Vec<u32>,
+    },
+
+    /// The request needs a state the server is not in (other than the above).
+    #[error("{0}")]
+    FailedPrecondition(String),
+
+    /// The memory budget cannot hold the request.
+    #[error("{0}")]
+    ResourceExhausted(String),
+
+    /// The client went away or broke its stream; nothing was stored.
+    #[error("{0}")]
+    Aborted(String),
+
+    /// The operation is not offered by this server.
+    #[error("{0}")]
+    Unimplemented(String),
+
+    /// A bug: an invariant of the server does not hold.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// A malformed request.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidArgument(message.into())
+    }
+
+    /// The gRPC code this error travels with.
+    pub fn code(&self) -> Code {
+        match self {
+            Self::InvalidArgument(_) => Code::InvalidArgument,
+            Self::DatasetNotFound { .. } => Code::NotFound,
+            Self::AttemptExists { .. } => Code::AlreadyExists,
+            Self::DatasetSealed { .. }
+            | Self::DatasetNotSealed { .. }
+            | Self::MissingPartitions { .. }
+            | Self::FailedPrecondition(_) => Code::FailedPrecondition,
+            Self::ResourceExhausted(_) => Code::ResourceExhausted,
+            Self::Aborted(_) => Code::Aborted,
+            Self::Unimplemented(_) => Code::Unimplemented,
+            Self::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_deliberate() {
+        let missing = Error::MissingPartitions {
+            dataset: "d".into(),
+            expected: 4,
+            missing: vec![1, 3],
+        };
+        let status = Status::from(missing);
+        assert_eq!(status.code(), Code::FailedPrecondition);
+        assert!(status.message().contains("[1, 3]"), "{}", status.message());
+        assert_eq!(
+            Status::from(Error::DatasetNotFound { dataset: "x".into() }).code(),
+            Code::NotFound
+        );
+        assert_eq!(
+            Status::from(Error::AttemptExists {
+                dataset: "x".into(),
+                partition: 1,
+                attempt: 0
+            })
+            .code(),
+            Code::AlreadyExists
+        );
+    }
+}

@@ -1,0 +1,96 @@
+//! flightdeck server: an Arrow Flight data plane from Spark to multi-GPU
+//! training.
+//!
+//! Spark tasks stream partitions in with `DoPut`; the Spark driver seals the
+//! dataset naming the winning attempts; each training rank reads its equal,
+//! shuffled shard of every epoch with `DoGet`. See `DESIGN.md` for the
+//! protocol and the sample-order contract.
+//!
+//! # Layers
+//!
+//! ```text
+//! main.rs   clap CLI -> ServerConfig (the only place that parses flags)
+//! service   the Flight edge: decode, call the core, encode, map errors to gRPC codes
+//!   ├── catalog   datasets, attempts, seal and winners: the commit protocol (pure)
+//!   ├── order     sample order: keyed permutation, equal shares, resume (pure)
+//!   ├── read      gathering a shard's rows into record batches (synchronous)
+//!   └── memory    the budget every cached byte is charged to
+//! convert   wire (prost) <-> domain types, the one place a malformed message fails
+//! error     the error enum and its mapping to gRPC codes
+//! ```
+//!
+//! Arrows run one way: `service` calls into the rest; nothing imports
+//! `service`. The pure layers have no tokio and no I/O.
+//!
+//! Embedders and tests start a server with [`serve`] on a listener they bound
+//! (port 0 for a free port).
+
+pub mod catalog;
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod memory;
+pub mod order;
+pub mod read;
+pub mod service;
+
+use std::future::Future;
+use std::time::Duration;
+
+use arrow_flight::flight_service_server::FlightServiceServer;
+use futures::StreamExt;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::info;
+
+pub use config::ServerConfig;
+pub use error::{Error, Result};
+pub use service::FlightdeckService;
+
+/// HTTP/2 flow-control windows: large enough that one stream can keep a
+/// loopback or datacenter link busy.
+const STREAM_WINDOW_BYTES: u32 = 8 << 20;
+const CONNECTION_WINDOW_BYTES: u32 = 32 << 20;
+
+/// Why the server could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The configuration is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] Error),
+    /// The gRPC transport failed.
+    #[error("transport failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves the Flight service on `listener` until `shutdown` completes, then
+/// stops accepting, lets in-flight calls finish and returns.
+pub async fn serve(
+    listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::result::Result<(), ServeError> {
+    config.validate()?;
+    let max_message = config.max_message_bytes;
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, memory_limit = config.memory_limit, "flightdeck serving");
+    }
+    let service = FlightServiceServer::new(FlightdeckService::new(config))
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message);
+    let incoming = TcpListenerStream::new(listener).map(|conn| {
+        conn.inspect(|stream| {
+            // Small messages (acks, actions) must not wait for Nagle.
+            let _ = stream.set_nodelay(true);
+        })
+    });
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+        .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    info!("flightdeck stopped");
+    Ok(())
+}

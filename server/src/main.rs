@@ -1,0 +1,126 @@
+//! The `flightdeck` binary: parses flags into a [`ServerConfig`], binds the
+//! listener and serves until SIGINT or SIGTERM.
+
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use flightdeck_server::config::{self, ServerConfig, parse_size};
+use tokio::net::TcpListener;
+use tracing::{error, info};
+
+/// flightdeck: moves data from Apache Spark into multi-GPU training over Arrow
+/// Flight, without files in between.
+#[derive(Debug, Parser)]
+#[command(name = "flightdeck", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the server (one per GPU node).
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Address to listen on; port 0 picks a free port (the bound address is
+    /// printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Hard limit on cached bytes (e.g. 8GiB); default: half the machine's RAM.
+    #[arg(long, value_parser = parse_size)]
+    memory_limit: Option<u64>,
+    /// Largest gRPC message accepted or sent (e.g. 1GiB).
+    #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+    max_message_size: u64,
+    /// Rows per streamed record batch when a read plan says 0.
+    #[arg(long, default_value_t = config::DEFAULT_BATCH_ROWS)]
+    default_batch_rows: u32,
+}
+
+impl ServeArgs {
+    fn into_config(self) -> ServerConfig {
+        let defaults = ServerConfig::default();
+        ServerConfig {
+            listen: self.listen,
+            memory_limit: self.memory_limit.unwrap_or(defaults.memory_limit),
+            max_message_bytes: usize::try_from(self.max_message_size).unwrap_or(usize::MAX),
+            default_batch_rows: self.default_batch_rows,
+            ..defaults
+        }
+    }
+}
+
+/// Completes on SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            error!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => info!("SIGINT received, shutting down"),
+        () = term => info!("SIGTERM received, shutting down"),
+    }
+}
+
+async fn run(args: ServeArgs) -> Result<(), String> {
+    let config = args.into_config();
+    config.validate().map_err(|e| e.to_string())?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    // One machine-readable line for scripts and tests that start the server.
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "flightdeck listening on {addr}");
+    let _ = out.flush();
+    flightdeck_server::serve(listener, config, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => run(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            eprintln!("flightdeck: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

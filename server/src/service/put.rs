@@ -1,0 +1,134 @@
+//! `DoPut`: one partition attempt, staged until its stream ends cleanly, then
+//! committed — or nothing at all.
+
+use arrow::array::{Array, RecordBatch};
+use arrow::datatypes::SchemaRef;
+use arrow_flight::FlightData;
+use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
+use arrow_flight::error::FlightError;
+use flightdeck_protos as pb;
+use futures::{StreamExt, TryStreamExt, stream};
+use tonic::Streaming;
+use tracing::info;
+
+use super::State;
+use crate::catalog::AttemptData;
+use crate::convert;
+use crate::error::{Error, Result};
+use crate::memory::Reservation;
+
+/// Bytes of the buffers a batch's arrays use (their slices, not whole
+/// underlying allocations).
+pub(crate) fn batch_bytes(batch: &RecordBatch) -> Result<u64> {
+    batch.columns().iter().try_fold(0u64, |acc, col| {
+        let size = col
+            .to_data()
+            .get_slice_memory_size()
+            .map_err(|e| Error::invalid(format!("cannot size column: {e}")))?;
+        Ok(acc + size as u64)
+    })
+}
+
+/// Receives a whole attempt and commits it; any failure stores nothing.
+pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> Result<pb::PutAck> {
+    let first = match input.message().await {
+        Ok(Some(first)) => first,
+        Ok(None) => {
+            return Err(Error::invalid(
+                "DoPut stream is empty: its first message must carry the descriptor and schema",
+            ));
+        }
+        Err(status) => {
+            return Err(Error::Aborted(format!(
+                "DoPut stream broke before its first message: {}",
+                status.message()
+            )));
+        }
+    };
+    let descriptor = first.flight_descriptor.clone().ok_or_else(|| {
+        Error::invalid("the first DoPut message carries no flight descriptor; name the dataset and partition")
+    })?;
+    let (dataset, key) = convert::put_target(&descriptor)?;
+    let what = || {
+        format!(
+            "attempt {} of partition {} of dataset '{dataset}'",
+            key.attempt, key.partition
+        )
+    };
+
+    let rest = input.map_err(|status| FlightError::Tonic(Box::new(status)));
+    let mut decoder = FlightDataDecoder::new(stream::once(async { Ok(first) }).chain(rest));
+    let mut schema: Option<SchemaRef> = None;
+    let mut batches = Vec::new();
+    let mut rows = 0u64;
+    let mut reservation = Reservation::new(state.budget.clone());
+    while let Some(item) = decoder.next().await {
+        let decoded = match item {
+            Ok(decoded) => decoded,
+            Err(FlightError::Tonic(status)) => {
+                return Err(Error::Aborted(format!(
+                    "DoPut stream of {} broke ({}); nothing was stored, send the attempt again",
+                    what(),
+                    status.message()
+                )));
+            }
+            Err(e) => {
+                return Err(Error::invalid(format!(
+                    "DoPut stream of {} is malformed: {e}; nothing was stored",
+                    what()
+                )));
+            }
+        };
+        match decoded.payload {
+            DecodedPayload::Schema(s) => {
+                if schema.is_some() {
+                    return Err(Error::invalid(format!(
+                        "DoPut stream of {} carries a second schema; send one schema per stream",
+                        what()
+                    )));
+                }
+                state.catalog().check_put(&dataset, key, &s)?;
+                schema = Some(s);
+            }
+            DecodedPayload::RecordBatch(batch) => {
+                reservation.grow(batch_bytes(&batch)?, what)?;
+                rows += batch.num_rows() as u64;
+                batches.push(batch);
+            }
+            DecodedPayload::None => {}
+        }
+    }
+    let schema = schema.ok_or_else(|| {
+        Error::invalid(format!(
+            "DoPut stream of {} carried no schema; nothing was stored",
+            what()
+        ))
+    })?;
+    let bytes = reservation.bytes();
+    state.catalog().commit(
+        &dataset,
+        key,
+        schema,
+        AttemptData {
+            batches,
+            rows,
+            bytes,
+        },
+    )?;
+    reservation.keep();
+    info!(
+        dataset = %dataset,
+        partition = key.partition,
+        attempt = key.attempt,
+        rows,
+        bytes,
+        "committed attempt"
+    );
+    Ok(pb::PutAck {
+        dataset,
+        partition: key.partition,
+        attempt: key.attempt,
+        rows,
+        bytes,
+    })
+}
