@@ -1,0 +1,409 @@
+//! End to end over loopback: concurrent writers with duplicate and broken
+//! attempts, seal naming winners, and balanced, shuffled shards read back by
+//! 1, 3 and 8 ranks with every value checked.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use arrow::array::RecordBatch;
+use arrow_flight::{FlightDescriptor, Ticket};
+use bytes::Bytes;
+use flightdeck_client::{
+    Client, DatasetState, PartitionAttempt, ReadPlan, SealDataset, Shard, Shuffle,
+};
+use flightdeck_tests::{
+    CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, schema, timed,
+};
+use futures::{StreamExt, TryStreamExt, stream};
+
+/// Rows per partition: mixed sizes, one empty, one single row.
+const SIZES: [i64; 16] = [
+    1200, 0, 37, 3000, 1, 2500, 640, 999, 1500, 13, 2048, 777, 300, 4096, 5, 1111,
+];
+const DATASET: &str = "events";
+/// Partition written twice; the seal names its second attempt.
+const NAMED_TWICE: u32 = 3;
+/// Partition written twice; first committed (attempt 0) wins.
+const FIRST_WINS: u32 = 7;
+/// Partition whose attempt 0 is cut off mid-stream; attempt 1 succeeds.
+const CUT_OFF: u32 = 5;
+
+async fn put(client: &mut Client, p: u32, attempt: u32, ids: std::ops::Range<i64>) -> u64 {
+    let batches = partition_batches(ids.clone(), attempt, 500);
+    let ack = timed(
+        "put_partition",
+        client.put_partition(
+            DATASET,
+            p,
+            attempt,
+            schema(),
+            stream::iter(batches.into_iter().map(Ok)),
+        ),
+    )
+    .await
+    .expect("put succeeds");
+    assert_eq!((ack.partition, ack.attempt), (p, attempt));
+    assert_eq!(ack.rows, (ids.end - ids.start) as u64);
+    ack.bytes
+}
+
+async fn memory_used(client: &mut Client) -> u64 {
+    client.stats().await.expect("stats").memory_used
+}
+
+async fn wait_for(client: &mut Client, what: &str, pred: impl Fn(u64) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let used = memory_used(client).await;
+        if pred(used) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: memory_used stuck at {used}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An attempt whose connection is cut mid-stream (an executor dying): the
+/// server must have staged bytes, then free them and keep nothing.
+async fn cut_off_attempt(server: &TestServer, ids: std::ops::Range<i64>) {
+    let mut probe = server.client().await;
+    assert_eq!(memory_used(&mut probe).await, 0);
+    let proxy = CutProxy::start(server.addr()).await;
+    let mut writer = timed("connect", Client::connect(proxy.uri()))
+        .await
+        .expect("connect through the proxy");
+    let first = partition_batches(ids.start..ids.start + 1500, 0, 500);
+    let task = tokio::spawn(async move {
+        // A few batches, then the writer stalls as if its task hung.
+        let batches = stream::iter(first.into_iter().map(Ok)).chain(stream::pending());
+        writer
+            .put_partition(DATASET, CUT_OFF, 0, schema(), batches)
+            .await
+    });
+    wait_for(&mut probe, "staging the cut-off attempt", |used| used > 0).await;
+    proxy.cut();
+    let err = timed("the cut-off writer", task)
+        .await
+        .expect("writer task")
+        .expect_err("a cut stream cannot succeed");
+    assert_ne!(err.code(), tonic::Code::Ok);
+    wait_for(&mut probe, "freeing the cut-off attempt", |used| used == 0).await;
+    let err = probe.describe(DATASET).await.expect_err("nothing committed");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+}
+
+/// Writes the dataset: the cut-off attempt first, then 4 concurrent writers.
+/// Returns the winner attempt of each partition.
+async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
+    let parts = layout(&SIZES);
+    cut_off_attempt(server, parts[CUT_OFF as usize].clone()).await;
+
+    let mut writers = Vec::new();
+    for w in 0..4u32 {
+        let mut client = server.client().await;
+        let parts = parts.clone();
+        writers.push(tokio::spawn(async move {
+            let mut bytes = 0;
+            for p in (w..16).step_by(4) {
+                let ids = parts[p as usize].clone();
+                match p {
+                    NAMED_TWICE | FIRST_WINS => {
+                        bytes += put(&mut client, p, 0, ids.clone()).await;
+                        bytes += put(&mut client, p, 1, ids).await;
+                    }
+                    CUT_OFF => bytes += put(&mut client, p, 1, ids).await,
+                    _ => bytes += put(&mut client, p, 0, ids).await,
+                }
+            }
+            bytes
+        }));
+    }
+    let mut staged = 0;
+    for w in writers {
+        staged += timed("writer", w).await.expect("writer task");
+    }
+    let mut client = server.client().await;
+    assert_eq!(memory_used(&mut client).await, staged);
+
+    let open = client.describe(DATASET).await.expect("describe");
+    assert_eq!(open.state, DatasetState::Open as i32);
+    assert_eq!(open.committed_partitions, 16);
+    assert_eq!(open.bytes, staged);
+
+    let sealed = client
+        .seal(SealDataset {
+            dataset: DATASET.into(),
+            partitions: 16,
+            attempts: vec![
+                PartitionAttempt {
+                    partition: NAMED_TWICE,
+                    attempt: 1,
+                },
+                PartitionAttempt {
+                    partition: CUT_OFF,
+                    attempt: 1,
+                },
+            ],
+        })
+        .await
+        .expect("seal");
+    assert_eq!(sealed.state, DatasetState::Sealed as i32);
+    assert_eq!(sealed.rows, SIZES.iter().sum::<i64>() as u64);
+    let by_partition: HashMap<u32, (u32, u32)> = sealed
+        .partitions
+        .iter()
+        .map(|p| (p.partition, (p.attempt, p.committed_attempts)))
+        .collect();
+    assert_eq!(by_partition[&NAMED_TWICE], (1, 2));
+    assert_eq!(by_partition[&FIRST_WINS], (0, 2));
+    assert_eq!(by_partition[&CUT_OFF], (1, 1));
+    // Losers were freed at seal.
+    assert_eq!(memory_used(&mut client).await, sealed.bytes);
+    assert!(sealed.bytes < staged);
+
+    HashMap::from([(NAMED_TWICE, 1), (FIRST_WINS, 0), (CUT_OFF, 1)])
+}
+
+/// Reads every shard of a plan concurrently, each rank on its own connection.
+async fn read_all(server: &TestServer, shards: &[Shard]) -> Vec<Vec<RecordBatch>> {
+    let mut tasks = Vec::new();
+    for shard in shards.iter().cloned() {
+        let mut client = server.client().await;
+        tasks.push(tokio::spawn(async move {
+            let s = client.read_shard(&shard).await?;
+            s.try_collect::<Vec<_>>().await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(timed("read shard", t).await.expect("task").expect("read"));
+    }
+    out
+}
+
+/// The raw bytes of a `DoGet` stream, for byte-for-byte determinism.
+async fn raw_bytes(client: &mut Client, ticket: Bytes) -> Vec<u8> {
+    let mut stream = client
+        .flight()
+        .inner_mut()
+        .do_get(Ticket::new(ticket))
+        .await
+        .expect("do_get")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(msg) = stream.next().await {
+        let msg = msg.expect("message");
+        out.extend_from_slice(&msg.data_header);
+        out.extend_from_slice(&msg.data_body);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_ingest_then_balanced_shuffled_shards() {
+    let server = TestServer::start().await;
+    let winners = write_dataset(&server).await;
+    let attempts = attempts_by_id(&layout(&SIZES), &winners);
+    let attempt_of = |id: i64| attempts[&id];
+    let n = SIZES.iter().sum::<i64>() as u64;
+    let mut client = server.client().await;
+
+    let modes = [
+        ("none", Shuffle::None, 0),
+        ("global", Shuffle::Global, 0),
+        ("block", Shuffle::Block, 64),
+    ];
+    for world_size in [1u32, 3, 8] {
+        for (mode, shuffle, block_rows) in modes {
+            let mut orders = Vec::new();
+            for epoch in [0u64, 1] {
+                let ctx = format!("W={world_size} mode={mode} epoch={epoch}");
+                let plan = client
+                    .plan(ReadPlan {
+                        dataset: DATASET.into(),
+                        world_size,
+                        epoch,
+                        seed: 1234,
+                        shuffle: shuffle.into(),
+                        batch_rows: 700,
+                        block_rows,
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("plan");
+                assert_eq!(plan.shards.len(), world_size as usize, "{ctx}");
+                let per_rank = n.div_ceil(u64::from(world_size));
+                assert_eq!(plan.total_rows, per_rank * u64::from(world_size), "{ctx}");
+                let shards = read_all(&server, &plan.shards).await;
+
+                // Equal counts, batches of the plan's size, values intact.
+                let mut ids_by_rank = Vec::new();
+                for (shard, batches) in plan.shards.iter().zip(&shards) {
+                    assert_eq!(shard.rows, per_rank, "{ctx}");
+                    assert_eq!(batches.len() as u64, shard.batches, "{ctx}");
+                    let mut ids = Vec::new();
+                    for (i, b) in batches.iter().enumerate() {
+                        if i + 1 < batches.len() {
+                            assert_eq!(b.num_rows(), 700, "{ctx}");
+                        }
+                        assert_eq!(b.schema(), schema(), "{ctx}");
+                        ids.extend(check_batch(b, &attempt_of));
+                    }
+                    assert_eq!(ids.len() as u64, per_rank, "{ctx}");
+                    ids_by_rank.push(ids);
+                }
+
+                // Strided global order: position q is rank q % W, step q / W.
+                let w = world_size as usize;
+                let global: Vec<i64> = (0..per_rank as usize * w)
+                    .map(|q| ids_by_rank[q % w][q / w])
+                    .collect();
+                let (first, tail) = global.split_at(n as usize);
+                let distinct: HashSet<i64> = first.iter().copied().collect();
+                assert_eq!(distinct.len() as u64, n, "{ctx}: every row exactly once");
+                assert_eq!(tail, &global[..tail.len()], "{ctx}: wrap-around");
+                if shuffle == Shuffle::None {
+                    assert!(first.windows(2).all(|p| p[0] < p[1]), "{ctx}: in order");
+                }
+
+                // Determinism: the same ticket gives identical bytes.
+                let ticket = plan.shards[w - 1].ticket.clone();
+                let a = raw_bytes(&mut client, ticket.clone()).await;
+                let b = raw_bytes(&mut client, ticket).await;
+                assert!(!a.is_empty());
+                assert_eq!(a, b, "{ctx}: same ticket, same bytes");
+                orders.push(global);
+            }
+            if shuffle == Shuffle::None {
+                assert_eq!(orders[0], orders[1], "W={world_size}: none ignores the epoch");
+            } else {
+                assert_ne!(orders[0], orders[1], "W={world_size} {mode}: epochs differ");
+            }
+        }
+    }
+
+    // drop_last: equal truncated shares, no row twice.
+    let plan = client
+        .plan(ReadPlan {
+            dataset: DATASET.into(),
+            world_size: 8,
+            shuffle: Shuffle::Global.into(),
+            drop_last: true,
+            columns: vec!["vec".into(), "id".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("plan");
+    assert_eq!(
+        plan.schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
+        ["vec", "id"]
+    );
+    let shards = read_all(&server, &plan.shards).await;
+    let mut seen = HashSet::new();
+    for batches in &shards {
+        let ids: Vec<i64> = batches.iter().flat_map(|b| check_batch(b, &attempt_of)).collect();
+        assert_eq!(ids.len() as u64, n / 8);
+        assert!(ids.into_iter().all(|id| seen.insert(id)));
+    }
+
+    // Resume mid-epoch with another world size: exactly the unseen rows.
+    let full = |ws: u32, start: u64| ReadPlan {
+        dataset: DATASET.into(),
+        world_size: ws,
+        epoch: 4,
+        seed: 9,
+        shuffle: Shuffle::Global.into(),
+        batch_rows: 100,
+        start_sample: start,
+        columns: vec!["id".into()],
+        ..Default::default()
+    };
+    let before = read_all(&server, &client.plan(full(4, 0)).await.expect("plan").shards).await;
+    let steps = 1000usize;
+    let seen: HashSet<i64> = before
+        .iter()
+        .flat_map(|bs| bs.iter().flat_map(|b| check_batch(b, &attempt_of)).take(steps))
+        .collect();
+    let resumed = client.plan(full(3, 4 * steps as u64)).await.expect("plan");
+    let after = read_all(&server, &resumed.shards).await;
+    let remaining = n as usize - 4 * steps;
+    let after_ids: Vec<Vec<i64>> = after
+        .iter()
+        .map(|bs| bs.iter().flat_map(|b| check_batch(b, &attempt_of)).collect())
+        .collect();
+    let rest: Vec<i64> = (0..remaining).map(|q| after_ids[q % 3][q / 3]).collect();
+    let rest_set: HashSet<i64> = rest.iter().copied().collect();
+    assert_eq!(rest_set.len(), remaining);
+    assert!(rest_set.is_disjoint(&seen));
+    assert_eq!(rest_set.len() + seen.len(), n as usize);
+
+    // Drop frees everything.
+    client.drop_dataset(DATASET).await.expect("drop");
+    assert_eq!(memory_used(&mut client).await, 0);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn plain_flight_clients_use_path_descriptors() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let parts = layout(&[10, 20]);
+    for (p, ids) in parts.iter().enumerate() {
+        let batches = partition_batches(ids.clone(), 0, 7);
+        let data = arrow_flight::encode::FlightDataEncoderBuilder::new()
+            .with_flight_descriptor(Some(FlightDescriptor::new_path(vec![
+                "plain".into(),
+                p.to_string(),
+            ])))
+            .build(stream::iter(batches.into_iter().map(Ok)));
+        let results: Vec<_> = client
+            .flight()
+            .do_put(data)
+            .await
+            .expect("do_put")
+            .try_collect()
+            .await
+            .expect("ack");
+        assert_eq!(results.len(), 1);
+    }
+    client
+        .seal(SealDataset {
+            dataset: "plain".into(),
+            partitions: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("seal");
+    let info = client
+        .flight()
+        .get_flight_info(FlightDescriptor::new_path(vec!["plain".into()]))
+        .await
+        .expect("info");
+    assert_eq!(info.endpoint.len(), 1);
+    assert_eq!(info.total_records, 30);
+    let ticket = info.endpoint[0].ticket.clone().expect("ticket");
+    let batches: Vec<RecordBatch> = client
+        .flight()
+        .do_get(ticket)
+        .await
+        .expect("do_get")
+        .try_collect()
+        .await
+        .expect("read");
+    let ids: Vec<i64> = batches.iter().flat_map(|b| check_batch(b, &|_| 0)).collect();
+    assert_eq!(ids, (0..30).collect::<Vec<_>>());
+    let schema_back = client
+        .flight()
+        .get_schema(FlightDescriptor::new_path(vec!["plain".into()]))
+        .await
+        .expect("schema");
+    assert_eq!(&schema_back, schema().as_ref());
+    assert_eq!(
+        client.list_datasets().await.expect("list"),
+        vec!["plain".to_string()]
+    );
+    server.stop().await;
+}

@@ -1,1 +1,402 @@
-//! placeholder
+//! Typed async Rust client for the flightdeck server.
+//!
+//! A thin layer over [`arrow_flight::FlightClient`] that speaks the
+//! `flightdeck.v1` protocol: write partition attempts, seal, plan an epoch for
+//! `W` ranks and stream a rank's shard as [`RecordBatch`]es.
+//!
+//! ```no_run
+//! # async fn tour() -> Result<(), flightdeck_client::ClientError> {
+//! use std::sync::Arc;
+//! use arrow::array::{ArrayRef, Int64Array, RecordBatch};
+//! use flightdeck_client::{Client, ReadPlan, SealDataset, Shuffle};
+//! use futures::{TryStreamExt, stream};
+//!
+//! let values: ArrayRef = Arc::new(Int64Array::from(vec![1, 2, 3]));
+//! let batch = RecordBatch::try_from_iter([("x", values)]).expect("valid batch");
+//! let mut client = Client::connect("http://127.0.0.1:50051").await?;
+//! client
+//!     .put_partition("events", 0, 0, batch.schema(), stream::iter([Ok(batch)]))
+//!     .await?;
+//! client
+//!     .seal(SealDataset { dataset: "events".into(), partitions: 1, ..Default::default() })
+//!     .await?;
+//! let plan = client
+//!     .plan(ReadPlan {
+//!         dataset: "events".into(),
+//!         world_size: 2,
+//!         shuffle: Shuffle::Global.into(),
+//!         ..Default::default()
+//!     })
+//!     .await?;
+//! let rank0: Vec<RecordBatch> = client.read_shard(&plan.shards[0]).await?.try_collect().await?;
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, FlightClient, FlightData, FlightDescriptor, FlightInfo, PutResult, Ticket};
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt, TryStreamExt};
+use prost::Message;
+use tonic::Code;
+use tonic::codec::{Codec, EncodeBuf, Encoder};
+use tonic::codegen::http::uri::PathAndQuery;
+use tonic::transport::{Channel, Endpoint};
+
+pub use flightdeck_protos::{
+    DatasetInfo, DatasetState, PartitionAttempt, PutAck, ReadPlan, SealDataset, ServerStats,
+    ShardInfo, Shuffle, actions,
+};
+
+/// Largest message the client accepts: shards stream whole batches of
+/// `batch_rows` rows, which can be large.
+const MAX_MESSAGE_BYTES: usize = 1 << 30;
+
+/// What can go wrong talking to a flightdeck server.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error status.
+    #[error("server error {}: {}", .0.code(), .0.message())]
+    Status(Box<tonic::Status>),
+    /// The connection could not be set up.
+    #[error("cannot connect: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The Flight stream could not be encoded or decoded.
+    #[error("flight error: {0}")]
+    Flight(FlightError),
+    /// The server's reply does not follow the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// The gRPC code of a server error; `Unknown` for local failures.
+    pub fn code(&self) -> Code {
+        match self {
+            Self::Status(s) => s.code(),
+            Self::Flight(FlightError::Tonic(s)) => s.code(),
+            _ => Code::Unknown,
+        }
+    }
+
+    /// The server's message, or this error's text.
+    pub fn message(&self) -> String {
+        match self {
+            Self::Status(s) => s.message().to_string(),
+            Self::Flight(FlightError::Tonic(s)) => s.message().to_string(),
+            other => other.to_string(),
+        }
+    }
+}
+
+impl From<FlightError> for ClientError {
+    fn from(e: FlightError) -> Self {
+        match e {
+            FlightError::Tonic(s) => Self::Status(s),
+            other => Self::Flight(other),
+        }
+    }
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(s: tonic::Status) -> Self {
+        Self::Status(Box::new(s))
+    }
+}
+
+/// Result with [`ClientError`].
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// One rank's part of a plan.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    /// The rank.
+    pub rank: u32,
+    /// Exact rows the rank receives.
+    pub rows: u64,
+    /// Record batches the stream carries.
+    pub batches: u64,
+    /// Opaque ticket for `read_shard`.
+    pub ticket: Bytes,
+}
+
+/// The answer to [`Client::plan`]: the projected schema and one shard per
+/// rank, in rank order.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Schema of every batch of every shard.
+    pub schema: SchemaRef,
+    /// Shards in rank order.
+    pub shards: Vec<Shard>,
+    /// Rows over all shards (padding included).
+    pub total_rows: u64,
+}
+
+/// A connection to one flightdeck server. Cheap to clone; clones share the
+/// connection.
+#[derive(Debug)]
+pub struct Client {
+    channel: Channel,
+    inner: FlightClient,
+}
+
+impl Clone for Client {
+    fn clone(&self) -> Self {
+        Self::from_channel(self.channel.clone())
+    }
+}
+
+impl Client {
+    /// Connects to `uri` (`http://host:port`; `grpc://` and `grpc+tcp://`
+    /// are accepted as aliases).
+    pub async fn connect(uri: impl AsRef<str>) -> Result<Self> {
+        let uri = uri.as_ref();
+        let uri = uri
+            .strip_prefix("grpc+tcp://")
+            .or_else(|| uri.strip_prefix("grpc://"))
+            .map_or_else(|| uri.to_string(), |rest| format!("http://{rest}"));
+        let channel = Endpoint::from_shared(uri)?
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .connect()
+            .await?;
+        Ok(Self::from_channel(channel))
+    }
+
+    /// A client over an existing channel.
+    pub fn from_channel(channel: Channel) -> Self {
+        let inner = FlightServiceClient::new(channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Self {
+            channel,
+            inner: FlightClient::new_from_inner(inner),
+        }
+    }
+
+    /// The underlying Flight client, for plain Flight calls.
+    pub fn flight(&mut self) -> &mut FlightClient {
+        &mut self.inner
+    }
+
+    /// Writes one attempt of one partition; returns the server's ack once the
+    /// attempt is committed.
+    ///
+    /// An error in `batches` (or in encoding them) resets the HTTP/2 stream
+    /// instead of ending it, so the server sees a broken stream and keeps
+    /// nothing of the attempt; that error is returned. (A plain Flight
+    /// `DoPut` would end the stream cleanly and commit a partial attempt.)
+    pub async fn put_partition<S>(
+        &mut self,
+        dataset: &str,
+        partition: u32,
+        attempt: u32,
+        schema: SchemaRef,
+        batches: S,
+    ) -> Result<PutAck>
+    where
+        S: Stream<Item = Result<RecordBatch, FlightError>> + Send + 'static,
+    {
+        let cmd = flightdeck_protos::PutPartition {
+            dataset: dataset.to_string(),
+            partition,
+            attempt,
+        };
+        let data = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .with_flight_descriptor(Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())))
+            .with_max_flight_data_size(MAX_MESSAGE_BYTES / 2)
+            .build(batches);
+        let (err_tx, mut err_rx) = futures::channel::oneshot::channel::<FlightError>();
+        let mut err_tx = Some(err_tx);
+        // After the first error the stream yields it to the codec (which
+        // fails the body and resets the stream) and then ends.
+        let request = data
+            .map(move |item| match item {
+                Ok(d) => Ok(d),
+                Err(e) => {
+                    let status = tonic::Status::aborted(format!("client stream failed: {e}"));
+                    if let Some(tx) = err_tx.take() {
+                        let _ = tx.send(e);
+                    }
+                    Err(status)
+                }
+            })
+            .scan(false, |failed, item| {
+                let out = (!*failed).then_some(item);
+                *failed = out.as_ref().is_some_and(|i| i.is_err());
+                futures::future::ready(out)
+            });
+        let mut grpc = tonic::client::Grpc::new(self.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let outcome = async {
+            grpc.ready()
+                .await
+                .map_err(|e| tonic::Status::unavailable(format!("connection not ready: {e}")))?;
+            let response = grpc
+                .streaming(
+                    tonic::Request::new(request),
+                    PathAndQuery::from_static("/arrow.flight.protocol.FlightService/DoPut"),
+                    AbortingCodec,
+                )
+                .await?;
+            let mut results = response.into_inner();
+            results.message().await
+        }
+        .await;
+        if let Ok(Some(e)) = err_rx.try_recv() {
+            return Err(ClientError::Flight(e));
+        }
+        let result = outcome?
+            .ok_or_else(|| ClientError::Protocol("DoPut returned no PutResult".into()))?;
+        decode(&result.app_metadata, "PutAck")
+    }
+
+    async fn action<M: Message + Default>(&mut self, kind: &str, body: Bytes) -> Result<M> {
+        let results: Vec<Bytes> = self
+            .inner
+            .do_action(Action::new(kind, body))
+            .await?
+            .try_collect()
+            .await?;
+        let body = results
+            .into_iter()
+            .next()
+            .ok_or_else(|| ClientError::Protocol(format!("action '{kind}' returned no result")))?;
+        decode(&body, kind)
+    }
+
+    /// Seals a dataset: `partitions` is the expected count (0 = don't check),
+    /// `attempts` the winners (empty = first committed wins).
+    pub async fn seal(&mut self, seal: SealDataset) -> Result<DatasetInfo> {
+        self.action(actions::SEAL, seal.encode_to_vec().into()).await
+    }
+
+    /// Drops a dataset and frees its memory.
+    pub async fn drop_dataset(&mut self, dataset: &str) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::DropDataset {
+            dataset: dataset.to_string(),
+        };
+        self.action(actions::DROP, body.encode_to_vec().into())
+            .await
+    }
+
+    /// State, rows, bytes, partitions and schema of a dataset.
+    pub async fn describe(&mut self, dataset: &str) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::DescribeDataset {
+            dataset: dataset.to_string(),
+        };
+        self.action(actions::DESCRIBE, body.encode_to_vec().into())
+            .await
+    }
+
+    /// Memory and dataset totals of the server.
+    pub async fn stats(&mut self) -> Result<ServerStats> {
+        self.action(actions::STATS, Bytes::new()).await
+    }
+
+    /// Plans one epoch for `plan.world_size` ranks.
+    pub async fn plan(&mut self, plan: ReadPlan) -> Result<Plan> {
+        let info = self
+            .inner
+            .get_flight_info(FlightDescriptor::new_cmd(plan.encode_to_vec()))
+            .await?;
+        plan_from_info(info)
+    }
+
+    /// Streams one rank's shard.
+    pub async fn read_shard(
+        &mut self,
+        shard: &Shard,
+    ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
+        let stream = self.inner.do_get(Ticket::new(shard.ticket.clone())).await?;
+        Ok(stream.map_err(ClientError::from).boxed())
+    }
+
+    /// Names of the datasets on the server.
+    pub async fn list_datasets(&mut self) -> Result<Vec<String>> {
+        let infos: Vec<FlightInfo> = self
+            .inner
+            .list_flights(Bytes::new())
+            .await?
+            .try_collect()
+            .await?;
+        Ok(infos
+            .into_iter()
+            .filter_map(|i| i.flight_descriptor.and_then(|d| d.path.into_iter().next()))
+            .collect())
+    }
+}
+
+/// `DoPut` codec whose request items are fallible: an `Err` fails the
+/// request body, which makes the transport reset the stream.
+#[derive(Debug, Clone, Copy)]
+struct AbortingCodec;
+
+#[derive(Debug)]
+struct AbortingEncoder(tonic_prost::ProstEncoder<FlightData>);
+
+impl Encoder for AbortingEncoder {
+    type Item = Result<FlightData, tonic::Status>;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        self.0.encode(item?, dst)
+    }
+}
+
+impl Codec for AbortingCodec {
+    type Encode = Result<FlightData, tonic::Status>;
+    type Decode = PutResult;
+    type Encoder = AbortingEncoder;
+    type Decoder = tonic_prost::ProstDecoder<PutResult>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        AbortingEncoder(tonic_prost::ProstEncoder::default())
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
+    }
+}
+
+fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> Result<M> {
+    M::decode(bytes).map_err(|e| ClientError::Protocol(format!("cannot decode {what}: {e}")))
+}
+
+fn plan_from_info(info: FlightInfo) -> Result<Plan> {
+    let schema: Schema = info
+        .clone()
+        .try_decode_schema()
+        .map_err(|e| ClientError::Protocol(format!("cannot decode plan schema: {e}")))?;
+    let shards = info
+        .endpoint
+        .iter()
+        .map(|e| {
+            let meta: ShardInfo = decode(&e.app_metadata, "ShardInfo")?;
+            let ticket = e
+                .ticket
+                .as_ref()
+                .ok_or_else(|| ClientError::Protocol("endpoint without ticket".into()))?;
+            Ok(Shard {
+                rank: meta.rank,
+                rows: meta.rows,
+                batches: meta.batches,
+                ticket: ticket.ticket.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Plan {
+        schema: Arc::new(schema),
+        total_rows: shards.iter().map(|s| s.rows).sum(),
+        shards,
+    })
+}

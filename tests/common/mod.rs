@@ -1,0 +1,322 @@
+//! Fixture for end-to-end tests: a real flightdeck server on a loopback port
+//! chosen by the OS, real Flight clients, and a synthetic dataset whose every
+//! value can be recomputed from its row id and attempt, so a test can check
+//! every column of every row it reads.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{
+    Array, ArrayRef, AsArray, BooleanArray, FixedSizeListArray, Float32Array,
+    Int64Array, ListArray, RecordBatch, StringArray, TimestampMicrosecondArray, UInt32Array,
+};
+use arrow::datatypes::{
+    DataType, Field, Float32Type, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit,
+    TimestampMicrosecondType, UInt32Type,
+};
+use flightdeck_client::Client;
+use flightdeck_server::{ServeError, ServerConfig};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Upper bound for any single step of a test; a hung server fails the test
+/// instead of hanging CI.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs `f` under [`STEP_TIMEOUT`].
+pub async fn timed<T>(what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(STEP_TIMEOUT, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {STEP_TIMEOUT:?}"),
+    }
+}
+
+/// A server running in this process on `127.0.0.1:<free port>`.
+pub struct TestServer {
+    addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: JoinHandle<Result<(), ServeError>>,
+}
+
+impl TestServer {
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A server with a 1 GiB memory limit and otherwise default settings.
+    pub async fn start() -> Self {
+        Self::start_with(ServerConfig {
+            memory_limit: 1 << 30,
+            ..ServerConfig::default()
+        })
+        .await
+    }
+
+    /// A server with `config` (its `listen` is ignored: port 0 on loopback).
+    pub async fn start_with(config: ServerConfig) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let addr = listener.local_addr().expect("bound address");
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(flightdeck_server::serve(listener, config, async {
+            let _ = rx.await;
+        }));
+        Self {
+            addr,
+            shutdown: Some(tx),
+            handle,
+        }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn uri(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A new client on its own connection.
+    pub async fn client(&self) -> Client {
+        timed("connect", Client::connect(self.uri()))
+            .await
+            .expect("connect to the test server")
+    }
+
+    /// Stops the server and waits for it to finish cleanly.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let handle = &mut self.handle;
+        timed("server shutdown", handle)
+            .await
+            .expect("server task")
+            .expect("server stops cleanly");
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A loopback TCP proxy in front of a server whose connections can be cut at
+/// once, as when an executor dies or the network drops mid-stream.
+pub struct CutProxy {
+    addr: SocketAddr,
+    cut: tokio::sync::watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl CutProxy {
+    /// Proxies `127.0.0.1:<free port>` to `target`.
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let addr = listener.local_addr().expect("bound address");
+        let (cut, cut_rx) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut cut_rx = cut_rx.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut_rx.wait_for(|&c| c) => {}
+                    }
+                    // Dropping both sockets closes them mid-stream.
+                });
+            }
+        });
+        Self { addr, cut, task }
+    }
+
+    /// `http://127.0.0.1:<proxy port>`.
+    pub fn uri(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Closes every proxied connection now and stops accepting.
+    pub fn cut(self) {
+        let _ = self.cut.send(true);
+        self.task.abort();
+    }
+}
+
+/// The schema of the synthetic dataset: many types, nulls, lists.
+pub fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("attempt", DataType::UInt32, false),
+        Field::new("x", DataType::Float32, false),
+        Field::new("name", DataType::Utf8, true),
+        Field::new("flag", DataType::Boolean, false),
+        Field::new(
+            "ts",
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            false,
+        ),
+        Field::new(
+            "vec",
+            DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, false)), 4),
+            false,
+        ),
+        Field::new(
+            "tags",
+            DataType::List(Arc::new(Field::new("item", DataType::Int32, true))),
+            true,
+        ),
+    ]))
+}
+
+fn name_of(id: i64, attempt: u32) -> Option<String> {
+    (id % 7 != 0).then(|| format!("row-{id}-a{attempt}"))
+}
+
+fn x_of(id: i64, attempt: u32) -> f32 {
+    id as f32 * 0.5 + attempt as f32
+}
+
+fn vec_of(id: i64, attempt: u32) -> [f32; 4] {
+    std::array::from_fn(|i| (id + i as i64) as f32 + attempt as f32)
+}
+
+fn tags_of(id: i64) -> Option<Vec<Option<i32>>> {
+    (id % 11 != 5).then(|| {
+        (0..(id % 4) as i32)
+            .map(|i| (i != 2).then_some(id as i32 % 100 + i))
+            .collect()
+    })
+}
+
+/// One batch of rows `ids` written by attempt `attempt`.
+pub fn batch(ids: std::ops::Range<i64>, attempt: u32) -> RecordBatch {
+    let ids: Vec<i64> = ids.collect();
+    let n = ids.len();
+    let vec_values = Float32Array::from_iter_values(ids.iter().flat_map(|&id| vec_of(id, attempt)));
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from(ids.clone())),
+        Arc::new(UInt32Array::from(vec![attempt; n])),
+        Arc::new(Float32Array::from_iter_values(
+            ids.iter().map(|&id| x_of(id, attempt)),
+        )),
+        Arc::new(StringArray::from_iter(ids.iter().map(|&id| name_of(id, attempt)))),
+        Arc::new(BooleanArray::from_iter(ids.iter().map(|&id| Some(id % 3 == 0)))),
+        Arc::new(
+            TimestampMicrosecondArray::from_iter_values(
+                ids.iter().map(|&id| 1_700_000_000_000_000 + id),
+            )
+            .with_timezone("UTC"),
+        ),
+        Arc::new(FixedSizeListArray::new(
+            Arc::new(Field::new("item", DataType::Float32, false)),
+            4,
+            Arc::new(vec_values),
+            None,
+        )),
+        Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(
+            ids.iter().map(|&id| tags_of(id)),
+        )),
+    ];
+    RecordBatch::try_new(schema(), columns).expect("valid synthetic batch")
+}
+
+/// The batches of a partition holding rows `ids`, `chunk` rows per batch.
+pub fn partition_batches(ids: std::ops::Range<i64>, attempt: u32, chunk: i64) -> Vec<RecordBatch> {
+    let mut out = Vec::new();
+    let mut start = ids.start;
+    while start < ids.end {
+        let end = (start + chunk).min(ids.end);
+        out.push(batch(start..end, attempt));
+        start = end;
+    }
+    out
+}
+
+/// Checks every value of every row of `batch` (any projection of [`schema`]
+/// that includes `id`) against the values attempt `attempt_of(id)` wrote.
+/// Returns the ids in order.
+pub fn check_batch(batch: &RecordBatch, attempt_of: &dyn Fn(i64) -> u32) -> Vec<i64> {
+    let ids = batch
+        .column_by_name("id")
+        .expect("id column")
+        .as_primitive::<Int64Type>();
+    let ids: Vec<i64> = ids.values().to_vec();
+    for (field, col) in batch.schema().fields().iter().zip(batch.columns()) {
+        for (row, &id) in ids.iter().enumerate() {
+            let a = attempt_of(id);
+            let ctx = || format!("column {} row {row} id {id} attempt {a}", field.name());
+            match field.name().as_str() {
+                "id" => {}
+                "attempt" => assert_eq!(col.as_primitive::<UInt32Type>().value(row), a, "{}", ctx()),
+                "x" => assert_eq!(col.as_primitive::<Float32Type>().value(row), x_of(id, a), "{}", ctx()),
+                "name" => {
+                    let s = col.as_string::<i32>();
+                    let got = s.is_valid(row).then(|| s.value(row).to_string());
+                    assert_eq!(got, name_of(id, a), "{}", ctx());
+                }
+                "flag" => assert_eq!(col.as_boolean().value(row), id % 3 == 0, "{}", ctx()),
+                "ts" => assert_eq!(
+                    col.as_primitive::<TimestampMicrosecondType>().value(row),
+                    1_700_000_000_000_000 + id,
+                    "{}",
+                    ctx()
+                ),
+                "vec" => {
+                    let l = col.as_fixed_size_list();
+                    let v = l.value(row);
+                    let got: Vec<f32> = v.as_primitive::<Float32Type>().values().to_vec();
+                    assert_eq!(got, vec_of(id, a).to_vec(), "{}", ctx());
+                }
+                "tags" => {
+                    let l = col.as_list::<i32>();
+                    let got = l.is_valid(row).then(|| {
+                        let v = l.value(row);
+                        let v = v.as_primitive::<Int32Type>();
+                        (0..v.len())
+                            .map(|i| v.is_valid(i).then(|| v.value(i)))
+                            .collect::<Vec<_>>()
+                    });
+                    assert_eq!(got, tags_of(id), "{}", ctx());
+                }
+                other => panic!("unexpected column {other}"),
+            }
+        }
+    }
+    ids
+}
+
+/// Winner attempt per row id, from partition layouts and winners.
+pub fn attempts_by_id(layout: &[std::ops::Range<i64>], winners: &HashMap<u32, u32>) -> HashMap<i64, u32> {
+    let mut out = HashMap::new();
+    for (p, ids) in layout.iter().enumerate() {
+        let a = winners.get(&(p as u32)).copied().unwrap_or(0);
+        for id in ids.clone() {
+            out.insert(id, a);
+        }
+    }
+    out
+}
+
+/// Partition `p` of `sizes` holds the ids `layout[p]`, ids consecutive across
+/// partitions from 0.
+pub fn layout(sizes: &[i64]) -> Vec<std::ops::Range<i64>> {
+    let mut start = 0;
+    sizes
+        .iter()
+        .map(|&n| {
+            let r = start..start + n;
+            start += n;
+            r
+        })
+        .collect()
+}
