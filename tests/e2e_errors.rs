@@ -1,1 +1,464 @@
-//! placeholder
+//! Every bad input gets its gRPC code and a message naming the problem, and
+//! the server keeps serving afterwards.
+
+use arrow::array::{ArrayRef, Float64Array, Int64Array, RecordBatch};
+use arrow::datatypes::{DataType, Field, Schema};
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use flightdeck_client::{Client, ClientError, ReadPlan, SealDataset, Shuffle};
+use flightdeck_server::ServerConfig;
+use flightdeck_tests::{TestServer, check_batch, partition_batches, schema, timed};
+use futures::{StreamExt, TryStreamExt, stream};
+use prost::Message;
+use std::sync::Arc;
+use tonic::Code;
+
+fn assert_code<T: std::fmt::Debug>(res: Result<T, ClientError>, code: Code, needles: &[&str]) {
+    let err = res.expect_err("the server must refuse this");
+    assert_eq!(err.code(), code, "{err}");
+    let msg = err.message();
+    for n in needles {
+        assert!(msg.contains(n), "message {msg:?} should mention {n:?}");
+    }
+}
+
+async fn put(
+    client: &mut Client,
+    ds: &str,
+    p: u32,
+    a: u32,
+    ids: std::ops::Range<i64>,
+) -> Result<u64, ClientError> {
+    let batches = partition_batches(ids, a, 64);
+    timed(
+        "put",
+        client.put_partition(
+            ds,
+            p,
+            a,
+            schema(),
+            stream::iter(batches.into_iter().map(Ok)),
+        ),
+    )
+    .await
+    .map(|ack| ack.rows)
+}
+
+fn plan(ds: &str) -> ReadPlan {
+    ReadPlan {
+        dataset: ds.into(),
+        world_size: 2,
+        ..Default::default()
+    }
+}
+
+/// A raw DoPut of arbitrary FlightData messages through the plain client.
+async fn raw_put(client: &mut Client, msgs: Vec<FlightData>) -> Result<(), ClientError> {
+    let results: Vec<_> = client
+        .flight()
+        .do_put(stream::iter(msgs.into_iter().map(Ok)))
+        .await?
+        .try_collect()
+        .await?;
+    assert_eq!(results.len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+
+    // Ingest errors.
+    put(&mut c, "d", 0, 0, 0..100).await.expect("first put");
+    assert_code(
+        put(&mut c, "d", 0, 0, 0..100).await,
+        Code::AlreadyExists,
+        &["attempt 0", "partition 0", "'d'"],
+    );
+
+    let other = Arc::new(Schema::new(vec![Field::new(
+        "id",
+        DataType::Float64,
+        false,
+    )]));
+    let b = RecordBatch::try_new(
+        other.clone(),
+        vec![Arc::new(Float64Array::from(vec![1.0])) as ArrayRef],
+    )
+    .expect("batch");
+    assert_code(
+        c.put_partition("d", 1, 0, other, stream::iter([Ok(b)]))
+            .await,
+        Code::InvalidArgument,
+        &["schema", "partition 1", "'d'", "id: Float64"],
+    );
+
+    // A plain DoPut without a descriptor, with an undecodable command, with a
+    // bad path, with garbage IPC, with no messages.
+    let no_descriptor = FlightDataEncoderBuilder::new().build(stream::iter(
+        partition_batches(0..3, 0, 3).into_iter().map(Ok),
+    ));
+    let msgs: Vec<FlightData> = no_descriptor.try_collect().await.expect("encode");
+    assert_code(
+        raw_put(&mut c, msgs).await,
+        Code::InvalidArgument,
+        &["descriptor"],
+    );
+    let garbage_cmd =
+        FlightData::new().with_descriptor(FlightDescriptor::new_cmd(vec![0xff, 0x01, 0x02]));
+    assert_code(
+        raw_put(&mut c, vec![garbage_cmd]).await,
+        Code::InvalidArgument,
+        &["PutPartition"],
+    );
+    let bad_path = FlightData::new().with_descriptor(FlightDescriptor::new_path(vec!["d".into()]));
+    assert_code(
+        raw_put(&mut c, vec![bad_path]).await,
+        Code::InvalidArgument,
+        &["[dataset, partition]"],
+    );
+    let garbage_ipc = FlightData::new()
+        .with_descriptor(FlightDescriptor::new_path(vec!["d".into(), "5".into()]))
+        .with_data_header(Bytes::from_static(
+            b"\x00\x01\x02 definitely not flatbuffers",
+        ));
+    assert_code(
+        raw_put(&mut c, vec![garbage_ipc]).await,
+        Code::InvalidArgument,
+        &["malformed"],
+    );
+    assert_code(
+        raw_put(&mut c, vec![]).await,
+        Code::InvalidArgument,
+        &["empty"],
+    );
+    let no_schema =
+        FlightData::new().with_descriptor(FlightDescriptor::new_path(vec!["d".into(), "6".into()]));
+    assert_code(
+        raw_put(&mut c, vec![no_schema]).await,
+        Code::InvalidArgument,
+        &["no schema"],
+    );
+    let empty_name = flightdeck_client::SealDataset::default();
+    assert_code(c.seal(empty_name).await, Code::InvalidArgument, &["empty"]);
+
+    // A writer whose batch iterator fails mid-partition leaves nothing.
+    let good = partition_batches(1000..1300, 0, 100);
+    let failing = stream::iter(good.into_iter().map(Ok)).chain(stream::once(async {
+        Err(FlightError::protocol("the task's iterator failed"))
+    }));
+    let err = c
+        .put_partition("d", 7, 0, schema(), failing)
+        .await
+        .expect_err("a failed writer cannot commit");
+    assert!(
+        err.to_string().contains("the task's iterator failed"),
+        "{err}"
+    );
+
+    // Lifecycle errors.
+    assert_code(
+        c.plan(plan("d")).await,
+        Code::FailedPrecondition,
+        &["not sealed", "'d'"],
+    );
+    assert_code(c.plan(plan("nope")).await, Code::NotFound, &["'nope'"]);
+    assert_code(c.describe("nope").await, Code::NotFound, &["'nope'"]);
+    assert_code(c.drop_dataset("nope").await, Code::NotFound, &["'nope'"]);
+    assert_code(
+        c.seal(SealDataset {
+            dataset: "nope".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::NotFound,
+        &["'nope'"],
+    );
+    put(&mut c, "d", 2, 0, 100..150).await.expect("put");
+    assert_code(
+        c.seal(SealDataset {
+            dataset: "d".into(),
+            partitions: 5,
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        &["[1, 3, 4]", "'d'"],
+    );
+    assert_code(
+        c.seal(SealDataset {
+            dataset: "d".into(),
+            attempts: vec![flightdeck_client::PartitionAttempt {
+                partition: 2,
+                attempt: 9,
+            }],
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        &["attempt 9 of partition 2", "never committed"],
+    );
+    let info = c.describe("d").await.expect("describe");
+    assert_eq!(info.rows, 150, "failed puts stored nothing");
+    assert_eq!(info.committed_partitions, 2);
+    c.seal(SealDataset {
+        dataset: "d".into(),
+        partitions: 3,
+        attempts: vec![],
+    })
+    .await
+    .expect_err("partition 1 is missing");
+    c.seal(SealDataset {
+        dataset: "d".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal what is there");
+    assert_code(
+        put(&mut c, "d", 9, 0, 0..1).await,
+        Code::FailedPrecondition,
+        &["sealed", "'d'"],
+    );
+    assert_code(
+        c.seal(SealDataset {
+            dataset: "d".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        &["already sealed"],
+    );
+
+    // Plan errors.
+    assert_code(
+        c.plan(ReadPlan {
+            world_size: 0,
+            ..plan("d")
+        })
+        .await,
+        Code::InvalidArgument,
+        &["world_size"],
+    );
+    assert_code(
+        c.plan(ReadPlan {
+            columns: vec!["id".into(), "bogus".into()],
+            ..plan("d")
+        })
+        .await,
+        Code::InvalidArgument,
+        &["'bogus'", "id: Int64"],
+    );
+    assert_code(
+        c.plan(ReadPlan {
+            start_sample: 151,
+            ..plan("d")
+        })
+        .await,
+        Code::InvalidArgument,
+        &["start_sample"],
+    );
+    assert_code(
+        c.plan(ReadPlan {
+            shuffle: 7,
+            ..plan("d")
+        })
+        .await,
+        Code::InvalidArgument,
+        &["shuffle"],
+    );
+    assert_code(
+        c.plan(ReadPlan {
+            batch_rows: u32::MAX,
+            ..plan("d")
+        })
+        .await,
+        Code::InvalidArgument,
+        &["batch_rows"],
+    );
+    let garbage_plan = c
+        .flight()
+        .get_flight_info(FlightDescriptor::new_cmd(vec![0xff; 3]))
+        .await;
+    assert_code(
+        garbage_plan.map_err(ClientError::from),
+        Code::InvalidArgument,
+        &["descriptor command"],
+    );
+
+    // Ticket errors: garbage, and a ticket that outlived its dataset.
+    let garbage = c.flight().do_get(Ticket::new(vec![0xde, 0xad])).await;
+    assert_code(
+        garbage.map_err(ClientError::from),
+        Code::InvalidArgument,
+        &["ticket"],
+    );
+    let old = c.plan(plan("d")).await.expect("plan");
+    c.drop_dataset("d").await.expect("drop");
+    put(&mut c, "d", 0, 0, 0..10).await.expect("write again");
+    c.seal(SealDataset {
+        dataset: "d".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    let stale = c.read_shard(&old.shards[0]).await;
+    assert_code(
+        stale.map(|_| ()),
+        Code::FailedPrecondition,
+        &["GetFlightInfo again"],
+    );
+
+    // Action errors.
+    let bad_body = c
+        .flight()
+        .do_action(Action::new("seal", Bytes::from_static(b"\xff\xff")))
+        .await;
+    assert_code(
+        bad_body.map(|_| ()).map_err(ClientError::from),
+        Code::InvalidArgument,
+        &["seal"],
+    );
+    let unknown = c
+        .flight()
+        .do_action(Action::new("explode", Bytes::new()))
+        .await;
+    assert_code(
+        unknown.map(|_| ()).map_err(ClientError::from),
+        Code::Unimplemented,
+        &["explode", "seal"],
+    );
+    let actions: Vec<String> = c
+        .flight()
+        .list_actions()
+        .await
+        .expect("list")
+        .map_ok(|a| a.r#type)
+        .try_collect()
+        .await
+        .expect("actions");
+    assert_eq!(actions, ["seal", "drop", "describe", "stats"]);
+
+    // Calls flightdeck does not offer.
+    let hs = c.flight().handshake(Bytes::from_static(b"hi")).await;
+    assert_code(
+        hs.map_err(ClientError::from),
+        Code::Unimplemented,
+        &["Handshake"],
+    );
+    let poll = c
+        .flight()
+        .poll_flight_info(FlightDescriptor::new_path(vec!["d".into()]))
+        .await;
+    assert_code(
+        poll.map_err(ClientError::from),
+        Code::Unimplemented,
+        &["PollFlightInfo"],
+    );
+    let ex = c.flight().do_exchange(stream::empty()).await;
+    assert_code(
+        ex.map(|_| ()).map_err(ClientError::from),
+        Code::Unimplemented,
+        &["DoExchange"],
+    );
+
+    // Still serving: a full round trip works.
+    let p = c
+        .plan(ReadPlan {
+            shuffle: Shuffle::Global.into(),
+            ..plan("d")
+        })
+        .await
+        .expect("plan");
+    let mut ids = Vec::new();
+    for shard in &p.shards {
+        let batches: Vec<RecordBatch> = c
+            .read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect()
+            .await
+            .expect("batches");
+        ids.extend(batches.iter().flat_map(|b| check_batch(b, &|_| 0)));
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, (0..10).collect::<Vec<_>>());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn memory_limit_refuses_ingest_with_resource_exhausted() {
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 256 << 10,
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut c = server.client().await;
+    assert_code(
+        put(&mut c, "big", 0, 0, 0..100_000).await,
+        Code::ResourceExhausted,
+        &["partition 0", "'big'", "--memory-limit"],
+    );
+    let stats = c.stats().await.expect("stats");
+    assert_eq!((stats.memory_used, stats.memory_limit), (0, 256 << 10));
+    // The server is alive and a small dataset still fits.
+    assert_eq!(put(&mut c, "small", 0, 0, 0..100).await.expect("fits"), 100);
+    let stats = c.stats().await.expect("stats");
+    assert!(stats.memory_used > 0 && stats.memory_used <= 256 << 10);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn large_single_messages_are_accepted() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    // 12 MiB in one record batch, one gRPC message: above tonic's 4 MiB default.
+    let n = 1_500_000i64;
+    let s = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
+    let b = RecordBatch::try_new(
+        s.clone(),
+        vec![Arc::new(Int64Array::from_iter_values(0..n)) as ArrayRef],
+    )
+    .expect("batch");
+    let data = FlightDataEncoderBuilder::new()
+        .with_max_flight_data_size(usize::MAX)
+        .with_flight_descriptor(Some(FlightDescriptor::new_cmd(
+            flightdeck_client::PutPartition {
+                dataset: "wide".into(),
+                partition: 0,
+                attempt: 0,
+            }
+            .encode_to_vec(),
+        )))
+        .build(stream::iter([Ok(b)]));
+    let msgs: Vec<FlightData> = data.try_collect().await.expect("encode");
+    assert!(msgs.iter().any(|m| m.data_body.len() >= 8 << 20));
+    raw_put(&mut c, msgs).await.expect("large message accepted");
+    c.seal(SealDataset {
+        dataset: "wide".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    let p = c
+        .plan(ReadPlan {
+            dataset: "wide".into(),
+            world_size: 1,
+            batch_rows: n as u32,
+            ..Default::default()
+        })
+        .await
+        .expect("plan");
+    let batches: Vec<RecordBatch> = c
+        .read_shard(&p.shards[0])
+        .await
+        .expect("read")
+        .try_collect()
+        .await
+        .expect("batches");
+    assert_eq!(batches.len(), 1, "one batch of batch_rows rows");
+    assert_eq!(batches[0].num_rows() as i64, n);
+    server.stop().await;
+}

@@ -91,7 +91,10 @@ async fn cut_off_attempt(server: &TestServer, ids: std::ops::Range<i64>) {
         .expect_err("a cut stream cannot succeed");
     assert_ne!(err.code(), tonic::Code::Ok);
     wait_for(&mut probe, "freeing the cut-off attempt", |used| used == 0).await;
-    let err = probe.describe(DATASET).await.expect_err("nothing committed");
+    let err = probe
+        .describe(DATASET)
+        .await
+        .expect_err("nothing committed");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
 }
 
@@ -170,7 +173,8 @@ async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
 /// Reads every shard of a plan concurrently, each rank on its own connection.
 async fn read_all(server: &TestServer, shards: &[Shard]) -> Vec<Vec<RecordBatch>> {
     let mut tasks = Vec::new();
-    for shard in shards.iter().cloned() {
+    for shard in shards {
+        let shard = shard.clone();
         let mut client = server.client().await;
         tasks.push(tokio::spawn(async move {
             let s = client.read_shard(&shard).await?;
@@ -278,7 +282,10 @@ async fn concurrent_ingest_then_balanced_shuffled_shards() {
                 orders.push(global);
             }
             if shuffle == Shuffle::None {
-                assert_eq!(orders[0], orders[1], "W={world_size}: none ignores the epoch");
+                assert_eq!(
+                    orders[0], orders[1],
+                    "W={world_size}: none ignores the epoch"
+                );
             } else {
                 assert_ne!(orders[0], orders[1], "W={world_size} {mode}: epochs differ");
             }
@@ -298,13 +305,20 @@ async fn concurrent_ingest_then_balanced_shuffled_shards() {
         .await
         .expect("plan");
     assert_eq!(
-        plan.schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
+        plan.schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect::<Vec<_>>(),
         ["vec", "id"]
     );
     let shards = read_all(&server, &plan.shards).await;
     let mut seen = HashSet::new();
     for batches in &shards {
-        let ids: Vec<i64> = batches.iter().flat_map(|b| check_batch(b, &attempt_of)).collect();
+        let ids: Vec<i64> = batches
+            .iter()
+            .flat_map(|b| check_batch(b, &attempt_of))
+            .collect();
         assert_eq!(ids.len() as u64, n / 8);
         assert!(ids.into_iter().all(|id| seen.insert(id)));
     }
@@ -321,18 +335,30 @@ async fn concurrent_ingest_then_balanced_shuffled_shards() {
         columns: vec!["id".into()],
         ..Default::default()
     };
-    let before = read_all(&server, &client.plan(full(4, 0)).await.expect("plan").shards).await;
+    let before = read_all(
+        &server,
+        &client.plan(full(4, 0)).await.expect("plan").shards,
+    )
+    .await;
     let steps = 1000usize;
     let seen: HashSet<i64> = before
         .iter()
-        .flat_map(|bs| bs.iter().flat_map(|b| check_batch(b, &attempt_of)).take(steps))
+        .flat_map(|bs| {
+            bs.iter()
+                .flat_map(|b| check_batch(b, &attempt_of))
+                .take(steps)
+        })
         .collect();
     let resumed = client.plan(full(3, 4 * steps as u64)).await.expect("plan");
     let after = read_all(&server, &resumed.shards).await;
     let remaining = n as usize - 4 * steps;
     let after_ids: Vec<Vec<i64>> = after
         .iter()
-        .map(|bs| bs.iter().flat_map(|b| check_batch(b, &attempt_of)).collect())
+        .map(|bs| {
+            bs.iter()
+                .flat_map(|b| check_batch(b, &attempt_of))
+                .collect()
+        })
         .collect();
     let rest: Vec<i64> = (0..remaining).map(|q| after_ids[q % 3][q / 3]).collect();
     let rest_set: HashSet<i64> = rest.iter().copied().collect();
@@ -393,7 +419,10 @@ async fn plain_flight_clients_use_path_descriptors() {
         .try_collect()
         .await
         .expect("read");
-    let ids: Vec<i64> = batches.iter().flat_map(|b| check_batch(b, &|_| 0)).collect();
+    let ids: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| check_batch(b, &|_| 0))
+        .collect();
     assert_eq!(ids, (0..30).collect::<Vec<_>>());
     let schema_back = client
         .flight()

@@ -39,7 +39,9 @@ use arrow::datatypes::{Schema, SchemaRef};
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
-use arrow_flight::{Action, FlightClient, FlightData, FlightDescriptor, FlightInfo, PutResult, Ticket};
+use arrow_flight::{
+    Action, FlightClient, FlightData, FlightDescriptor, FlightInfo, PutResult, Ticket,
+};
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt, TryStreamExt};
@@ -50,8 +52,8 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 pub use flightdeck_protos::{
-    DatasetInfo, DatasetState, PartitionAttempt, PutAck, ReadPlan, SealDataset, ServerStats,
-    ShardInfo, Shuffle, actions,
+    DatasetInfo, DatasetState, PartitionAttempt, PutAck, PutPartition, ReadPlan, SealDataset,
+    ServerStats, ShardInfo, Shuffle, actions,
 };
 
 /// Largest message the client accepts: shards stream whole batches of
@@ -255,8 +257,8 @@ impl Client {
         if let Ok(Some(e)) = err_rx.try_recv() {
             return Err(ClientError::Flight(e));
         }
-        let result = outcome?
-            .ok_or_else(|| ClientError::Protocol("DoPut returned no PutResult".into()))?;
+        let result =
+            outcome?.ok_or_else(|| ClientError::Protocol("DoPut returned no PutResult".into()))?;
         decode(&result.app_metadata, "PutAck")
     }
 
@@ -277,7 +279,8 @@ impl Client {
     /// Seals a dataset: `partitions` is the expected count (0 = don't check),
     /// `attempts` the winners (empty = first committed wins).
     pub async fn seal(&mut self, seal: SealDataset) -> Result<DatasetInfo> {
-        self.action(actions::SEAL, seal.encode_to_vec().into()).await
+        self.action(actions::SEAL, seal.encode_to_vec().into())
+            .await
     }
 
     /// Drops a dataset and frees its memory.

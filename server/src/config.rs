@@ -100,7 +100,11 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        other => return Err(format!("unknown size unit '{other}' in '{s}'; use K, M, G or T")),
+        other => {
+            return Err(format!(
+                "unknown size unit '{other}' in '{s}'; use K, M, G or T"
+            ));
+        }
     };
     let bytes = value * (1u64 << shift) as f64;
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
@@ -132,7 +136,9 @@ mod tests {
 
     #[test]
     fn defaults_validate() {
-        ServerConfig::default().validate().expect("defaults are valid");
+        ServerConfig::default()
+            .validate()
+            .expect("defaults are valid");
         let bad = ServerConfig {
             memory_limit: 0,
             ..Default::default()

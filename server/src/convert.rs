@@ -41,10 +41,12 @@ pub fn dataset_name(name: &str) -> Result<String> {
     Ok(name.to_string())
 }
 
-fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> Result<M> {
+/// Decodes `what`, which must be a `flightdeck.v1.<message>`.
+fn decode<M: Message + Default>(bytes: &[u8], what: &str, message: &str) -> Result<M> {
     M::decode(bytes).map_err(|e| {
         Error::invalid(format!(
-            "{what} is not a valid flightdeck.v1 message ({e}); encode it from protos/flightdeck.proto"
+            "{what} is not a valid flightdeck.v1.{message} ({e}); encode it from \
+             protos/flightdeck.proto"
         ))
     })
 }
@@ -54,7 +56,8 @@ fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> Result<M> {
 pub fn put_target(descriptor: &FlightDescriptor) -> Result<(String, AttemptKey)> {
     match descriptor.r#type() {
         DescriptorType::Cmd => {
-            let cmd: pb::PutPartition = decode(&descriptor.cmd, "DoPut descriptor command")?;
+            let cmd: pb::PutPartition =
+                decode(&descriptor.cmd, "DoPut descriptor command", "PutPartition")?;
             Ok((
                 dataset_name(&cmd.dataset)?,
                 AttemptKey {
@@ -94,7 +97,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<(String, AttemptKey)>
 pub fn read_plan(descriptor: &FlightDescriptor, config: &ServerConfig) -> Result<ReadPlan> {
     match descriptor.r#type() {
         DescriptorType::Cmd => {
-            let plan: pb::ReadPlan = decode(&descriptor.cmd, "descriptor command")?;
+            let plan: pb::ReadPlan = decode(&descriptor.cmd, "descriptor command", "ReadPlan")?;
             read_plan_from_proto(&plan, config)
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
@@ -222,7 +225,7 @@ pub fn encode_ticket(t: &ShardTicket) -> Bytes {
 
 /// Decodes and validates a ticket.
 pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket> {
-    let t: pb::ShardTicket = decode(bytes, "ticket").map_err(|_| {
+    let t: pb::ShardTicket = decode(bytes, "ticket", "ShardTicket").map_err(|_| {
         Error::invalid("ticket is not one this server issued; get tickets from GetFlightInfo")
     })?;
     let plan = t.plan.ok_or_else(|| {
@@ -244,7 +247,7 @@ pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket>
 
 /// A seal request from its wire form.
 pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
-    let s: pb::SealDataset = decode(body, "body of action 'seal'")?;
+    let s: pb::SealDataset = decode(body, "body of action 'seal'", "SealDataset")?;
     Ok(SealRequest {
         dataset: dataset_name(&s.dataset)?,
         partitions: s.partitions,
@@ -261,13 +264,13 @@ pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
 
 /// The dataset named by a `drop` body.
 pub fn drop_request(body: &[u8]) -> Result<String> {
-    let d: pb::DropDataset = decode(body, "body of action 'drop'")?;
+    let d: pb::DropDataset = decode(body, "body of action 'drop'", "DropDataset")?;
     dataset_name(&d.dataset)
 }
 
 /// The dataset named by a `describe` body.
 pub fn describe_request(body: &[u8]) -> Result<String> {
-    let d: pb::DescribeDataset = decode(body, "body of action 'describe'")?;
+    let d: pb::DescribeDataset = decode(body, "body of action 'describe'", "DescribeDataset")?;
     dataset_name(&d.dataset)
 }
 
@@ -340,7 +343,12 @@ mod tests {
         let d = FlightDescriptor::new_cmd(vec![0xff, 0xff, 0xff]);
         assert!(put_target(&d).is_err());
         let d = cmd(pb::PutPartition::default());
-        assert!(put_target(&d).expect_err("empty name").to_string().contains("empty"));
+        assert!(
+            put_target(&d)
+                .expect_err("empty name")
+                .to_string()
+                .contains("empty")
+        );
     }
 
     #[test]
@@ -398,7 +406,10 @@ mod tests {
             rank: 1,
             generation: 9,
         };
-        assert_eq!(decode_ticket(&encode_ticket(&t), &config).expect("valid"), t);
+        assert_eq!(
+            decode_ticket(&encode_ticket(&t), &config).expect("valid"),
+            t
+        );
         assert!(decode_ticket(b"\xff\x00garbage", &config).is_err());
         let bad_rank = ShardTicket { rank: 2, ..t };
         assert!(decode_ticket(&encode_ticket(&bad_rank), &config).is_err());

@@ -18,7 +18,9 @@ pub enum Error {
     InvalidArgument(String),
 
     /// No dataset of this name exists.
-    #[error("dataset '{dataset}' does not exist; write it with DoPut, or list datasets with ListFlights")]
+    #[error(
+        "dataset '{dataset}' does not exist; write it with DoPut, or list datasets with ListFlights"
+    )]
     DatasetNotFound {
         /// The dataset asked for.
         dataset: String,
@@ -135,7 +137,10 @@ mod tests {
         assert_eq!(status.code(), Code::FailedPrecondition);
         assert!(status.message().contains("[1, 3]"), "{}", status.message());
         assert_eq!(
-            Status::from(Error::DatasetNotFound { dataset: "x".into() }).code(),
+            Status::from(Error::DatasetNotFound {
+                dataset: "x".into()
+            })
+            .code(),
             Code::NotFound
         );
         assert_eq!(

@@ -16,9 +16,16 @@ use crate::error::{Error, Result};
 use crate::order::{ReadPlan, ShardOrder};
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
-pub fn project(schema: &Schema, columns: &[String], dataset: &str) -> Result<(Vec<usize>, SchemaRef)> {
+pub fn project(
+    schema: &Schema,
+    columns: &[String],
+    dataset: &str,
+) -> Result<(Vec<usize>, SchemaRef)> {
     if columns.is_empty() {
-        return Ok(((0..schema.fields().len()).collect(), Arc::new(schema.clone())));
+        return Ok((
+            (0..schema.fields().len()).collect(),
+            Arc::new(schema.clone()),
+        ));
     }
     let indices = columns
         .iter()

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arrow::array::{
-    Array, ArrayRef, AsArray, BooleanArray, FixedSizeListArray, Float32Array,
-    Int64Array, ListArray, RecordBatch, StringArray, TimestampMicrosecondArray, UInt32Array,
+    Array, ArrayRef, AsArray, BooleanArray, FixedSizeListArray, Float32Array, Int64Array,
+    ListArray, RecordBatch, StringArray, TimestampMicrosecondArray, UInt32Array,
 };
 use arrow::datatypes::{
     DataType, Field, Float32Type, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit,
@@ -209,8 +209,12 @@ pub fn batch(ids: std::ops::Range<i64>, attempt: u32) -> RecordBatch {
         Arc::new(Float32Array::from_iter_values(
             ids.iter().map(|&id| x_of(id, attempt)),
         )),
-        Arc::new(StringArray::from_iter(ids.iter().map(|&id| name_of(id, attempt)))),
-        Arc::new(BooleanArray::from_iter(ids.iter().map(|&id| Some(id % 3 == 0)))),
+        Arc::new(StringArray::from_iter(
+            ids.iter().map(|&id| name_of(id, attempt)),
+        )),
+        Arc::new(BooleanArray::from_iter(
+            ids.iter().map(|&id| Some(id % 3 == 0)),
+        )),
         Arc::new(
             TimestampMicrosecondArray::from_iter_values(
                 ids.iter().map(|&id| 1_700_000_000_000_000 + id),
@@ -257,8 +261,15 @@ pub fn check_batch(batch: &RecordBatch, attempt_of: &dyn Fn(i64) -> u32) -> Vec<
             let ctx = || format!("column {} row {row} id {id} attempt {a}", field.name());
             match field.name().as_str() {
                 "id" => {}
-                "attempt" => assert_eq!(col.as_primitive::<UInt32Type>().value(row), a, "{}", ctx()),
-                "x" => assert_eq!(col.as_primitive::<Float32Type>().value(row), x_of(id, a), "{}", ctx()),
+                "attempt" => {
+                    assert_eq!(col.as_primitive::<UInt32Type>().value(row), a, "{}", ctx())
+                }
+                "x" => assert_eq!(
+                    col.as_primitive::<Float32Type>().value(row),
+                    x_of(id, a),
+                    "{}",
+                    ctx()
+                ),
                 "name" => {
                     let s = col.as_string::<i32>();
                     let got = s.is_valid(row).then(|| s.value(row).to_string());
@@ -296,7 +307,10 @@ pub fn check_batch(batch: &RecordBatch, attempt_of: &dyn Fn(i64) -> u32) -> Vec<
 }
 
 /// Winner attempt per row id, from partition layouts and winners.
-pub fn attempts_by_id(layout: &[std::ops::Range<i64>], winners: &HashMap<u32, u32>) -> HashMap<i64, u32> {
+pub fn attempts_by_id(
+    layout: &[std::ops::Range<i64>],
+    winners: &HashMap<u32, u32>,
+) -> HashMap<i64, u32> {
     let mut out = HashMap::new();
     for (p, ids) in layout.iter().enumerate() {
         let a = winners.get(&(p as u32)).copied().unwrap_or(0);

@@ -58,7 +58,10 @@ fn schema_mismatch_is_refused_and_names_both() {
     let other = Arc::new(Schema::new(vec![Field::new("v", DataType::Float32, false)]));
     let err = c.check_put("d", key(1, 0), &other).expect_err("mismatch");
     let msg = err.to_string();
-    assert!(msg.contains("v: Int64") && msg.contains("v: Float32"), "{msg}");
+    assert!(
+        msg.contains("v: Int64") && msg.contains("v: Float32"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -96,7 +99,10 @@ fn missing_partitions_are_listed_and_nothing_changes() {
         Error::MissingPartitions { missing, .. } => assert_eq!(missing, vec![1, 3, 4]),
         other => panic!("unexpected {other}"),
     }
-    assert_eq!(c.describe("d").expect("still there").state, DatasetState::Open);
+    assert_eq!(
+        c.describe("d").expect("still there").state,
+        DatasetState::Open
+    );
     c.commit("d", key(1, 0), schema(), attempt(key(1, 0), 2))
         .expect("commit");
     let err = c
@@ -112,8 +118,14 @@ fn missing_partitions_are_listed_and_nothing_changes() {
 #[test]
 fn unknown_dataset_is_not_found() {
     let mut c = Catalog::new();
-    assert!(matches!(c.describe("x"), Err(Error::DatasetNotFound { .. })));
-    assert!(matches!(c.drop_dataset("x"), Err(Error::DatasetNotFound { .. })));
+    assert!(matches!(
+        c.describe("x"),
+        Err(Error::DatasetNotFound { .. })
+    ));
+    assert!(matches!(
+        c.drop_dataset("x"),
+        Err(Error::DatasetNotFound { .. })
+    ));
     assert!(matches!(c.sealed("x"), Err(Error::DatasetNotFound { .. })));
 }
 
@@ -133,7 +145,11 @@ fn drop_then_write_gets_a_new_generation() {
 /// One step of a random ingest history.
 #[derive(Debug, Clone)]
 enum Op {
-    Commit { partition: u32, attempt: u32, rows: u64 },
+    Commit {
+        partition: u32,
+        attempt: u32,
+        rows: u64,
+    },
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
@@ -164,12 +180,15 @@ proptest! {
         for Op::Commit { partition, attempt: a, rows } in history {
             let k = key(partition, a);
             let res = c.commit("d", k, schema(), attempt(k, rows));
-            if committed.contains_key(&k) {
-                prop_assert!(matches!(res, Err(Error::AttemptExists { .. })), "duplicate accepted");
-            } else {
-                prop_assert!(res.is_ok());
-                committed.insert(k, rows);
-                first.entry(partition).or_insert(k);
+            match committed.entry(k) {
+                std::collections::btree_map::Entry::Occupied(_) => {
+                    prop_assert!(matches!(res, Err(Error::AttemptExists { .. })), "duplicate accepted");
+                }
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    prop_assert!(res.is_ok());
+                    slot.insert(rows);
+                    first.entry(partition).or_insert(k);
+                }
             }
         }
         let winners: Vec<AttemptKey> = named.iter().map(|&(p, a)| key(p, a)).collect();

@@ -64,7 +64,10 @@ impl Budget {
     /// Returns `bytes` to the budget (memory of dropped data).
     pub fn release(&self, bytes: u64) {
         let prev = self.used.fetch_sub(bytes, Ordering::AcqRel);
-        debug_assert!(prev >= bytes, "released {bytes} bytes with only {prev} used");
+        debug_assert!(
+            prev >= bytes,
+            "released {bytes} bytes with only {prev} used"
+        );
     }
 }
 
@@ -120,7 +123,9 @@ mod tests {
         let mut a = Reservation::new(budget.clone());
         a.grow(60, || "a".into()).expect("fits");
         let mut b = Reservation::new(budget.clone());
-        let err = b.grow(50, || "partition 3 of 'd'".into()).expect_err("over the limit");
+        let err = b
+            .grow(50, || "partition 3 of 'd'".into())
+            .expect_err("over the limit");
         assert!(err.to_string().contains("partition 3 of 'd'"), "{err}");
         assert_eq!(budget.used(), 60);
         b.grow(40, || "b".into()).expect("fits exactly");
@@ -151,7 +156,10 @@ mod tests {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("no panic"))
+                .collect()
         });
         let total: u64 = held.iter().map(Reservation::bytes).sum();
         assert!(total <= 1_000);

@@ -76,9 +76,10 @@ impl EpochOrder {
         let kind = match shuffle {
             _ if n == 0 => OrderKind::Identity,
             Shuffle::None => OrderKind::Identity,
-            Shuffle::Global => {
-                OrderKind::Global(KeyedPermutation::new(n, derive_key(&[TAG_GLOBAL, seed, epoch])))
-            }
+            Shuffle::Global => OrderKind::Global(KeyedPermutation::new(
+                n,
+                derive_key(&[TAG_GLOBAL, seed, epoch]),
+            )),
             Shuffle::Block { block_rows } => {
                 let k = block_rows.clamp(1, n);
                 let nb = n.div_ceil(k);
@@ -314,7 +315,10 @@ mod tests {
     fn none_is_partition_then_row_order() {
         let shares = Shares::new(10, 3, 0, false).expect("valid");
         let got = read_all(10, Shuffle::None, 1, 2, shares);
-        assert_eq!(got, vec![vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]);
+        assert_eq!(
+            got,
+            vec![vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]
+        );
     }
 
     #[test]
@@ -336,7 +340,11 @@ mod tests {
 
     #[test]
     fn empty_dataset_gives_empty_shards() {
-        for shuffle in [Shuffle::None, Shuffle::Global, Shuffle::Block { block_rows: 4 }] {
+        for shuffle in [
+            Shuffle::None,
+            Shuffle::Global,
+            Shuffle::Block { block_rows: 4 },
+        ] {
             for drop_last in [false, true] {
                 let shares = Shares::new(0, 4, 0, drop_last).expect("valid");
                 assert_eq!(shares.per_rank(), 0);

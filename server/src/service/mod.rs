@@ -96,7 +96,9 @@ impl FlightService for FlightdeckService {
         _request: Request<Criteria>,
     ) -> Result<Response<Self::ListFlightsStream>, Status> {
         let infos = get::list_flights(&self.state)?;
-        Ok(Response::new(stream::iter(infos.into_iter().map(Ok)).boxed()))
+        Ok(Response::new(
+            stream::iter(infos.into_iter().map(Ok)).boxed(),
+        ))
     }
 
     async fn get_flight_info(
@@ -122,10 +124,16 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<SchemaResult>, Status> {
-        Ok(Response::new(get::schema(&self.state, &request.into_inner())?))
+        Ok(Response::new(get::schema(
+            &self.state,
+            &request.into_inner(),
+        )?))
     }
 
-    async fn do_get(&self, request: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
         Ok(Response::new(get::do_get(
             &self.state,
             &request.into_inner(),

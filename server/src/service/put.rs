@@ -46,7 +46,9 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
         }
     };
     let descriptor = first.flight_descriptor.clone().ok_or_else(|| {
-        Error::invalid("the first DoPut message carries no flight descriptor; name the dataset and partition")
+        Error::invalid(
+            "the first DoPut message carries no flight descriptor; name the dataset and partition",
+        )
     })?;
     let (dataset, key) = convert::put_target(&descriptor)?;
     let what = || {
@@ -57,7 +59,11 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
     };
 
     let rest = input.map_err(|status| FlightError::Tonic(Box::new(status)));
-    let mut decoder = FlightDataDecoder::new(stream::once(async { Ok(first) }).chain(rest));
+    // Messages without an IPC header only carry a descriptor or app metadata.
+    let messages = stream::once(async { Ok(first) })
+        .chain(rest)
+        .try_filter(|m| std::future::ready(!m.data_header.is_empty()));
+    let mut decoder = FlightDataDecoder::new(messages);
     let mut schema: Option<SchemaRef> = None;
     let mut batches = Vec::new();
     let mut rows = 0u64;
