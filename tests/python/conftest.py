@@ -1,0 +1,112 @@
+"""Fixtures for the Python end-to-end tests.
+
+`flightdeck_server` starts the real server binary (built by cargo) on a free
+loopback port and stops it afterwards; `pb` compiles `protos/flightdeck.proto`
+with grpcio-tools at test time, so these tests use nothing but `pyarrow.flight`
+and the proto, like any third-party client would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30
+
+
+def server_binary() -> Path:
+    path = Path(os.environ.get("FLIGHTDECK_BIN", REPO / "target" / "debug" / "flightdeck"))
+    if not path.exists():
+        pytest.fail(f"server binary {path} not found: run `cargo build --bin flightdeck` first")
+    return path
+
+
+class RunningServer:
+    """A `flightdeck serve` child process on 127.0.0.1:<free port>."""
+
+    def __init__(self, *extra_args: str) -> None:
+        self.proc = subprocess.Popen(
+            [str(server_binary()), "serve", "--listen", "127.0.0.1:0", *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.addr = self._wait_for_address()
+        self.uri = f"grpc://{self.addr}"
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def _wait_for_address(self) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("flightdeck listening on "):
+                    found.append(line.split()[-1])
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(START_TIMEOUT_S)
+        if not found:
+            self.proc.kill()
+            raise RuntimeError(
+                "flightdeck did not report its address in time:\n" + "".join(self.stderr_lines)
+            )
+        return found[0]
+
+    def stop(self) -> int:
+        """SIGTERM, then wait for a graceful exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def flightdeck_server():
+    server = RunningServer("--memory-limit", "512MiB")
+    yield server
+    code = server.stop()
+    assert code == 0, "server did not shut down cleanly:\n" + "".join(server.stderr_lines)
+
+
+@pytest.fixture(scope="session")
+def pb(tmp_path_factory):
+    """`flightdeck_pb2`, compiled from protos/flightdeck.proto right now."""
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("proto")
+    proto_dir = REPO / "protos"
+    args = [
+        "protoc",
+        f"-I{proto_dir}",
+        f"-I{Path(protoc.__file__).parent / '_proto'}",
+        f"--python_out={out}",
+        str(proto_dir / "flightdeck.proto"),
+    ]
+    if protoc.main(args) != 0:
+        pytest.fail("grpcio-tools could not compile protos/flightdeck.proto")
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module("flightdeck_pb2")
+    finally:
+        sys.path.remove(str(out))
