@@ -3,7 +3,13 @@ can write, seal, plan and read a dataset, and gets the documented errors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -150,6 +156,11 @@ def test_write_seal_plan_read(flightdeck_server, pb):
             )
             assert deduped.equals(expected)
 
+    # Determinism: the same ticket gives the same data.
+    info, _ = read_plan(client, pb, dataset="py", world_size=3, shuffle=pb.SHUFFLE_GLOBAL, seed=8)
+    ticket = info.endpoints[1].ticket
+    assert client.do_get(ticket).read_all().equals(client.do_get(ticket).read_all())
+
     # Projection and the path descriptor for plain readers.
     info, shards = read_plan(client, pb, dataset="py", world_size=2, columns=["name", "id"])
     assert shards[0][1].schema.names == ["name", "id"]
@@ -203,3 +214,49 @@ def test_memory_limit_is_resource_exhausted(pb):
         put(client, pb, "small", 0, 0, partition_table(range(10), 0))
     finally:
         assert server.stop() == 0
+
+
+WRITER_THAT_DIES = textwrap.dedent(
+    """
+    import os, sys
+    import pyarrow as pa, pyarrow.flight as flight
+    import flightdeck_pb2 as pb
+    client = flight.connect(sys.argv[1])
+    cmd = pb.PutPartition(dataset="dies", partition=0, attempt=0)
+    table = pa.table({"id": pa.array(range(50_000), pa.int64())})
+    writer, _ = client.do_put(flight.FlightDescriptor.for_command(cmd.SerializeToString()), table.schema)
+    writer.write_table(table, max_chunksize=1000)
+    print("sent", flush=True)
+    sys.stdin.readline()  # wait until the test has seen the bytes staged
+    os._exit(1)           # die mid-stream, like a killed executor
+    """
+)
+
+
+def test_writer_killed_mid_stream_leaves_nothing(flightdeck_server, pb):
+    client = flight.connect(flightdeck_server.uri)
+    env = dict(os.environ, PYTHONPATH=str(Path(pb.__file__).parent))
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER_THAT_DIES, flightdeck_server.uri],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 30
+        while action(client, pb, "stats", None, pb.ServerStats).memory_used == 0:
+            assert time.monotonic() < deadline, "the server never staged the attempt"
+            time.sleep(0.02)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 1
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 30
+    while action(client, pb, "stats", None, pb.ServerStats).memory_used != 0:
+        assert time.monotonic() < deadline, "the broken attempt was never freed"
+        time.sleep(0.02)
+    with grpc_error("NOT_FOUND", "'dies' does not exist"):
+        action(client, pb, "describe", pb.DescribeDataset(dataset="dies"), pb.DatasetInfo)

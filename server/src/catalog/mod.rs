@@ -316,14 +316,7 @@ impl Catalog {
                 )));
             }
         }
-        let mut first: BTreeMap<u32, (u64, AttemptKey)> = BTreeMap::new();
-        for (key, a) in &ds.attempts {
-            let e = first.entry(key.partition).or_insert((a.seq, *key));
-            if a.seq < e.0 {
-                *e = (a.seq, *key);
-            }
-        }
-        for (p, (_, key)) in first {
+        for (p, key) in first_committed(&ds.attempts) {
             winners.entry(p).or_insert(key);
         }
         if req.partitions > 0 {
@@ -352,10 +345,7 @@ impl Catalog {
             }
         }
         // Move winners out, free losers.
-        let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
-        for key in ds.attempts.keys() {
-            *counts.entry(key.partition).or_default() += 1;
-        }
+        let counts = attempt_counts(&ds.attempts);
         let mut freed = 0u64;
         let mut parts = Vec::with_capacity(winners.len());
         let mut summaries = Vec::with_capacity(winners.len());
@@ -457,44 +447,51 @@ fn schema_mismatch(dataset: &str, key: AttemptKey, expected: &Schema, got: &Sche
     ))
 }
 
+/// The first committed attempt of each partition.
+fn first_committed(attempts: &BTreeMap<AttemptKey, CommittedAttempt>) -> BTreeMap<u32, AttemptKey> {
+    let mut first: BTreeMap<u32, (u64, AttemptKey)> = BTreeMap::new();
+    for (key, a) in attempts {
+        let e = first.entry(key.partition).or_insert((a.seq, *key));
+        if a.seq < e.0 {
+            *e = (a.seq, *key);
+        }
+    }
+    first.into_iter().map(|(p, (_, key))| (p, key)).collect()
+}
+
+/// The number of committed attempts of each partition.
+fn attempt_counts(attempts: &BTreeMap<AttemptKey, CommittedAttempt>) -> BTreeMap<u32, u32> {
+    let mut counts = BTreeMap::new();
+    for key in attempts.keys() {
+        *counts.entry(key.partition).or_default() += 1;
+    }
+    counts
+}
+
 fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
-    let (state, partitions) = match &ds.sealed {
-        Some(_) => (DatasetState::Sealed, ds.sealed_parts.clone()),
+    let (state, partitions, bytes) = match &ds.sealed {
+        Some(_) => {
+            let parts = ds.sealed_parts.clone();
+            let bytes = parts.iter().map(|p| p.bytes).sum();
+            (DatasetState::Sealed, parts, bytes)
+        }
         None => {
-            let mut parts: BTreeMap<u32, (u64, PartitionSummary)> = BTreeMap::new();
-            for (key, a) in &ds.attempts {
-                let e = parts.entry(key.partition).or_insert((
-                    a.seq,
-                    PartitionSummary {
-                        key: *key,
+            let counts = attempt_counts(&ds.attempts);
+            let parts = first_committed(&ds.attempts)
+                .into_values()
+                .filter_map(|key| {
+                    let a = ds.attempts.get(&key)?;
+                    Some(PartitionSummary {
+                        key,
                         rows: a.data.rows,
                         bytes: a.data.bytes,
-                        committed_attempts: 0,
-                    },
-                ));
-                e.1.committed_attempts += 1;
-                if a.seq < e.0 {
-                    let count = e.1.committed_attempts;
-                    *e = (
-                        a.seq,
-                        PartitionSummary {
-                            key: *key,
-                            rows: a.data.rows,
-                            bytes: a.data.bytes,
-                            committed_attempts: count,
-                        },
-                    );
-                }
-            }
-            (
-                DatasetState::Open,
-                parts.into_values().map(|(_, s)| s).collect(),
-            )
+                        committed_attempts: counts.get(&key.partition).copied().unwrap_or(1),
+                    })
+                })
+                .collect();
+            let bytes = ds.attempts.values().map(|a| a.data.bytes).sum();
+            (DatasetState::Open, parts, bytes)
         }
-    };
-    let bytes = match &ds.sealed {
-        Some(_) => partitions.iter().map(|p| p.bytes).sum(),
-        None => ds.attempts.values().map(|a| a.data.bytes).sum(),
     };
     DatasetSummary {
         name: name.to_string(),

@@ -480,6 +480,7 @@ mod tests {
             n in 1u64..50_000, w in 1u32..=64, w2 in 1u32..=64,
             shuffle in shuffle_strategy(), seed: u64, epoch in 0u64..100, step_frac in 0.0f64..=1.0,
         ) {
+            let w2 = if w2 == w { w % 64 + 1 } else { w2 };
             let order = EpochOrder::new(n, shuffle, seed, epoch);
             let first = Shares::new(n, w, 0, true).expect("valid");
             let k = ((first.per_rank() as f64) * step_frac) as u64;
