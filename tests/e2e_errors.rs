@@ -159,6 +159,39 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         "{err}"
     );
 
+    // With explicit_commit, a stream that ends cleanly but without the
+    // writer's matching commit marker stores nothing.
+    let explicit = |marker: Option<u64>| {
+        let cmd = flightdeck_client::PutPartition {
+            dataset: "d".into(),
+            partition: 8,
+            attempt: 0,
+            explicit_commit: true,
+        };
+        let batches = partition_batches(2000..2100, 0, 50);
+        let data = FlightDataEncoderBuilder::new()
+            .with_flight_descriptor(Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())))
+            .build(stream::iter(batches.into_iter().map(Ok)));
+        async move {
+            let mut msgs: Vec<FlightData> = data.try_collect().await.expect("encode");
+            if let Some(rows) = marker {
+                let commit = flightdeck_protos::PutCommit { rows: Some(rows) };
+                msgs.push(FlightData::new().with_app_metadata(commit.encode_to_vec()));
+            }
+            msgs
+        }
+    };
+    assert_code(
+        raw_put(&mut c, explicit(None).await).await,
+        Code::Aborted,
+        &["commit marker"],
+    );
+    assert_code(
+        raw_put(&mut c, explicit(Some(99)).await).await,
+        Code::Aborted,
+        &["99 rows but 100"],
+    );
+
     // Lifecycle errors.
     assert_code(
         c.plan(plan("d")).await,
@@ -429,6 +462,7 @@ async fn large_single_messages_are_accepted() {
                 dataset: "wide".into(),
                 partition: 0,
                 attempt: 0,
+                explicit_commit: false,
             }
             .encode_to_vec(),
         )))

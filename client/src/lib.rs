@@ -33,6 +33,7 @@
 //! ```
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
@@ -210,12 +211,26 @@ impl Client {
             dataset: dataset.to_string(),
             partition,
             attempt,
+            explicit_commit: true,
         };
+        // Count rows as they go; the last message carries the count as the
+        // commit marker, so the server commits only a complete attempt.
+        let rows = Arc::new(AtomicU64::new(0));
+        let counted = rows.clone();
+        let batches = batches.inspect_ok(move |b| {
+            counted.fetch_add(b.num_rows() as u64, Ordering::Relaxed);
+        });
         let data = FlightDataEncoderBuilder::new()
             .with_schema(schema)
             .with_flight_descriptor(Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())))
             .with_max_flight_data_size(MAX_MESSAGE_BYTES / 2)
-            .build(batches);
+            .build(batches)
+            .chain(futures::stream::once(async move {
+                let commit = flightdeck_protos::PutCommit {
+                    rows: Some(rows.load(Ordering::Relaxed)),
+                };
+                Ok(FlightData::new().with_app_metadata(commit.encode_to_vec()))
+            }));
         let (err_tx, mut err_rx) = futures::channel::oneshot::channel::<FlightError>();
         let mut err_tx = Some(err_tx);
         // After the first error the stream yields it to the codec (which

@@ -51,20 +51,32 @@ fn decode<M: Message + Default>(bytes: &[u8], what: &str, message: &str) -> Resu
     })
 }
 
-/// The dataset and attempt a `DoPut` descriptor names: a `PutPartition`
-/// command, or the path `[dataset, "<partition>"]` (attempt 0).
-pub fn put_target(descriptor: &FlightDescriptor) -> Result<(String, AttemptKey)> {
+/// What a `DoPut` stream writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutTarget {
+    /// The dataset.
+    pub dataset: String,
+    /// Partition and attempt.
+    pub key: AttemptKey,
+    /// Commit only on a matching `PutCommit` in the last message.
+    pub explicit_commit: bool,
+}
+
+/// The target of a `DoPut` descriptor: a `PutPartition` command, or the path
+/// `[dataset, "<partition>"]` (attempt 0).
+pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
     match descriptor.r#type() {
         DescriptorType::Cmd => {
             let cmd: pb::PutPartition =
                 decode(&descriptor.cmd, "DoPut descriptor command", "PutPartition")?;
-            Ok((
-                dataset_name(&cmd.dataset)?,
-                AttemptKey {
+            Ok(PutTarget {
+                dataset: dataset_name(&cmd.dataset)?,
+                key: AttemptKey {
                     partition: cmd.partition,
                     attempt: cmd.attempt,
                 },
-            ))
+                explicit_commit: cmd.explicit_commit,
+            })
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
             [dataset, partition] => {
@@ -74,13 +86,14 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<(String, AttemptKey)>
                          partition number"
                     ))
                 })?;
-                Ok((
-                    dataset_name(dataset)?,
-                    AttemptKey {
+                Ok(PutTarget {
+                    dataset: dataset_name(dataset)?,
+                    key: AttemptKey {
                         partition,
                         attempt: 0,
                     },
-                ))
+                    explicit_commit: false,
+                })
             }
             other => Err(Error::invalid(format!(
                 "DoPut path descriptor must be [dataset, partition], got {other:?}"
@@ -245,6 +258,15 @@ pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket>
     })
 }
 
+/// The writer's commit marker in the `app_metadata` of a stream's last message.
+pub fn put_commit(app_metadata: &[u8]) -> Result<pb::PutCommit> {
+    decode(
+        app_metadata,
+        "app_metadata of the last DoPut message",
+        "PutCommit",
+    )
+}
+
 /// A seal request from its wire form.
 pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
     let s: pb::SealDataset = decode(body, "body of action 'seal'", "SealDataset")?;
@@ -325,19 +347,21 @@ mod tests {
             dataset: "d".into(),
             partition: 3,
             attempt: 2,
+            explicit_commit: false,
         });
         assert_eq!(
             put_target(&d).expect("valid"),
-            (
-                "d".to_string(),
-                AttemptKey {
+            PutTarget {
+                dataset: "d".to_string(),
+                key: AttemptKey {
                     partition: 3,
                     attempt: 2
-                }
-            )
+                },
+                explicit_commit: false,
+            }
         );
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);
-        assert_eq!(put_target(&d).expect("valid").1.partition, 7);
+        assert_eq!(put_target(&d).expect("valid").key.partition, 7);
         let d = FlightDescriptor::new_path(vec!["d".into(), "seven".into()]);
         assert!(put_target(&d).is_err());
         let d = FlightDescriptor::new_cmd(vec![0xff, 0xff, 0xff]);

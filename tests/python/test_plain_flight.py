@@ -38,6 +38,7 @@ GRPC_NAMES = {
     "ALREADY_EXISTS": "already exists",
     "FAILED_PRECONDITION": "precondition failed",
     "RESOURCE_EXHAUSTED": "resource exhausted",
+    "ABORTED": "aborted",
 }
 
 
@@ -195,6 +196,24 @@ def test_errors_keep_their_codes(flightdeck_server, pb):
         client.do_get(flight.Ticket(b"\xff\xfe")).read_all()
     with grpc_error("FAILED_PRECONDITION", "is sealed"):
         put(client, pb, "e", 5, 0, partition_table(range(3), 0))
+
+    # explicit_commit: pyarrow ends a stream cleanly even when the writer
+    # stopped early; without the matching commit marker nothing is stored.
+    cmd = pb.PutPartition(dataset="x", partition=0, attempt=0, explicit_commit=True)
+    table = partition_table(range(300), 0)
+    descriptor = flight.FlightDescriptor.for_command(cmd.SerializeToString())
+    writer, reader = client.do_put(descriptor, table.schema)
+    writer.write_table(table.slice(0, 100))  # ... and then the task failed
+    with grpc_error("ABORTED", "without its commit marker"):
+        writer.close()
+    writer, reader = client.do_put(descriptor, table.schema)
+    writer.write_table(table)
+    writer.write_metadata(pb.PutCommit(rows=300).SerializeToString())
+    writer.done_writing()
+    ack = pb.PutAck()
+    ack.ParseFromString(reader.read().to_pybytes())
+    writer.close()
+    assert ack.rows == 300
 
     # Still serving.
     _, shards = read_plan(client, pb, dataset="e", world_size=1)

@@ -1,11 +1,14 @@
 //! `DoPut`: one partition attempt, staged until its stream ends cleanly, then
 //! committed — or nothing at all.
 
+use std::sync::{Arc, Mutex};
+
 use arrow::array::{Array, RecordBatch};
 use arrow::datatypes::SchemaRef;
 use arrow_flight::FlightData;
 use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
 use arrow_flight::error::FlightError;
+use bytes::Bytes;
 use flightdeck_protos as pb;
 use futures::{StreamExt, TryStreamExt, stream};
 use tonic::Streaming;
@@ -29,6 +32,29 @@ pub(crate) fn batch_bytes(batch: &RecordBatch) -> Result<u64> {
     })
 }
 
+/// Checks the writer's `PutCommit` against what arrived.
+fn check_commit_marker(marker: &[u8], rows: u64, what: &str) -> Result<()> {
+    if marker.is_empty() {
+        return Err(Error::Aborted(format!(
+            "DoPut stream of {what} ended without its commit marker (the writer stopped early); \
+             nothing was stored, send the attempt again"
+        )));
+    }
+    let commit = convert::put_commit(marker)?;
+    let Some(sent) = commit.rows else {
+        return Err(Error::invalid(format!(
+            "the commit marker of {what} carries no row count; set PutCommit.rows"
+        )));
+    };
+    if sent != rows {
+        return Err(Error::Aborted(format!(
+            "DoPut stream of {what}: the writer sent {sent} rows but {rows} arrived; nothing was \
+             stored, send the attempt again"
+        )));
+    }
+    Ok(())
+}
+
 /// Receives a whole attempt and commits it; any failure stores nothing.
 pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> Result<pb::PutAck> {
     let first = match input.message().await {
@@ -50,7 +76,11 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
             "the first DoPut message carries no flight descriptor; name the dataset and partition",
         )
     })?;
-    let (dataset, key) = convert::put_target(&descriptor)?;
+    let convert::PutTarget {
+        dataset,
+        key,
+        explicit_commit,
+    } = convert::put_target(&descriptor)?;
     let what = || {
         format!(
             "attempt {} of partition {} of dataset '{dataset}'",
@@ -59,13 +89,19 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
     };
 
     let rest = input.map_err(|status| FlightError::Tonic(Box::new(status)));
+    // The app_metadata of the last message seen: the commit marker, if any.
+    let last_metadata = Arc::new(Mutex::new(Bytes::new()));
+    let seen = last_metadata.clone();
     // Messages without an IPC header only carry a descriptor or app metadata.
     let messages = stream::once(async { Ok(first) })
         .chain(rest)
+        .inspect_ok(move |m| {
+            *seen.lock().unwrap_or_else(|p| p.into_inner()) = m.app_metadata.clone();
+        })
         .try_filter(|m| std::future::ready(!m.data_header.is_empty()));
     let mut decoder = FlightDataDecoder::new(messages);
     let mut schema: Option<SchemaRef> = None;
-    let mut batches = Vec::new();
+    let mut batches: Vec<RecordBatch> = Vec::new();
     let mut rows = 0u64;
     let mut reservation = Reservation::new(state.budget.clone());
     while let Some(item) = decoder.next().await {
@@ -110,6 +146,13 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
             what()
         ))
     })?;
+    if explicit_commit {
+        let marker = last_metadata
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        check_commit_marker(&marker, rows, &what())?;
+    }
     let bytes = reservation.bytes();
     state.catalog().commit(
         &dataset,
