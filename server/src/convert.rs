@@ -16,7 +16,7 @@ use prost::Message;
 use crate::catalog::{AttemptKey, DatasetState, DatasetSummary, SealRequest};
 use crate::config::{MAX_BATCH_ROWS, MAX_WORLD_SIZE, ServerConfig};
 use crate::error::{Error, Result};
-use crate::order::{ReadPlan, Shuffle};
+use crate::order::{ReadPlan, Shuffle, Split};
 
 /// Longest accepted dataset name, in bytes.
 pub const MAX_DATASET_NAME: usize = 256;
@@ -166,6 +166,15 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
             )));
         }
     };
+    let split = match (p.split_count, p.split_index) {
+        (0 | 1, 0) => Split::WHOLE,
+        (count, index) if count > 1 && index < count => Split { count, index },
+        (count, index) => {
+            return Err(Error::invalid(format!(
+                "split_index {index} must be below split_count {count}"
+            )));
+        }
+    };
     let mut seen = std::collections::HashSet::new();
     if let Some(dup) = p.columns.iter().find(|c| !seen.insert(c.as_str())) {
         return Err(Error::invalid(format!(
@@ -186,6 +195,7 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
         drop_last: p.drop_last,
         columns: p.columns.clone(),
         start_sample: p.start_sample,
+        split,
     })
 }
 
@@ -211,6 +221,8 @@ pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
         columns: plan.columns.clone(),
         start_sample: plan.start_sample,
         block_rows,
+        split_count: plan.split.count,
+        split_index: plan.split.index,
     }
 }
 

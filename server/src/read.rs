@@ -52,7 +52,7 @@ pub struct Shard {
     projected: Vec<RecordBatch>,
     schema: SchemaRef,
     order: ShardOrder,
-    batch_rows: u64,
+    plan: ReadPlan,
 }
 
 impl Shard {
@@ -74,7 +74,7 @@ impl Shard {
             projected,
             schema,
             order,
-            batch_rows: u64::from(plan.batch_rows.max(1)),
+            plan: plan.clone(),
         })
     }
 
@@ -83,23 +83,16 @@ impl Shard {
         self.schema.clone()
     }
 
-    /// Rows this shard holds.
-    pub fn rows(&self) -> u64 {
+    /// Rows of the rank's whole share (before any split).
+    pub fn rank_rows(&self) -> u64 {
         self.order.len()
     }
 
-    /// Number of batches [`Shard::batches`] yields.
-    pub fn num_batches(&self) -> u64 {
-        self.rows().div_ceil(self.batch_rows)
-    }
-
-    /// The shard's record batches, in order; the last may be shorter.
+    /// The stream's record batches, in order; the last may be shorter.
     pub fn batches(&self) -> impl Iterator<Item = Result<RecordBatch>> + '_ {
-        (0..self.num_batches()).map(move |b| {
-            let start = b * self.batch_rows;
-            let end = (start + self.batch_rows).min(self.rows());
-            self.gather(start..end)
-        })
+        self.plan
+            .stream_batches(self.rank_rows())
+            .map(move |samples| self.gather(samples))
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {

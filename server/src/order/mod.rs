@@ -267,6 +267,22 @@ pub struct ReadPlan {
     pub columns: Vec<String>,
     /// Samples of this epoch already consumed.
     pub start_sample: u64,
+    /// Which of a rank's batches this plan's streams carry.
+    pub split: Split,
+}
+
+/// A share of a rank's stream: batches `b` with `b % count == index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// Readers sharing one rank's stream, at least 1.
+    pub count: u32,
+    /// This reader, below `count`.
+    pub index: u32,
+}
+
+impl Split {
+    /// The whole stream.
+    pub const WHOLE: Split = Split { count: 1, index: 0 };
 }
 
 impl ReadPlan {
@@ -280,9 +296,21 @@ impl ReadPlan {
         Shares::new(n, self.world_size, self.start_sample, self.drop_last)
     }
 
-    /// Number of record batches a shard of `rows` rows is streamed in.
-    pub fn batches_for(&self, rows: u64) -> u64 {
-        rows.div_ceil(u64::from(self.batch_rows.max(1)))
+    /// The sample ranges (of a rank's `rows` samples) of the batches this
+    /// plan's stream carries, in order.
+    pub fn stream_batches(&self, rows: u64) -> impl Iterator<Item = std::ops::Range<u64>> {
+        let batch = u64::from(self.batch_rows.max(1));
+        let count = u64::from(self.split.count.max(1));
+        let all = rows.div_ceil(batch);
+        (u64::from(self.split.index)..all)
+            .step_by(count as usize)
+            .map(move |b| b * batch..((b + 1) * batch).min(rows))
+    }
+
+    /// Rows and batches of the stream of a rank with `rows` samples.
+    pub fn stream_size(&self, rows: u64) -> (u64, u64) {
+        self.stream_batches(rows)
+            .fold((0, 0), |(r, b), range| (r + range.end - range.start, b + 1))
     }
 }
 
@@ -360,6 +388,37 @@ mod tests {
         assert!(Shares::new(10, 2, 10, false).is_ok());
         let shares = Shares::new(10, 2, 0, false).expect("valid");
         assert!(ShardOrder::new(EpochOrder::new(10, Shuffle::None, 0, 0), shares, 2).is_err());
+    }
+
+    #[test]
+    fn splits_partition_a_ranks_batches() {
+        for split_count in 1..5u32 {
+            let mut seen = Vec::new();
+            let mut total = 0;
+            for index in 0..split_count {
+                let plan = ReadPlan {
+                    dataset: "d".into(),
+                    world_size: 1,
+                    epoch: 0,
+                    seed: 0,
+                    shuffle: Shuffle::None,
+                    batch_rows: 10,
+                    drop_last: false,
+                    columns: vec![],
+                    start_sample: 0,
+                    split: Split {
+                        count: split_count,
+                        index,
+                    },
+                };
+                let (rows, _) = plan.stream_size(95);
+                total += rows;
+                seen.extend(plan.stream_batches(95).flatten());
+            }
+            seen.sort_unstable();
+            assert_eq!(seen, (0..95).collect::<Vec<_>>());
+            assert_eq!(total, 95);
+        }
     }
 
     #[test]

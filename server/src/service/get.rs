@@ -34,7 +34,7 @@ fn plan_info(
 ) -> Result<FlightInfo> {
     let (_, schema) = project(data.schema(), &plan.columns, &plan.dataset)?;
     let shares = plan.shares(data.rows())?;
-    let rows = shares.per_rank();
+    let (rows, batches) = plan.stream_size(shares.per_rank());
     let mut info = FlightInfo::new()
         .try_with_schema(&schema)
         .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))?
@@ -50,7 +50,7 @@ fn plan_info(
         let meta = pb::ShardInfo {
             rank,
             rows,
-            batches: plan.batches_for(rows),
+            batches,
         };
         info = info.with_endpoint(
             FlightEndpoint::new()

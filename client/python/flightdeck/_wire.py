@@ -1,0 +1,266 @@
+"""The `flightdeck.v1` protobuf messages, encoded and decoded in plain Python.
+
+The package speaks the protocol of `protos/flightdeck.proto` without a
+protobuf runtime, so it installs next to whatever protobuf version a training
+environment pins. The field tables below mirror the proto; the test
+`tests/python/test_wire.py` compiles the proto with grpcio-tools and fails
+when a name, number, type or label here drifts from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# Field kinds and their wire types.
+_VARINT_KINDS = {"uint32", "uint64", "bool", "enum"}
+_LEN_KINDS = {"string", "bytes", "message"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a message: proto name, number and kind."""
+
+    name: str
+    number: int
+    kind: str
+    repeated: bool = False
+    optional: bool = False
+    message: str | None = None  # message type name for kind == "message"
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"negative value {value} for an unsigned field")
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+class Message:
+    """Base of the generated-by-hand message classes."""
+
+    NAME: ClassVar[str]
+    FIELDS: ClassVar[tuple[Field, ...]]
+
+    def __init__(self, **values: Any) -> None:
+        for f in self.FIELDS:
+            if f.repeated:
+                default: Any = []
+            elif f.optional or f.kind == "message":
+                default = None
+            elif f.kind == "string":
+                default = ""
+            elif f.kind == "bytes":
+                default = b""
+            elif f.kind == "bool":
+                default = False
+            else:
+                default = 0
+            setattr(self, f.name, default)
+        names = {f.name for f in self.FIELDS}
+        for key, value in values.items():
+            if key not in names:
+                raise TypeError(f"{self.NAME} has no field {key!r}")
+            setattr(self, key, list(value) if isinstance(value, (list, tuple)) else value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and all(
+            getattr(self, f.name) == getattr(other, f.name) for f in self.FIELDS
+        )
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in self.FIELDS)
+        return f"{self.NAME}({parts})"
+
+    def encode(self) -> bytes:
+        """The message's protobuf encoding."""
+        out = bytearray()
+        for f in self.FIELDS:
+            value = getattr(self, f.name)
+            values = value if f.repeated else [value]
+            for v in values:
+                if not f.repeated and not f.optional and f.kind != "message" and not v:
+                    continue  # proto3 default: not on the wire
+                if v is None:
+                    continue
+                if f.kind in _VARINT_KINDS:
+                    out += _varint(f.number << 3) + _varint(int(v))
+                else:
+                    if f.kind == "string":
+                        payload = v.encode("utf-8")
+                    elif f.kind == "bytes":
+                        payload = bytes(v)
+                    else:
+                        payload = v.encode()
+                    out += _varint((f.number << 3) | 2) + _varint(len(payload)) + payload
+        return bytes(out)
+
+    # Protobuf-style spelling, for code written against generated classes.
+    SerializeToString = encode
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Message:
+        """Decodes `data`; unknown fields are skipped."""
+        view = memoryview(bytes(data))
+        msg = cls()
+        by_number = {f.number: f for f in cls.FIELDS}
+        pos = 0
+        while pos < len(view):
+            key, pos = _read_varint(view, pos)
+            number, wire = key >> 3, key & 7
+            f = by_number.get(number)
+            if wire == 0:
+                value, pos = _read_varint(view, pos)
+            elif wire == 2:
+                length, pos = _read_varint(view, pos)
+                if pos + length > len(view):
+                    raise ValueError(f"truncated field {number} of {cls.NAME}")
+                value, pos = bytes(view[pos : pos + length]), pos + length
+            elif wire == 1:
+                value, pos = bytes(view[pos : pos + 8]), pos + 8
+            elif wire == 5:
+                value, pos = bytes(view[pos : pos + 4]), pos + 4
+            else:
+                raise ValueError(f"unsupported wire type {wire} in {cls.NAME}")
+            if f is None:
+                continue
+            expected = 0 if f.kind in _VARINT_KINDS else 2
+            if wire != expected:
+                raise ValueError(f"field {f.name} of {cls.NAME} has wire type {wire}")
+            if f.kind == "bool":
+                value = bool(value)
+            elif f.kind == "string":
+                value = value.decode("utf-8")
+            elif f.kind == "message":
+                value = MESSAGES[f.message].decode(value)
+            if f.repeated:
+                getattr(msg, f.name).append(value)
+            else:
+                setattr(msg, f.name, value)
+        return msg
+
+    @classmethod
+    def FromString(cls, data: bytes) -> Message:  # noqa: N802 - protobuf spelling
+        return cls.decode(data)
+
+
+def _message(name: str, *fields: Field) -> type[Message]:
+    cls = type(name, (Message,), {"NAME": name, "FIELDS": tuple(fields), "__doc__": f"flightdeck.v1.{name}"})
+    MESSAGES[name] = cls
+    return cls
+
+
+MESSAGES: dict[str, type[Message]] = {}
+
+# enum Shuffle
+SHUFFLE_NONE, SHUFFLE_GLOBAL, SHUFFLE_BLOCK = 0, 1, 2
+SHUFFLE = {"SHUFFLE_NONE": 0, "SHUFFLE_GLOBAL": 1, "SHUFFLE_BLOCK": 2}
+# enum DatasetState
+DATASET_STATE_UNSPECIFIED, DATASET_STATE_OPEN, DATASET_STATE_SEALED = 0, 1, 2
+DATASET_STATE = {"DATASET_STATE_UNSPECIFIED": 0, "DATASET_STATE_OPEN": 1, "DATASET_STATE_SEALED": 2}
+ENUMS = {"Shuffle": SHUFFLE, "DatasetState": DATASET_STATE}
+
+PutPartition = _message(
+    "PutPartition",
+    Field("dataset", 1, "string"),
+    Field("partition", 2, "uint32"),
+    Field("attempt", 3, "uint32"),
+    Field("explicit_commit", 4, "bool"),
+)
+PutCommit = _message("PutCommit", Field("rows", 1, "uint64", optional=True))
+PutAck = _message(
+    "PutAck",
+    Field("dataset", 1, "string"),
+    Field("partition", 2, "uint32"),
+    Field("attempt", 3, "uint32"),
+    Field("rows", 4, "uint64"),
+    Field("bytes", 5, "uint64"),
+)
+ReadPlan = _message(
+    "ReadPlan",
+    Field("dataset", 1, "string"),
+    Field("world_size", 2, "uint32"),
+    Field("epoch", 3, "uint64"),
+    Field("seed", 4, "uint64"),
+    Field("shuffle", 5, "enum", message="Shuffle"),
+    Field("batch_rows", 6, "uint32"),
+    Field("drop_last", 7, "bool"),
+    Field("columns", 8, "string", repeated=True),
+    Field("start_sample", 9, "uint64"),
+    Field("block_rows", 10, "uint32"),
+    Field("split_count", 11, "uint32"),
+    Field("split_index", 12, "uint32"),
+)
+ShardInfo = _message(
+    "ShardInfo",
+    Field("rank", 1, "uint32"),
+    Field("rows", 2, "uint64"),
+    Field("batches", 3, "uint64"),
+)
+ShardTicket = _message(
+    "ShardTicket",
+    Field("plan", 1, "message", message="ReadPlan"),
+    Field("rank", 2, "uint32"),
+    Field("generation", 3, "uint64"),
+)
+PartitionAttempt = _message(
+    "PartitionAttempt", Field("partition", 1, "uint32"), Field("attempt", 2, "uint32")
+)
+SealDataset = _message(
+    "SealDataset",
+    Field("dataset", 1, "string"),
+    Field("partitions", 2, "uint32"),
+    Field("attempts", 3, "message", repeated=True, message="PartitionAttempt"),
+)
+DropDataset = _message("DropDataset", Field("dataset", 1, "string"))
+DescribeDataset = _message("DescribeDataset", Field("dataset", 1, "string"))
+PartitionInfo = _message(
+    "PartitionInfo",
+    Field("partition", 1, "uint32"),
+    Field("attempt", 2, "uint32"),
+    Field("rows", 3, "uint64"),
+    Field("bytes", 4, "uint64"),
+    Field("committed_attempts", 5, "uint32"),
+)
+DatasetInfo = _message(
+    "DatasetInfo",
+    Field("dataset", 1, "string"),
+    Field("state", 2, "enum", message="DatasetState"),
+    Field("rows", 3, "uint64"),
+    Field("bytes", 4, "uint64"),
+    Field("committed_partitions", 5, "uint32"),
+    Field("schema", 6, "bytes"),
+    Field("partitions", 7, "message", repeated=True, message="PartitionInfo"),
+    Field("generation", 8, "uint64"),
+)
+ServerStats = _message(
+    "ServerStats",
+    Field("memory_used", 1, "uint64"),
+    Field("memory_limit", 2, "uint64"),
+    Field("datasets", 3, "uint32"),
+    Field("rows", 4, "uint64"),
+    Field("bytes", 5, "uint64"),
+    Field("sealed_datasets", 6, "uint32"),
+)

@@ -1,0 +1,297 @@
+"""The flightdeck client on `pyarrow.flight`: the same verbs as the Rust
+client — put_partition, seal, drop, describe, stats, list_datasets, plan,
+read_shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence, Union
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from . import _wire as wire
+from .errors import FlightDeckError, InvalidArgument, translate
+
+#: Port a flightdeck server listens on by default.
+DEFAULT_PORT = 50051
+
+Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
+
+
+def normalize_uri(uri: str) -> str:
+    """`grpc://host:port` for `host:port`, `grpc://…`, `grpc+tcp://…` or
+    `local` (the server on this host, default port)."""
+    if uri == "local":
+        return f"grpc://127.0.0.1:{DEFAULT_PORT}"
+    if "://" not in uri:
+        return f"grpc://{uri}"
+    scheme, rest = uri.split("://", 1)
+    if scheme in ("http", "grpc", "grpc+tcp"):
+        return f"grpc://{rest}"
+    raise InvalidArgument(f"unsupported URI scheme in {uri!r}: use host:port or grpc://host:port")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a plan."""
+
+    rank: int
+    #: Exact rows this stream carries.
+    rows: int
+    #: Record batches the stream carries.
+    batches: int
+    #: Opaque ticket for :meth:`Client.read_shard`.
+    ticket: bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer to :meth:`Client.plan`: the projected schema and one shard
+    per rank, in rank order."""
+
+    schema: pa.Schema
+    shards: list[Shard]
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+
+def shuffle_mode(shuffle: str | int) -> int:
+    """`"none"`, `"global"` or `"block"` (or the proto enum value)."""
+    if isinstance(shuffle, int):
+        return shuffle
+    try:
+        return wire.SHUFFLE["SHUFFLE_" + shuffle.upper()]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown shuffle {shuffle!r}: use 'none', 'global' or 'block'"
+        ) from None
+
+
+def dataset_schema(info: wire.Message) -> pa.Schema | None:
+    """The Arrow schema in a `DatasetInfo`, or None before the first commit."""
+    if not info.schema:
+        return None
+    return pa.ipc.read_schema(pa.py_buffer(info.schema))
+
+
+def _schema_and_batches(
+    data: Data, schema: pa.Schema | None
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    if isinstance(data, pa.Table):
+        return data.schema, iter(data.to_batches())
+    if isinstance(data, pa.RecordBatch):
+        return data.schema, iter([data])
+    if isinstance(data, pa.RecordBatchReader):
+        return data.schema, iter(data)
+    batches = iter(data)
+    if schema is not None:
+        return schema, batches
+    try:
+        first = next(batches)
+    except StopIteration:
+        raise InvalidArgument(
+            "cannot infer the schema of an empty partition: pass schema=, or a Table"
+        ) from None
+
+    def chained() -> Iterator[pa.RecordBatch]:
+        yield first
+        yield from batches
+
+    return first.schema, chained()
+
+
+class Client:
+    """A connection to one flightdeck server.
+
+    Errors from the server are raised as :class:`flightdeck.FlightDeckError`
+    subclasses that keep the gRPC code and message.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.uri = normalize_uri(uri)
+        self._flight = translate(lambda: flight.FlightClient(self.uri))
+        pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
+
+    def close(self) -> None:
+        """Closes the connection."""
+        self._flight.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def flight(self) -> flight.FlightClient:
+        """The underlying `pyarrow.flight.FlightClient`."""
+        return self._flight
+
+    # Writing
+
+    def put_partition(
+        self,
+        dataset: str,
+        partition: int,
+        data: Data,
+        attempt: int = 0,
+        *,
+        schema: pa.Schema | None = None,
+    ) -> wire.Message:
+        """Streams one attempt of one partition; returns the `PutAck` once
+        the server committed it.
+
+        The stream ends with a commit marker carrying the row count, so an
+        exception while producing `data` (or a lost connection) leaves
+        nothing on the server: the attempt is committed whole or not at all.
+        """
+        schema, batches = _schema_and_batches(data, schema)
+        cmd = wire.PutPartition(
+            dataset=dataset, partition=partition, attempt=attempt, explicit_commit=True
+        )
+        descriptor = flight.FlightDescriptor.for_command(cmd.encode())
+        writer, reader = translate(
+            lambda: self._flight.do_put(descriptor, schema, options=self._options)
+        )
+        rows = 0
+        try:
+            for batch in batches:
+                translate(lambda: writer.write_batch(batch))
+                rows += batch.num_rows
+            translate(lambda: writer.write_metadata(wire.PutCommit(rows=rows).encode()))
+            translate(writer.done_writing)
+            meta = translate(reader.read)
+        except BaseException:
+            # Without the commit marker the server stores nothing; it answers
+            # the close with ABORTED, which is not the error to report.
+            try:
+                writer.close()
+            except Exception:
+                pass
+            raise
+        translate(writer.close)
+        if meta is None:
+            raise FlightDeckError("DoPut returned no PutAck", "INTERNAL")
+        return wire.PutAck.decode(meta.to_pybytes())
+
+    # Actions
+
+    def _action(self, kind: str, body: wire.Message | None, reply: type[wire.Message]):
+        payload = body.encode() if body is not None else b""
+        results = translate(
+            lambda: list(self._flight.do_action(flight.Action(kind, payload), options=self._options))
+        )
+        if len(results) != 1:
+            raise FlightDeckError(f"action {kind!r} returned {len(results)} results", "INTERNAL")
+        return reply.decode(results[0].body.to_pybytes())
+
+    def seal(
+        self,
+        dataset: str,
+        partitions: int = 0,
+        attempts: Mapping[int, int] | Sequence[tuple[int, int]] | None = None,
+    ) -> wire.Message:
+        """Seals `dataset`. `partitions`: expected count (0 = don't check);
+        `attempts`: winning attempt per partition (others: first committed)."""
+        pairs = attempts.items() if isinstance(attempts, Mapping) else (attempts or [])
+        body = wire.SealDataset(
+            dataset=dataset,
+            partitions=partitions,
+            attempts=[wire.PartitionAttempt(partition=p, attempt=a) for p, a in pairs],
+        )
+        return self._action("seal", body, wire.DatasetInfo)
+
+    def drop(self, dataset: str) -> wire.Message:
+        """Drops `dataset` and frees its memory; returns what it was."""
+        return self._action("drop", wire.DropDataset(dataset=dataset), wire.DatasetInfo)
+
+    def describe(self, dataset: str) -> wire.Message:
+        """State, rows, bytes, partitions and schema (see :func:`dataset_schema`)."""
+        return self._action("describe", wire.DescribeDataset(dataset=dataset), wire.DatasetInfo)
+
+    def stats(self) -> wire.Message:
+        """Memory used and limit, datasets, rows, bytes."""
+        return self._action("stats", None, wire.ServerStats)
+
+    def list_datasets(self) -> list[str]:
+        """Names of the datasets on the server."""
+        infos = translate(lambda: list(self._flight.list_flights(options=self._options)))
+        return [i.descriptor.path[0].decode() for i in infos if i.descriptor.path]
+
+    # Reading
+
+    def plan(
+        self,
+        dataset: str,
+        *,
+        world_size: int = 1,
+        epoch: int = 0,
+        seed: int = 0,
+        shuffle: str | int = "none",
+        batch_rows: int = 0,
+        drop_last: bool = False,
+        columns: Sequence[str] | None = None,
+        start_sample: int = 0,
+        block_rows: int = 0,
+        split_count: int = 0,
+        split_index: int = 0,
+    ) -> Plan:
+        """Plans one epoch of a sealed dataset for `world_size` ranks."""
+        cmd = wire.ReadPlan(
+            dataset=dataset,
+            world_size=world_size,
+            epoch=epoch,
+            seed=seed,
+            shuffle=shuffle_mode(shuffle),
+            batch_rows=batch_rows,
+            drop_last=drop_last,
+            columns=list(columns or []),
+            start_sample=start_sample,
+            block_rows=block_rows,
+            split_count=split_count,
+            split_index=split_index,
+        )
+        descriptor = flight.FlightDescriptor.for_command(cmd.encode())
+        info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))
+        shards = []
+        for endpoint in info.endpoints:
+            meta = wire.ShardInfo.decode(endpoint.app_metadata)
+            shards.append(Shard(meta.rank, meta.rows, meta.batches, endpoint.ticket.ticket))
+        return Plan(info.schema, shards)
+
+    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
+        """Streams a shard's record batches in order."""
+        reader = translate(
+            lambda: self._flight.do_get(flight.Ticket(shard.ticket), options=self._options)
+        )
+        while True:
+            try:
+                chunk = translate(reader.read_chunk)
+            except StopIteration:
+                return
+            yield chunk.data
+
+    def read_table(self, shard: Shard) -> pa.Table:
+        """A whole shard as one table."""
+        reader = translate(
+            lambda: self._flight.do_get(flight.Ticket(shard.ticket), options=self._options)
+        )
+        return translate(reader.read_all)
+
+
+def connect(
+    uri: str, *, timeout: float | None = None, headers: Mapping[str, str] | None = None
+) -> Client:
+    """Connects to a flightdeck server: `host:port`, `grpc://host:port`, or
+    `local` for the server on this host."""
+    return Client(uri, timeout=timeout, headers=headers)

@@ -1,0 +1,147 @@
+"""`ShardedDataset`: one training rank's balanced, shuffled shard of every
+epoch, resumable mid-epoch — also with a different world size."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import pyarrow as pa
+
+from .client import Client, connect, shuffle_mode
+from .errors import InvalidArgument
+
+
+class ShardedDataset:
+    """Iterable of `pyarrow.RecordBatch`: rank `rank`'s share of one epoch.
+
+    Every rank yields the same number of batches of `batch_rows` rows (the
+    last may be shorter), so data-parallel ranks step in lockstep. Call
+    :meth:`set_epoch` before each epoch for a new order. :meth:`state_dict`
+    records the epoch and the global samples consumed; a job that loads it —
+    with any world size — reads exactly the samples not yet seen.
+    """
+
+    def __init__(
+        self,
+        uri: str | Client,
+        dataset: str,
+        *,
+        rank: int,
+        world_size: int,
+        batch_rows: int = 1024,
+        shuffle: str = "global",
+        seed: int = 0,
+        drop_last: bool = False,
+        columns: Sequence[str] | None = None,
+        block_rows: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
+        if batch_rows < 1:
+            raise InvalidArgument("batch_rows must be at least 1")
+        shuffle_mode(shuffle)  # validate early
+        self._client = uri if isinstance(uri, Client) else None
+        self.uri = uri.uri if isinstance(uri, Client) else uri
+        self.timeout = timeout
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_rows = batch_rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.columns = list(columns) if columns else None
+        self.block_rows = block_rows
+        self.epoch = 0
+        # Global samples of this epoch consumed before this iteration started
+        # (from load_state_dict), and this rank's samples handed out since.
+        self._start_sample = 0
+        self._yielded = 0
+        self._rows: int | None = None
+
+    # Plumbing
+
+    @property
+    def client(self) -> Client:
+        """The connection, opened on first use (and again after pickling,
+        as DataLoader workers do)."""
+        if self._client is None:
+            self._client = connect(self.uri, timeout=self.timeout)
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None
+        return state
+
+    def _plan(self, split_count: int = 0, split_index: int = 0):
+        return self.client.plan(
+            self.dataset,
+            world_size=self.world_size,
+            epoch=self.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            batch_rows=self.batch_rows,
+            drop_last=self.drop_last,
+            columns=self.columns,
+            start_sample=self._start_sample,
+            block_rows=self.block_rows,
+            split_count=split_count,
+            split_index=split_index,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the dataset."""
+        if self._rows is None:
+            self._rows = self.client.describe(self.dataset).rows
+        return self._rows
+
+    # Epochs and resume
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch (and so the order) the next iteration reads from
+        its start; a state loaded for this very epoch is kept."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start_sample = 0
+        self._yielded = 0
+
+    def samples_consumed(self, batches: int | None = None) -> int:
+        """Global samples of this epoch consumed once every rank has taken
+        `batches` batches of this iteration (default: what this rank took)."""
+        rows = self._yielded if batches is None else batches * self.batch_rows
+        return min(self._start_sample + rows * self.world_size, self.num_rows)
+
+    def state_dict(self, batches: int | None = None) -> dict[str, int]:
+        """Where this epoch stands: `{"epoch", "start_sample"}`. `batches`
+        overrides how many batches each rank consumed (for loaders that
+        prefetch)."""
+        return {"epoch": self.epoch, "start_sample": self.samples_consumed(batches)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resumes from :meth:`state_dict`, possibly saved at another world size."""
+        self.epoch = int(state["epoch"])
+        self._start_sample = int(state["start_sample"])
+        self._yielded = 0
+
+    # Iteration
+
+    def __len__(self) -> int:
+        """Batches this rank yields this epoch (from where it resumes)."""
+        return self._plan().shards[self.rank].batches
+
+    def iter_batches(self, split_count: int = 0, split_index: int = 0) -> Iterator[pa.RecordBatch]:
+        """This rank's batches, or with a split only batches
+        `b % split_count == split_index` (one of several readers of a rank)."""
+        plan = self._plan(split_count, split_index)
+        for batch in self.client.read_shard(plan.shards[self.rank]):
+            # Counted when handed out: a state taken after the caller
+            # processed this batch must not replay it.
+            self._yielded += batch.num_rows
+            yield batch
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        self._yielded = 0
+        return self.iter_batches()

@@ -1,0 +1,154 @@
+"""Server errors as Python exceptions that keep the gRPC code and message.
+
+pyarrow maps gRPC status codes onto a handful of Arrow exception classes and
+folds the code into the text; :func:`translate` recovers the code so callers
+can act on it: ``except flightdeck.NotFound``, or ``err.code == "NOT_FOUND"``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+T = TypeVar("T")
+
+
+class FlightDeckError(Exception):
+    """An error answered by a flightdeck server (or on the way to it).
+
+    ``code`` is the gRPC status code name (``"INVALID_ARGUMENT"``, ...) and
+    ``message`` the server's message, which names the dataset, partition or
+    column at fault and says what to do.
+    """
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class InvalidArgument(FlightDeckError, ValueError):
+    """Malformed request: bad schema, column, plan or ticket."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(FlightDeckError, KeyError):
+    """No dataset of that name."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return FlightDeckError.__str__(self)
+
+
+class AlreadyExists(FlightDeckError):
+    """The attempt was committed before; use a new attempt number."""
+
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(FlightDeckError):
+    """The dataset is not in the state the call needs (e.g. read before seal)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(FlightDeckError, MemoryError):
+    """The server's memory budget cannot hold the data."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Aborted(FlightDeckError):
+    """A write was broken off; nothing of it was stored."""
+
+    code = "ABORTED"
+
+
+class Unavailable(FlightDeckError, ConnectionError):
+    """The server could not be reached."""
+
+    code = "UNAVAILABLE"
+
+
+class Unimplemented(FlightDeckError, NotImplementedError):
+    """The server does not offer this call."""
+
+    code = "UNIMPLEMENTED"
+
+
+_CLASSES = {
+    c.code: c
+    for c in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Aborted,
+        Unavailable,
+        Unimplemented,
+    )
+}
+
+# How pyarrow's Flight client names each gRPC code in its error text.
+_PYARROW_NAMES = {
+    "internal": "INTERNAL",
+    "invalid argument": "INVALID_ARGUMENT",
+    "timeout": "DEADLINE_EXCEEDED",
+    "not found": "NOT_FOUND",
+    "already exists": "ALREADY_EXISTS",
+    "unauthenticated": "UNAUTHENTICATED",
+    "unauthorized": "PERMISSION_DENIED",
+    "unimplemented": "UNIMPLEMENTED",
+    "unavailable": "UNAVAILABLE",
+    "resource exhausted": "RESOURCE_EXHAUSTED",
+    "precondition failed": "FAILED_PRECONDITION",
+    "aborted": "ABORTED",
+    "out-of-range": "OUT_OF_RANGE",
+    "data loss": "DATA_LOSS",
+}
+_PATTERN = re.compile(
+    r"(?:Flight|gRPC) returned (?P<name>[a-z -]+?) error, with message: (?P<msg>.*?)"
+    r"(?:\. gRPC client debug context:.*|\. Client context:.*|\. Detail:.*)?$",
+    re.DOTALL,
+)
+
+
+def from_exception(exc: BaseException) -> FlightDeckError:
+    """The :class:`FlightDeckError` for an exception raised by pyarrow."""
+    text = str(exc)
+    m = _PATTERN.search(text)
+    if m:
+        code = _PYARROW_NAMES.get(m.group("name"), "UNKNOWN")
+        message = m.group("msg")
+    elif isinstance(exc, flight.FlightUnavailableError):
+        code, message = "UNAVAILABLE", text
+    elif isinstance(exc, flight.FlightCancelledError):
+        code, message = "CANCELLED", text
+    elif isinstance(exc, flight.FlightTimedOutError):
+        code, message = "DEADLINE_EXCEEDED", text
+    else:
+        code, message = "UNKNOWN", text
+    cls = _CLASSES.get(code, FlightDeckError)
+    return cls(message, code)
+
+
+def translate(call: Callable[[], T]) -> T:
+    """Runs `call`, turning pyarrow's Flight errors into FlightDeckErrors."""
+    try:
+        return call()
+    except FlightDeckError:
+        raise
+    except (pa.ArrowException, flight.FlightError) as exc:
+        raise from_exception(exc) from exc

@@ -1,0 +1,109 @@
+"""PyTorch integration: `FlightDeckIterableDataset` for `DataLoader`.
+
+Import is optional: the rest of the package works without torch.
+
+    loader = DataLoader(FlightDeckIterableDataset(uri, "features", batch_rows=4096),
+                        batch_size=None, num_workers=2)
+
+With `batch_size=None` every item is one batch of the rank's shard, a dict of
+column name → tensor. With `num_workers = n > 1` worker `i` reads only the
+batches `b % n == i` of its rank's stream (the server sends each worker just
+its part), so together they yield every row of the shard once, and
+DataLoader's round-robin puts them back in stream order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import pyarrow as pa
+import torch
+import torch.utils.data
+
+from .dataset import ShardedDataset
+from .tensors import to_torch
+
+
+def batch_to_tensors(batch: pa.RecordBatch) -> dict[str, torch.Tensor]:
+    """Every column as a tensor sharing Arrow's memory (see `to_torch`)."""
+    return {name: to_torch(batch, name) for name in batch.schema.names}
+
+
+def _distributed_rank_and_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
+    """This rank's shard of each epoch as an `IterableDataset` of batches.
+
+    `rank` and `world_size` default to `torch.distributed`'s when a process
+    group is initialised, else 0 and 1. `transform` turns each
+    `pyarrow.RecordBatch` into what the training loop wants (default: a dict
+    of tensors).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        dataset: str,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_rows: int = 1024,
+        shuffle: str = "global",
+        seed: int = 0,
+        drop_last: bool = False,
+        columns: Sequence[str] | None = None,
+        block_rows: int = 0,
+        transform: Callable[[pa.RecordBatch], Any] = batch_to_tensors,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if rank is None or world_size is None:
+            dist_rank, dist_size = _distributed_rank_and_size()
+            rank = dist_rank if rank is None else rank
+            world_size = dist_size if world_size is None else world_size
+        self.shards = ShardedDataset(
+            uri,
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            batch_rows=batch_rows,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            columns=columns,
+            block_rows=block_rows,
+            timeout=timeout,
+        )
+        self.transform = transform
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration reads."""
+        self.shards.set_epoch(epoch)
+
+    def state_dict(self, batches: int | None = None) -> dict[str, int]:
+        """Where this epoch stands. With worker processes this object does
+        not see what they read: pass `batches`, the batches each rank's
+        training loop consumed this epoch."""
+        return self.shards.state_dict(batches)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resumes mid-epoch, with this or another world size."""
+        self.shards.load_state_dict(state)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is None or info.num_workers <= 1:
+            batches = self.shards.iter_batches()
+        else:
+            batches = self.shards.iter_batches(info.num_workers, info.id)
+        for batch in batches:
+            yield self.transform(batch)

@@ -1,0 +1,178 @@
+"""The Python package against a real server: round trips, errors with their
+codes, sharded epochs with exact resume, and zero-copy tensors."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import flightdeck
+from flightdeck import ShardedDataset, to_numpy
+
+
+def mixed_table(ids: range) -> pa.Table:
+    base = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    return pa.table(
+        {
+            "id": pa.array(list(ids), pa.int64()),
+            "i8": pa.array([i % 100 - 50 for i in ids], pa.int8()),
+            "u32": pa.array([i * 3 for i in ids], pa.uint32()),
+            "f32": pa.array([i / 3 for i in ids], pa.float32()),
+            "f64": pa.array([None if i % 6 == 0 else i * 1.5 for i in ids], pa.float64()),
+            "s": pa.array([None if i % 4 == 0 else "x" * (i % 9) for i in ids], pa.string()),
+            "b": pa.array([None if i % 5 == 0 else i % 2 == 0 for i in ids], pa.bool_()),
+            "ts": pa.array(
+                [base + dt.timedelta(seconds=i) for i in ids], pa.timestamp("us", tz="UTC")
+            ),
+            "tags": pa.array(
+                [None if i % 7 == 0 else list(range(i % 4)) for i in ids], pa.list_(pa.int32())
+            ),
+            "emb": pa.array([[i, -i, 0.5] for i in ids], pa.list_(pa.float32(), 3)),
+            "feat": pa.array([[float(i)] * 4 for i in ids], pa.list_(pa.float32())),
+        }
+    )
+
+
+def write(client, name, sizes, *, seal=True):
+    start = 0
+    for p, n in enumerate(sizes):
+        ack = client.put_partition(name, p, mixed_table(range(start, start + n)))
+        assert (ack.partition, ack.rows) == (p, n)
+        start += n
+    if seal:
+        client.seal(name, partitions=len(sizes))
+    return start
+
+
+def test_round_trip_every_type(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    table = mixed_table(range(1000))
+    # A Table, a RecordBatchReader and an iterable of batches.
+    client.put_partition("rt", 0, table.slice(0, 300))
+    reader = pa.RecordBatchReader.from_batches(table.schema, table.slice(300, 300).to_batches(50))
+    client.put_partition("rt", 1, reader)
+    client.put_partition("rt", 2, iter(table.slice(600).to_batches(77)))
+    client.put_partition("rt", 3, iter([]), schema=table.schema)  # empty partition
+    info = client.seal("rt", partitions=4)
+    assert info.rows == 1000
+    assert flightdeck.dataset_schema(info) == table.schema
+    plan = client.plan("rt", world_size=1)
+    got = client.read_table(plan.shards[0])
+    assert got.equals(table)
+    assert client.list_datasets() == ["rt"]
+    assert client.stats().rows == 1000
+
+
+def test_errors_keep_code_and_message(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    with pytest.raises(flightdeck.NotFound) as err:
+        client.describe("missing")
+    assert err.value.code == "NOT_FOUND" and "'missing' does not exist" in err.value.message
+    assert isinstance(err.value, KeyError)
+
+    client.put_partition("e", 0, mixed_table(range(5)))
+    with pytest.raises(flightdeck.AlreadyExists, match="retry with a new attempt"):
+        client.put_partition("e", 0, mixed_table(range(5)))
+    with pytest.raises(flightdeck.InvalidArgument, match="does not match dataset 'e'"):
+        client.put_partition("e", 1, pa.table({"id": [1.5]}))
+    with pytest.raises(flightdeck.FailedPrecondition, match="not sealed"):
+        client.plan("e")
+    with pytest.raises(flightdeck.FailedPrecondition, match=r"\[1, 2\]"):
+        client.seal("e", partitions=3)
+    with pytest.raises(flightdeck.InvalidArgument, match="shuffle"):
+        client.plan("e", shuffle="sideways")
+
+    # A writer whose data source fails half-way stores nothing.
+    def failing():
+        yield from mixed_table(range(100, 200)).to_batches(10)
+        raise RuntimeError("the executor's iterator broke")
+
+    with pytest.raises(RuntimeError, match="iterator broke"):
+        client.put_partition("e", 1, failing(), schema=mixed_table(range(1)).schema)
+    info = client.describe("e")
+    assert (info.rows, info.committed_partitions) == (5, 1)
+    assert client.stats().memory_used == info.bytes
+
+    with pytest.raises(flightdeck.Unavailable):
+        flightdeck.connect("127.0.0.1:1", timeout=5).stats()
+
+
+def ids_of(batches) -> list[int]:
+    return [i for b in batches for i in b.column("id").to_pylist()]
+
+
+def test_sharded_epochs_balance_and_resume(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = write(client, "sh", [1000, 0, 2345, 1, 6000])
+    ranks = [
+        ShardedDataset(flightdeck_server.uri, "sh", rank=r, world_size=4, batch_rows=100, seed=3)
+        for r in range(4)
+    ]
+    epoch0 = [ids_of(ds) for ds in ranks]
+    per_rank = -(-n // 4)
+    assert [len(x) for x in epoch0] == [per_rank] * 4
+    assert [len(ds) for ds in ranks] == [-(-per_rank // 100)] * 4
+    order = [epoch0[q % 4][q // 4] for q in range(per_rank * 4)]
+    assert sorted(order[:n]) == list(range(n))
+    for ds in ranks:
+        ds.set_epoch(1)
+    epoch1 = [ids_of(ds) for ds in ranks]
+    assert epoch1 != epoch0
+    order1 = [epoch1[q % 4][q // 4] for q in range(per_rank * 4)]
+    assert sorted(order1[:n]) == list(range(n))
+
+    # Stop every rank after 7 batches of epoch 1, resume with 2 ranks.
+    seen = set()
+    for ds in ranks:
+        it = iter(ds)
+        for _ in range(7):
+            seen.update(next(it).column("id").to_pylist())
+    state = ranks[0].state_dict()
+    assert state == {"epoch": 1, "start_sample": 7 * 100 * 4}
+    resumed = [
+        ShardedDataset(flightdeck_server.uri, "sh", rank=r, world_size=2, batch_rows=100, seed=3)
+        for r in range(2)
+    ]
+    for ds in resumed:
+        ds.load_state_dict(state)
+    after = [ids_of(ds) for ds in resumed]
+    remaining = n - state["start_sample"]
+    rest = [after[q % 2][q // 2] for q in range(remaining)]
+    assert len(set(rest)) == remaining
+    assert set(rest).isdisjoint(seen)
+    assert set(rest) | seen == set(range(n))
+
+
+def test_split_streams_partition_a_rank(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    write(client, "sp", [999])
+    ds = ShardedDataset(flightdeck_server.uri, "sp", rank=1, world_size=2, batch_rows=64)
+    whole = [b.column("id").to_pylist() for b in ds.iter_batches()]
+    parts = [[b.column("id").to_pylist() for b in ds.iter_batches(3, i)] for i in range(3)]
+    assert [parts[b % 3][b // 3] for b in range(len(whole))] == whole
+
+
+def test_numpy_views_share_arrow_memory():
+    table = mixed_table(range(10, 20))
+    batch = table.to_batches()[0]
+    emb = to_numpy(batch, "emb")
+    assert emb.shape == (10, 3) and emb.dtype == np.float32
+    values = batch.column("emb").flatten()
+    assert emb.ctypes.data == values.buffers()[1].address + values.offset * 4
+    np.testing.assert_array_equal(emb[:, 0], np.arange(10, 20, dtype=np.float32))
+    # Spark's array<float> arrives as a variable-size list.
+    feat = to_numpy(batch, "feat")
+    assert feat.shape == (10, 4) and not feat.flags.writeable
+    sliced = batch.slice(3, 4)
+    assert to_numpy(sliced, "emb")[0, 0] == 13.0
+    assert to_numpy(sliced, "feat").shape == (4, 4)
+    np.testing.assert_array_equal(to_numpy(batch, "u32"), np.arange(30, 60, 3))
+    with pytest.raises(ValueError, match="nulls"):
+        to_numpy(batch, "f64")
+    with pytest.raises(ValueError, match="ragged"):
+        to_numpy(batch.slice(0, 4), "tags")
+    with pytest.raises(TypeError, match="string"):
+        to_numpy(batch, "s")
