@@ -15,4 +15,4 @@ echo "==> Python test environment (.venv)"
 scripts/python-env.sh
 
 echo "==> Python tests"
-FLIGHTDECK_BIN="$PWD/target/debug/flightdeck" .venv/bin/python -m pytest tests/python -q
+FLIGHTDECK_BIN="$PWD/target/debug/flightdeck" .venv/bin/python -m pytest tests/python -q --timeout 600 -rs

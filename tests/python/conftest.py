@@ -110,3 +110,28 @@ def pb(tmp_path_factory):
         return importlib.import_module("flightdeck_pb2")
     finally:
         sys.path.remove(str(out))
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """A local Spark session: 2 threads, up to 3 attempts per task."""
+    pyspark = pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2,3]")
+        .appName("flightdeck-tests")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "8")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    assert pyspark.__version__
+    yield session
+    session.stop()

@@ -4,6 +4,7 @@ read_shard."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence, Union
 
@@ -15,6 +16,21 @@ from .errors import FlightDeckError, InvalidArgument, translate
 
 #: Port a flightdeck server listens on by default.
 DEFAULT_PORT = 50051
+
+#: Processes that opened a Flight connection. gRPC does not survive fork(): a
+#: child forked from one of these hangs when it opens a connection of its own.
+_CONNECTED_PIDS: set[int] = set()
+
+
+def check_not_forked_after_connect() -> None:
+    """Raises instead of hanging when this process was forked from one that
+    had already opened a Flight connection (gRPC cannot be used after fork)."""
+    if _CONNECTED_PIDS and os.getpid() not in _CONNECTED_PIDS:
+        raise RuntimeError(
+            "this process was forked after a flightdeck connection was opened, and gRPC does "
+            "not work after fork(); start worker processes with 'spawn' or 'forkserver' "
+            "(DataLoader(..., multiprocessing_context='spawn'))"
+        )
 
 Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
 
@@ -118,7 +134,9 @@ class Client:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.uri = normalize_uri(uri)
+        check_not_forked_after_connect()
         self._flight = translate(lambda: flight.FlightClient(self.uri))
+        _CONNECTED_PIDS.add(os.getpid())
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
 

@@ -3,13 +3,16 @@
 Import is optional: the rest of the package works without torch.
 
     loader = DataLoader(FlightDeckIterableDataset(uri, "features", batch_rows=4096),
-                        batch_size=None, num_workers=2)
+                        batch_size=None, num_workers=2, multiprocessing_context="spawn")
 
 With `batch_size=None` every item is one batch of the rank's shard, a dict of
 column name → tensor. With `num_workers = n > 1` worker `i` reads only the
 batches `b % n == i` of its rank's stream (the server sends each worker just
 its part), so together they yield every row of the shard once, and
-DataLoader's round-robin puts them back in stream order.
+DataLoader's round-robin puts them back in stream order. Worker processes
+must be started with `spawn` or `forkserver`: gRPC, under every Flight
+client, does not work in a process forked after a connection was opened (the
+dataset raises a clear error instead of hanging).
 """
 
 from __future__ import annotations

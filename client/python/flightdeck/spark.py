@@ -1,0 +1,211 @@
+"""Spark connector: `df.write.format("flightdeck")` (Spark 4) and
+`write_dataframe` (Spark 3.4/3.5, `mapInArrow`).
+
+    from flightdeck.spark import register
+    register(spark)
+    (df.write.format("flightdeck")
+       .option("uri", "local")          # the server on each executor's host
+       .option("dataset", "features")
+       .mode("overwrite")
+       .save())
+
+Each task streams its partition as attempt `TaskContext.attemptNumber()` of
+partition `TaskContext.partitionId()`; the task's commit message names the
+attempt; the driver's `commit` seals the dataset with exactly the winning
+attempts and the partition count, so retried and speculative tasks never
+duplicate rows. `abort` drops what the job wrote. `overwrite` replaces an
+existing dataset; `append` to an existing dataset fails, since a sealed
+dataset is immutable.
+
+Spark ML vectors (`VectorUDT`) are structs on the wire: convert them first
+with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
+`flightdeck.to_numpy` / `to_torch` turn into `(rows, D)` arrays.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Iterator
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql import DataFrame, SparkSession
+
+from .client import DEFAULT_PORT, connect
+from .errors import FlightDeckError, InvalidArgument, NotFound
+
+
+def resolve_uri(uri: str) -> str:
+    """`local` means the flightdeck server on this (executor's) host."""
+    if uri == "local":
+        return f"grpc://{socket.gethostname()}:{DEFAULT_PORT}"
+    return uri
+
+
+def prepare_dataset(uri: str, dataset: str, overwrite: bool) -> None:
+    """Driver-side check before a write: drop for overwrite, refuse append
+    to an existing dataset."""
+    client = connect(resolve_uri(uri))
+    try:
+        info = client.describe(dataset)
+    except NotFound:
+        return
+    if overwrite:
+        client.drop(dataset)
+        return
+    state = "sealed" if info.state == 2 else "being written"
+    raise FlightDeckError(
+        f"cannot append to dataset '{dataset}': it already exists ({state}, {info.rows} rows) "
+        "and a flightdeck dataset is immutable once sealed; use mode('overwrite') to replace "
+        "it, or write to a new dataset name",
+        "FAILED_PRECONDITION",
+    )
+
+
+def _put_task_partition(
+    uri: str, dataset: str, batches: Iterator[pa.RecordBatch], schema: pa.Schema | None
+) -> tuple[int, int, int]:
+    ctx = TaskContext.get()
+    if ctx is None:
+        raise RuntimeError("flightdeck's Spark writer must run inside a Spark task")
+    partition, attempt = ctx.partitionId(), ctx.attemptNumber()
+    with connect(resolve_uri(uri)) as client:
+        ack = client.put_partition(dataset, partition, batches, attempt, schema=schema)
+    return partition, attempt, ack.rows
+
+
+def seal_winners(uri: str, dataset: str, partitions: int, winners: dict[int, int]) -> None:
+    """Seals `dataset` naming the winning attempt of every partition."""
+    missing = sorted(set(range(partitions)) - set(winners))
+    if missing:
+        raise FlightDeckError(
+            f"no committed task for partitions {missing} of dataset '{dataset}'", "INTERNAL"
+        )
+    with connect(resolve_uri(uri)) as client:
+        client.seal(dataset, partitions=partitions, attempts=winners)
+
+
+def drop_quietly(uri: str, dataset: str) -> None:
+    """Drops what a failed job wrote, if anything."""
+    try:
+        with connect(resolve_uri(uri)) as client:
+            client.drop(dataset)
+    except NotFound:
+        pass
+
+
+def _arrow_schema(schema) -> pa.Schema | None:
+    try:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        return to_arrow_schema(schema)
+    except Exception:  # a type Arrow cannot express: let the data speak
+        return None
+
+
+try:  # Spark 4: Python data sources
+    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+    @dataclass
+    class FlightDeckCommitMessage(WriterCommitMessage):
+        """What a task tells the driver: which attempt holds its partition."""
+
+        partition: int
+        attempt: int
+        rows: int
+
+    class FlightDeckWriter(DataSourceArrowWriter):
+        """Streams each task's partition; seals on commit, drops on abort."""
+
+        def __init__(self, options: dict, schema, overwrite: bool) -> None:
+            self.uri = options.get("uri", "local")
+            self.dataset = options.get("dataset")
+            if not self.dataset:
+                raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
+            self.schema = _arrow_schema(schema)
+            # Runs on the driver, before any task.
+            prepare_dataset(self.uri, self.dataset, overwrite)
+
+        def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
+            partition, attempt, rows = _put_task_partition(
+                self.uri, self.dataset, iterator, self.schema
+            )
+            return FlightDeckCommitMessage(partition, attempt, rows)
+
+        def commit(self, messages) -> None:
+            winners = {m.partition: m.attempt for m in messages}
+            seal_winners(self.uri, self.dataset, len(messages), winners)
+
+        def abort(self, messages) -> None:
+            drop_quietly(self.uri, self.dataset)
+
+    class FlightDeckDataSource(DataSource):
+        """`format("flightdeck")`: options `uri` (default `local`) and `dataset`."""
+
+        @classmethod
+        def name(cls) -> str:
+            return "flightdeck"
+
+        def writer(self, schema, overwrite: bool) -> FlightDeckWriter:
+            return FlightDeckWriter(self.options, schema, overwrite)
+
+    HAVE_DATA_SOURCES = True
+except ImportError:  # Spark 3.4/3.5: use write_dataframe
+    HAVE_DATA_SOURCES = False
+
+
+def register(spark: SparkSession) -> None:
+    """Registers `format("flightdeck")` with a Spark 4 session."""
+    if not HAVE_DATA_SOURCES:
+        raise RuntimeError(
+            "this Spark has no Python data sources (Spark 4 needed); use "
+            "flightdeck.spark.write_dataframe"
+        )
+    spark.dataSource.register(FlightDeckDataSource)
+
+
+def write_dataframe(df: DataFrame, uri: str, dataset: str, *, mode: str = "overwrite") -> int:
+    """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+), with the same
+    commit rule as the data source; returns the rows written."""
+    if mode not in ("overwrite", "append"):
+        raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
+    prepare_dataset(uri, dataset, mode == "overwrite")
+    schema = _arrow_schema(df.schema)
+
+    def put(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        partition, attempt, rows = _put_task_partition(uri, dataset, batches, schema)
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [partition], "attempt": [attempt], "rows": [rows]},
+            schema=pa.schema([("partition", pa.int32()), ("attempt", pa.int32()), ("rows", pa.int64())]),
+        )
+
+    partitions = df.rdd.getNumPartitions()
+    try:
+        results = df.mapInArrow(put, "partition int, attempt int, rows long").collect()
+    except BaseException:
+        drop_quietly(uri, dataset)
+        raise
+    winners = {r["partition"]: r["attempt"] for r in results}
+    seal_winners(uri, dataset, partitions, winners)
+    return sum(r["rows"] for r in results)
+
+
+def vectors_to_arrays(df: DataFrame, dtype: str = "float32") -> DataFrame:
+    """Every Spark ML vector column as `array<float>` (or `dtype`), so it
+    reaches flightdeck as a list column instead of a struct."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+
+    try:
+        from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
+    except ImportError:  # pragma: no cover
+        OldVectorUDT = VectorUDT
+    cols = []
+    for field in df.schema.fields:
+        if isinstance(field.dataType, (VectorUDT, OldVectorUDT)):
+            cols.append(vector_to_array(F.col(field.name), dtype).alias(field.name))
+        else:
+            cols.append(F.col(field.name))
+    return df.select(*cols)

@@ -1,0 +1,82 @@
+"""PyTorch: zero-copy tensors and a DataLoader with worker processes that
+together yield every row of a rank's shard exactly once. Runs where torch is
+installed."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flightdeck  # noqa: E402
+from flightdeck import to_torch  # noqa: E402
+from flightdeck.torch import FlightDeckIterableDataset  # noqa: E402
+
+
+def test_to_torch_shares_the_arrow_buffer():
+    n, d = 64, 8
+    values = pa.array([float(i) for i in range(n * d)], pa.float32())
+    column = pa.FixedSizeListArray.from_arrays(values, d)
+    tensor = to_torch(column)
+    assert tensor.shape == (n, d) and tensor.dtype == torch.float32
+    assert tensor.data_ptr() == values.buffers()[1].address
+    assert tensor[3, 2].item() == 26.0
+    batch = pa.record_batch({"y": pa.array(range(n), pa.int64()), "x": column})
+    assert to_torch(batch, "y").data_ptr() == batch.column("y").buffers()[1].address
+    # Variable-size lists of one length (Spark's array<float>) too.
+    offsets = pa.array(range(0, n * d + 1, d), pa.int32())
+    lists = pa.ListArray.from_arrays(offsets, values)
+    assert to_torch(lists).data_ptr() == values.buffers()[1].address
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_workers_yield_each_row_once(flightdeck_server, num_workers):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = 10_007
+    for p, (lo, hi) in enumerate([(0, 5000), (5000, 5001), (5001, n)]):
+        client.put_partition(
+            "t",
+            p,
+            pa.table(
+                {
+                    "id": pa.array(range(lo, hi), pa.int64()),
+                    "x": pa.FixedSizeListArray.from_arrays(
+                        pa.array([float(i) for i in range(lo, hi) for _ in range(4)], pa.float32()), 4
+                    ),
+                }
+            ),
+        )
+    client.seal("t", partitions=3)
+    seen = []
+    for rank in range(2):
+        ds = FlightDeckIterableDataset(
+            flightdeck_server.uri, "t", rank=rank, world_size=2, batch_rows=500, seed=4
+        )
+        ds.set_epoch(3)
+        context = "spawn" if num_workers else None
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=None, num_workers=num_workers, multiprocessing_context=context
+        )
+        rank_ids = []
+        for batch in loader:
+            assert batch["x"].shape == (len(batch["id"]), 4)
+            assert torch.equal(batch["x"][:, 0], batch["id"].to(torch.float32))
+            rank_ids.extend(batch["id"].tolist())
+        assert len(rank_ids) == -(-n // 2)
+        assert len(loader) == -(-len(rank_ids) // 500)
+        seen.append(rank_ids)
+    order = [seen[q % 2][q // 2] for q in range(n)]
+    assert sorted(order) == list(range(n))
+
+
+def test_forked_workers_fail_clearly_instead_of_hanging(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    client.put_partition("f", 0, pa.table({"id": pa.array(range(10), pa.int64())}))
+    client.seal("f")
+    ds = FlightDeckIterableDataset(flightdeck_server.uri, "f", rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
+    with pytest.raises(RuntimeError, match="spawn"):
+        list(loader)
