@@ -176,3 +176,14 @@ def test_numpy_views_share_arrow_memory():
         to_numpy(batch.slice(0, 4), "tags")
     with pytest.raises(TypeError, match="string"):
         to_numpy(batch, "s")
+
+
+def test_uri_forms():
+    from flightdeck.client import normalize_uri
+
+    assert normalize_uri("local") == "grpc://127.0.0.1:50051"
+    assert normalize_uri("local:6000") == "grpc://127.0.0.1:6000"
+    assert normalize_uri("node7:50051") == "grpc://node7:50051"
+    assert normalize_uri("grpc+tcp://node7:1") == "grpc://node7:1"
+    with pytest.raises(flightdeck.InvalidArgument, match="scheme"):
+        normalize_uri("s3://bucket")

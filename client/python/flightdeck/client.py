@@ -36,10 +36,12 @@ Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordB
 
 
 def normalize_uri(uri: str) -> str:
-    """`grpc://host:port` for `host:port`, `grpc://…`, `grpc+tcp://…` or
-    `local` (the server on this host, default port)."""
+    """`grpc://host:port` for `host:port`, `grpc://…`, `grpc+tcp://…`, or
+    `local` / `local:PORT` (the server on this host, over loopback)."""
     if uri == "local":
         return f"grpc://127.0.0.1:{DEFAULT_PORT}"
+    if uri.startswith("local:"):
+        return f"grpc://127.0.0.1:{uri.split(':', 1)[1]}"
     if "://" not in uri:
         return f"grpc://{uri}"
     scheme, rest = uri.split("://", 1)

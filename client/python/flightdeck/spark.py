@@ -24,7 +24,6 @@ with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,21 +31,14 @@ import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
-from .client import DEFAULT_PORT, connect
+from .client import connect
 from .errors import FlightDeckError, InvalidArgument, NotFound
-
-
-def resolve_uri(uri: str) -> str:
-    """`local` means the flightdeck server on this (executor's) host."""
-    if uri == "local":
-        return f"grpc://{socket.gethostname()}:{DEFAULT_PORT}"
-    return uri
 
 
 def prepare_dataset(uri: str, dataset: str, overwrite: bool) -> None:
     """Driver-side check before a write: drop for overwrite, refuse append
     to an existing dataset."""
-    client = connect(resolve_uri(uri))
+    client = connect(uri)
     try:
         info = client.describe(dataset)
     except NotFound:
@@ -70,7 +62,7 @@ def _put_task_partition(
     if ctx is None:
         raise RuntimeError("flightdeck's Spark writer must run inside a Spark task")
     partition, attempt = ctx.partitionId(), ctx.attemptNumber()
-    with connect(resolve_uri(uri)) as client:
+    with connect(uri) as client:
         ack = client.put_partition(dataset, partition, batches, attempt, schema=schema)
     return partition, attempt, ack.rows
 
@@ -82,14 +74,14 @@ def seal_winners(uri: str, dataset: str, partitions: int, winners: dict[int, int
         raise FlightDeckError(
             f"no committed task for partitions {missing} of dataset '{dataset}'", "INTERNAL"
         )
-    with connect(resolve_uri(uri)) as client:
+    with connect(uri) as client:
         client.seal(dataset, partitions=partitions, attempts=winners)
 
 
 def drop_quietly(uri: str, dataset: str) -> None:
     """Drops what a failed job wrote, if anything."""
     try:
-        with connect(resolve_uri(uri)) as client:
+        with connect(uri) as client:
             client.drop(dataset)
     except NotFound:
         pass

@@ -1,0 +1,181 @@
+"""Spark → training data path, measured end to end on this machine.
+
+Compares, on one Spark `local[N]` session and one flightdeck server:
+
+- `floor`: Spark exports the DataFrame as Arrow into a no-op `mapInArrow`
+  sink — the least any Arrow-based writer can cost.
+- `flightdeck write`: `df.write.format("flightdeck")` until the dataset is
+  sealed.
+- `flightdeck read`: one epoch read by `--ranks` ranks (threads, one
+  connection each), globally shuffled; `flightdeck read none` unshuffled.
+- `parquet write` + `parquet read`: the path users take today,
+  `df.write.parquet` then `--ranks` readers each reading their files.
+
+The DataFrame is cached first so generating it is not measured. Each phase
+runs `--reps` times; medians are reported. Usage:
+
+    .venv/bin/python bench/spark_to_ddp.py --rows 2000000 --cols 32 \
+        --server target/release/flightdeck --json bench/spark_to_ddp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_server(binary: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [binary, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("flightdeck listening on "):
+        proc.kill()
+        raise RuntimeError(f"server did not start: {line!r}")
+    return proc, "grpc://" + line.split()[-1]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--cols", type=int, default=32)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--batch-rows", type=int, default=8192)
+    ap.add_argument("--arrow-batch", type=int, default=10000,
+                    help="spark.sql.execution.arrow.maxRecordsPerBatch (Spark's default 10000)")
+    ap.add_argument("--server", default=str(REPO / "target" / "release" / "flightdeck"))
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    import flightdeck
+    from flightdeck.spark import register
+
+    spark = (
+        SparkSession.builder.master(args.master)
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", "6g")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(args.arrow_batch))
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    cols = [f"cast(rand({i}) as float) as f{i}" for i in range(args.cols)]
+    df = spark.range(args.rows, numPartitions=args.partitions).selectExpr("id", *cols).cache()
+    df.count()
+    payload = args.rows * (8 + 4 * args.cols)
+
+    proc, uri = start_server(args.server)
+    client = flightdeck.connect(uri)
+    tmp = Path(tempfile.mkdtemp(prefix="flightdeck-bench-"))
+    results: dict[str, list[float]] = {k: [] for k in (
+        "floor", "flightdeck_write", "flightdeck_read", "flightdeck_read_none", "parquet_write",
+    "parquet_read")}
+
+    def noop(batches):
+        for _ in batches:
+            pass
+        return iter(())
+
+    def fd_write():
+        (df.write.format("flightdeck").option("uri", uri).option("dataset", "bench")
+         .mode("overwrite").save())
+
+    def fd_read(shuffle="global"):
+        def rank(r):
+            with flightdeck.connect(uri) as c:
+                plan = c.plan("bench", world_size=args.ranks, shuffle=shuffle, seed=1,
+                              batch_rows=args.batch_rows)
+                return sum(b.num_rows for b in c.read_shard(plan.shards[r]))
+        with ThreadPoolExecutor(args.ranks) as pool:
+            rows = sum(pool.map(rank, range(args.ranks)))
+        assert rows >= args.rows
+
+    def pq_write():
+        shutil.rmtree(tmp / "pq", ignore_errors=True)
+        df.write.parquet(str(tmp / "pq"))
+
+    def pq_read():
+        files = sorted((tmp / "pq").glob("*.parquet"))
+
+        def rank(r):
+            return sum(pq.read_table(f).num_rows for f in files[r::args.ranks])
+        with ThreadPoolExecutor(args.ranks) as pool:
+            rows = sum(pool.map(rank, range(args.ranks)))
+        assert rows == args.rows
+
+    try:
+        for rep in range(args.reps):
+            results["floor"].append(timed(lambda: df.mapInArrow(noop, "id long").count()))
+            results["flightdeck_write"].append(timed(fd_write))
+            results["flightdeck_read"].append(timed(fd_read))
+            results["flightdeck_read_none"].append(timed(lambda: fd_read("none")))
+            results["parquet_write"].append(timed(pq_write))
+            results["parquet_read"].append(timed(pq_read))
+            print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
+                f"{k} {v[-1]:.2f}s" for k, v in results.items()), file=sys.stderr, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+        spark.stop()
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    fd_total = med["flightdeck_write"] + med["flightdeck_read"]
+    pq_total = med["parquet_write"] + med["parquet_read"]
+    summary = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "rows": args.rows, "cols": args.cols, "payload_bytes": payload,
+        "partitions": args.partitions, "ranks": args.ranks, "reps": args.reps,
+        "arrow_batch": args.arrow_batch,
+        "median_s": med, "runs_s": results,
+        "write_vs_floor": med["flightdeck_write"] / med["floor"],
+        "parquet_vs_flightdeck_e2e": pq_total / fd_total,
+        "parquet_e2e_vs_floor": pq_total / med["floor"],
+    }
+    print(f"{'phase':<18}{'median s':>10}{'MB/s':>10}")
+    for k, v in med.items():
+        print(f"{k:<18}{v:>10.2f}{payload / v / 1e6:>10.0f}")
+    print(f"flightdeck write / Spark Arrow floor: {summary['write_vs_floor']:.2f}x (target <= 1.3x)")
+    print(f"parquet e2e / flightdeck e2e: {summary['parquet_vs_flightdeck_e2e']:.2f}x (target >= 1.5x)")
+    print(f"parquet e2e / Spark Arrow floor: {summary['parquet_e2e_vs_floor']:.2f}x "
+          "(the most any writer behind Spark's Python Arrow export can reach)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
