@@ -32,6 +32,9 @@ def check_not_forked_after_connect() -> None:
             "(DataLoader(..., multiprocessing_context='spawn'))"
         )
 
+#: Rows per message when a whole Table is written.
+_TABLE_CHUNK_ROWS = 65_536
+
 Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
 
 
@@ -99,7 +102,8 @@ def _schema_and_batches(
     data: Data, schema: pa.Schema | None
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     if isinstance(data, pa.Table):
-        return data.schema, iter(data.to_batches())
+        # Bounded messages: a table may be one huge chunk.
+        return data.schema, iter(data.to_batches(max_chunksize=_TABLE_CHUNK_ROWS))
     if isinstance(data, pa.RecordBatch):
         return data.schema, iter([data])
     if isinstance(data, pa.RecordBatchReader):

@@ -1,0 +1,465 @@
+//! `flightdeck-bench`: measures flightdeck on this machine against pyarrow's
+//! C++ Flight server, the Parquet path and the machine's own limits.
+//!
+//! It generates a synthetic dataset in memory, starts a flightdeck server as
+//! a child process on a free loopback port (so its peak memory can be read),
+//! and runs the phases `put`, `get`, `e2e` and `limit`, each `--reps` times,
+//! baselines interleaved with flightdeck run by run. A table goes to stdout,
+//! `--json FILE` writes every figure, progress goes to stderr.
+
+mod data;
+mod phases;
+mod report;
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+
+use clap::Parser;
+use flightdeck_client::Shuffle;
+use serde_json::json;
+
+use data::Shape;
+use phases::BoxError;
+use report::{Measured, Sample};
+
+/// Benchmark flightdeck against pyarrow Flight, the Parquet path and the
+/// machine's limits.
+#[derive(Debug, Parser)]
+#[command(name = "flightdeck-bench", version, about)]
+struct Args {
+    /// Rows of the synthetic dataset.
+    #[arg(long, default_value_t = 4_000_000)]
+    rows: u64,
+    /// Float32 features per row.
+    #[arg(long, default_value_t = 64)]
+    features: usize,
+    /// Features as one fixed_size_list<float32>[features] column.
+    #[arg(long)]
+    vector: bool,
+    /// Partitions (DoPut streams).
+    #[arg(long, default_value_t = 16)]
+    partitions: usize,
+    /// Concurrent writers for put.
+    #[arg(long, default_value_t = 4)]
+    writers: usize,
+    /// Concurrent ranks for get.
+    #[arg(long, default_value_t = 8)]
+    ranks: u32,
+    /// Rows per record batch, written and read.
+    #[arg(long, default_value_t = 16_384)]
+    batch_rows: u32,
+    /// Shuffle modes for get: none, global, block.
+    #[arg(long, value_delimiter = ',', default_value = "none,global,block")]
+    shuffle: Vec<String>,
+    /// Phases: put, get, e2e, limit.
+    #[arg(long, value_delimiter = ',', default_value = "put,get,e2e,limit")]
+    phases: Vec<String>,
+    /// Baselines: pyarrow, parquet (empty for none).
+    #[arg(long, value_delimiter = ',', default_value = "pyarrow,parquet")]
+    baseline: Vec<String>,
+    /// Repetitions of every phase; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Seed of the data.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Use a running flightdeck server instead of starting one.
+    #[arg(long)]
+    server: Option<String>,
+    /// The flightdeck binary to start (default: next to this one).
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
+    /// Run the server inside this process instead (no peak RSS figure).
+    #[arg(long)]
+    in_process: bool,
+    /// Python with pyarrow for the pyarrow baseline (default: .venv's, else python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Write every figure here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// A server child process, killed on drop.
+struct ChildServer {
+    child: Child,
+    uri: String,
+}
+
+impl ChildServer {
+    fn start(mut cmd: Command, what: &str) -> Result<Self, BoxError> {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start {what}: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let addr = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .filter(|_| line.contains("listening on"))
+            .ok_or_else(|| format!("{what} did not report its address: {line:?}"))?;
+        Ok(Self {
+            uri: format!("http://{addr}"),
+            child,
+        })
+    }
+
+    /// Peak resident memory of the process so far (VmHWM), in bytes.
+    fn peak_rss(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+fn progress(msg: &str) {
+    let mut err = std::io::stderr();
+    if err.is_terminal() {
+        let _ = write!(err, "\r\x1b[2K{msg}");
+    } else {
+        let _ = writeln!(err, "{msg}");
+    }
+    let _ = err.flush();
+}
+
+fn shuffle_of(name: &str) -> Result<Shuffle, BoxError> {
+    match name {
+        "none" => Ok(Shuffle::None),
+        "global" => Ok(Shuffle::Global),
+        "block" => Ok(Shuffle::Block),
+        other => Err(format!("unknown shuffle '{other}': use none, global or block").into()),
+    }
+}
+
+struct Run {
+    args: Args,
+    shape: Shape,
+    parts: Arc<Vec<Vec<arrow::array::RecordBatch>>>,
+    results: Vec<Measured>,
+}
+
+impl Run {
+    fn record(&mut self, phase: &str, target: &str, rows: u64, bytes: u64, sample: Sample) {
+        progress(&format!(
+            "{phase} {target}: {}",
+            phases::secs(sample.elapsed)
+        ));
+        match self
+            .results
+            .iter_mut()
+            .find(|m| m.phase == phase && m.target == target)
+        {
+            Some(m) => m.samples.push(sample),
+            None => self.results.push(Measured {
+                phase: phase.to_string(),
+                target: target.to_string(),
+                rows,
+                bytes,
+                samples: vec![sample],
+            }),
+        }
+    }
+
+    fn median(&self, phase: &str, target: &str) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|m| m.phase == phase && m.target == target)
+            .map(|m| m.median().as_secs_f64())
+    }
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    let shape = Shape {
+        rows: args.rows,
+        features: args.features,
+        vector: args.vector,
+        partitions: args.partitions.max(1),
+        batch_rows: args.batch_rows.max(1) as usize,
+        seed: args.seed,
+    };
+    let shuffles = args
+        .shuffle
+        .iter()
+        .map(|s| shuffle_of(s).map(|m| (s.clone(), m)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let payload = shape.payload_bytes();
+    progress(&format!(
+        "generating {} rows x {} features ({:.2} GB payload)",
+        shape.rows,
+        shape.features,
+        payload as f64 / 1e9
+    ));
+    let parts = Arc::new(
+        (0..shape.partitions)
+            .map(|p| shape.partition(p))
+            .collect::<Vec<_>>(),
+    );
+
+    // flightdeck: a running server, or a child we can measure.
+    let mut child = None;
+    let fd_uri = match &args.server {
+        Some(uri) => uri.clone(),
+        None if args.in_process => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let config = flightdeck_server::ServerConfig {
+                memory_limit: (payload * 3).max(1 << 30),
+                ..Default::default()
+            };
+            tokio::spawn(flightdeck_server::serve(
+                listener,
+                config,
+                std::future::pending(),
+            ));
+            format!("http://{addr}")
+        }
+        None => {
+            let bin = match &args.server_bin {
+                Some(b) => b.clone(),
+                None => std::env::current_exe()?.with_file_name("flightdeck"),
+            };
+            let limit = (payload * 3).max(1 << 30);
+            let mut cmd = Command::new(&bin);
+            cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
+                .arg(limit.to_string());
+            let server = ChildServer::start(cmd, &format!("flightdeck server {}", bin.display()))?;
+            let uri = server.uri.clone();
+            child = Some(server);
+            uri
+        }
+    };
+    let pyarrow = if args.baseline.iter().any(|b| b == "pyarrow") {
+        let python = args.python.clone().unwrap_or_else(|| {
+            let venv = repo_root().join(".venv/bin/python");
+            if venv.exists() {
+                venv
+            } else {
+                PathBuf::from("python3")
+            }
+        });
+        let mut cmd = Command::new(python);
+        cmd.arg(repo_root().join("bench/baselines/pyarrow_server.py"));
+        Some(ChildServer::start(cmd, "the pyarrow baseline server")?)
+    } else {
+        None
+    };
+    let parquet = args.baseline.iter().any(|b| b == "parquet");
+    let mut run = Run {
+        shape,
+        parts,
+        results: Vec::new(),
+        args,
+    };
+    let reps = run.args.reps.max(1);
+    let has = |p: &str| run.args.phases.iter().any(|x| x == p);
+    let (do_limit, do_e2e, do_put, do_get) = (has("limit"), has("e2e"), has("put"), has("get"));
+    let mut peak_rss_e2e = None;
+
+    if do_limit {
+        let bytes = payload.min(2 << 30);
+        let message = (run.shape.row_bytes() * u64::from(run.args.batch_rows)) as usize;
+        for _ in 0..reps {
+            let s = phases::limit_tcp(run.args.ranks as usize, bytes, message)?;
+            run.record("limit/tcp", "limit", 0, bytes, s);
+            run.record(
+                "limit/memcpy",
+                "limit",
+                0,
+                bytes,
+                phases::limit_memcpy(bytes),
+            );
+        }
+    }
+    if do_e2e {
+        for rep in 0..reps {
+            let ds = format!("e2e-{rep}");
+            let t = std::time::Instant::now();
+            phases::put(&fd_uri, &ds, &run.shape, &run.parts, run.args.writers).await?;
+            let (_, rows) = phases::get(
+                &fd_uri,
+                &ds,
+                run.args.ranks,
+                Shuffle::Global,
+                run.args.batch_rows,
+            )
+            .await?;
+            let sample = Sample {
+                elapsed: t.elapsed(),
+                latencies: vec![],
+            };
+            run.record("e2e", "flightdeck", rows, payload, sample);
+            phases::drop_dataset(&fd_uri, &ds).await?;
+            if parquet {
+                let dir = std::env::temp_dir()
+                    .join(format!("flightdeck-bench-{}-{rep}", std::process::id()));
+                std::fs::create_dir_all(&dir)?;
+                let (shape, parts, writers, ranks) = (
+                    run.shape,
+                    run.parts.clone(),
+                    run.args.writers,
+                    run.args.ranks as usize,
+                );
+                let d = dir.clone();
+                let (w, r) = tokio::task::spawn_blocking(move || {
+                    phases::parquet_path(&d, &shape, &parts, writers, ranks)
+                })
+                .await??;
+                std::fs::remove_dir_all(&dir)?;
+                let total = Sample {
+                    elapsed: w.elapsed + r.elapsed,
+                    latencies: vec![],
+                };
+                run.record("e2e/write", "parquet", run.shape.rows, payload, w);
+                run.record("e2e/read", "parquet", run.shape.rows, payload, r);
+                run.record("e2e", "parquet", run.shape.rows, payload, total);
+            }
+        }
+        peak_rss_e2e = child.as_ref().and_then(ChildServer::peak_rss);
+    }
+    if do_put {
+        for rep in 0..reps {
+            let ds = format!("put-{rep}");
+            let s = phases::put(&fd_uri, &ds, &run.shape, &run.parts, run.args.writers).await?;
+            run.record("put", "flightdeck", run.shape.rows, payload, s);
+            phases::drop_dataset(&fd_uri, &ds).await?;
+            if let Some(pa) = &pyarrow {
+                let s = phases::put(&pa.uri, &ds, &run.shape, &run.parts, run.args.writers).await?;
+                run.record("put", "pyarrow", run.shape.rows, payload, s);
+                phases::drop_dataset(&pa.uri, &ds).await?;
+            }
+        }
+    }
+    if do_get {
+        let mut targets = vec![("flightdeck", fd_uri.clone())];
+        if let Some(pa) = &pyarrow {
+            targets.push(("pyarrow", pa.uri.clone()));
+        }
+        for (_, uri) in &targets {
+            phases::drop_dataset(uri, "bench").await?;
+            phases::put(uri, "bench", &run.shape, &run.parts, run.args.writers).await?;
+        }
+        for (name, mode) in &shuffles {
+            for _ in 0..reps {
+                for (target, uri) in &targets {
+                    let (s, rows) =
+                        phases::get(uri, "bench", run.args.ranks, *mode, run.args.batch_rows)
+                            .await?;
+                    let bytes = rows * run.shape.row_bytes();
+                    run.record(&format!("get/{name}"), target, rows, bytes, s);
+                }
+            }
+        }
+        for (_, uri) in &targets {
+            phases::drop_dataset(uri, "bench").await?;
+        }
+    }
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+
+    // Ratios against the targets of the benchmark issue.
+    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+    let get_none = run.median("get/none", "flightdeck");
+    let tcp_gbps = run
+        .results
+        .iter()
+        .find(|m| m.phase == "limit/tcp")
+        .map(Measured::gbps);
+    let none_gbps = run
+        .results
+        .iter()
+        .find(|m| m.phase == "get/none" && m.target == "flightdeck")
+        .map(Measured::gbps);
+    let ratios = json!({
+        "get_none_vs_pyarrow": ratio(run.median("get/none", "pyarrow"), get_none),
+        "get_none_vs_loopback_limit": ratio(none_gbps, tcp_gbps),
+        "get_global_vs_none": ratio(get_none, run.median("get/global", "flightdeck")),
+        "put_vs_pyarrow": ratio(run.median("put", "pyarrow"), run.median("put", "flightdeck")),
+        "e2e_vs_parquet": ratio(run.median("e2e", "parquet"), run.median("e2e", "flightdeck")),
+        "peak_rss_e2e_bytes": peak_rss_e2e,
+        "peak_rss_bound_bytes": (payload as f64 * 1.2) as u64 + (256u64 << 20),
+    });
+
+    print!("{}", report::table(&run.results));
+    println!(
+        "dataset: {} rows x {} features{}, {:.3} GB payload, {} partitions, {} writers, {} ranks, {} rows/batch, {} reps (medians)",
+        run.shape.rows,
+        run.shape.features,
+        if run.shape.vector { " (vector)" } else { "" },
+        payload as f64 / 1e9,
+        run.shape.partitions,
+        run.args.writers,
+        run.args.ranks,
+        run.args.batch_rows,
+        reps
+    );
+    let show = |name: &str, v: &serde_json::Value| {
+        if let Some(x) = v.as_f64() {
+            println!("{name}: {x:.2}x");
+        }
+    };
+    show(
+        "get none, flightdeck vs pyarrow (higher is faster)",
+        &ratios["get_none_vs_pyarrow"],
+    );
+    show(
+        "get none vs loopback TCP limit",
+        &ratios["get_none_vs_loopback_limit"],
+    );
+    show("get global vs get none", &ratios["get_global_vs_none"]);
+    show("put, flightdeck vs pyarrow", &ratios["put_vs_pyarrow"]);
+    show("e2e, flightdeck vs parquet", &ratios["e2e_vs_parquet"]);
+    if let Some(rss) = peak_rss_e2e {
+        println!(
+            "server peak RSS through e2e: {:.3} GB (bound 1.2 x payload + 256 MiB = {:.3} GB)",
+            rss as f64 / 1e9,
+            ((payload as f64 * 1.2) + (256u64 << 20) as f64) / 1e9
+        );
+    }
+    if let Some(path) = &run.args.json {
+        let doc = json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "machine": { "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "arch": std::env::consts::ARCH },
+            "rows": run.shape.rows,
+            "features": run.shape.features,
+            "payload_bytes": payload,
+            "results": run.results.iter().map(Measured::to_json).collect::<Vec<_>>(),
+            "ratios": ratios,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("flightdeck-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

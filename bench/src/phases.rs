@@ -1,0 +1,290 @@
+//! The measured phases. `put` and `get` speak the flightdeck protocol, so
+//! they run unchanged against flightdeck and against the pyarrow baseline;
+//! `parquet_path` is the Parquet files + readers path; `limit_*` measure the
+//! machine itself.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::RecordBatch;
+use flightdeck_client::{Client, ReadPlan, SealDataset, Shuffle};
+use futures::{StreamExt, stream};
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+
+use crate::data::Shape;
+use crate::report::Sample;
+
+/// Boxed error for the benchmark's plumbing.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Writes every partition with `writers` concurrent connections, then seals.
+pub async fn put(
+    uri: &str,
+    dataset: &str,
+    shape: &Shape,
+    parts: &Arc<Vec<Vec<RecordBatch>>>,
+    writers: usize,
+) -> Result<Sample, BoxError> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let mut client = Client::connect(uri).await?;
+        let parts = parts.clone();
+        let schema = shape.schema();
+        let dataset = dataset.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            for p in (w..parts.len()).step_by(writers) {
+                let t = Instant::now();
+                let batches = stream::iter(parts[p].clone().into_iter().map(Ok));
+                client
+                    .put_partition(&dataset, p as u32, 0, schema.clone(), batches)
+                    .await?;
+                latencies.push(t.elapsed());
+            }
+            Ok::<_, BoxError>(latencies)
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await??);
+    }
+    Client::connect(uri)
+        .await?
+        .seal(SealDataset {
+            dataset: dataset.to_string(),
+            partitions: parts.len() as u32,
+            ..Default::default()
+        })
+        .await?;
+    Ok(Sample {
+        elapsed: start.elapsed(),
+        latencies,
+    })
+}
+
+/// Reads one epoch with `ranks` concurrent ranks, each on its own
+/// connection; returns the sample and the rows read.
+pub async fn get(
+    uri: &str,
+    dataset: &str,
+    ranks: u32,
+    shuffle: Shuffle,
+    batch_rows: u32,
+) -> Result<(Sample, u64), BoxError> {
+    let start = Instant::now();
+    let plan = Client::connect(uri)
+        .await?
+        .plan(ReadPlan {
+            dataset: dataset.to_string(),
+            world_size: ranks,
+            shuffle: shuffle.into(),
+            seed: 7,
+            batch_rows,
+            ..Default::default()
+        })
+        .await?;
+    let mut tasks = Vec::new();
+    for shard in plan.shards {
+        let mut client = Client::connect(uri).await?;
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut rows = 0u64;
+            let mut last = Instant::now();
+            let mut batches = client.read_shard(&shard).await?;
+            while let Some(batch) = batches.next().await {
+                rows += batch?.num_rows() as u64;
+                latencies.push(last.elapsed());
+                last = Instant::now();
+            }
+            Ok::<_, BoxError>((latencies, rows))
+        }));
+    }
+    let mut latencies = Vec::new();
+    let mut rows = 0;
+    for t in tasks {
+        let (l, r) = t.await??;
+        latencies.extend(l);
+        rows += r;
+    }
+    Ok((
+        Sample {
+            elapsed: start.elapsed(),
+            latencies,
+        },
+        rows,
+    ))
+}
+
+/// Drops a dataset, ignoring "not found".
+pub async fn drop_dataset(uri: &str, dataset: &str) -> Result<(), BoxError> {
+    let mut client = Client::connect(uri).await?;
+    match client.drop_dataset(dataset).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == flightdeck_client::Code::NotFound => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The Parquet path users take today: each partition written to a Parquet
+/// file (snappy, as Spark writes), then `ranks` readers each read their
+/// files. Returns the write and the read samples.
+pub fn parquet_path(
+    dir: &Path,
+    shape: &Shape,
+    parts: &Arc<Vec<Vec<RecordBatch>>>,
+    writers: usize,
+    ranks: usize,
+) -> Result<(Sample, Sample), BoxError> {
+    let start = Instant::now();
+    std::thread::scope(|s| -> Result<(), BoxError> {
+        let handles: Vec<_> = (0..writers)
+            .map(|w| {
+                s.spawn(move || -> Result<(), BoxError> {
+                    for p in (w..parts.len()).step_by(writers) {
+                        let file = std::fs::File::create(dir.join(format!("part-{p:05}.parquet")))?;
+                        let props = WriterProperties::builder()
+                            .set_compression(Compression::SNAPPY)
+                            .build();
+                        let mut writer = ArrowWriter::try_new(file, shape.schema(), Some(props))?;
+                        for b in &parts[p] {
+                            writer.write(b)?;
+                        }
+                        writer.close()?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "parquet writer panicked")??;
+        }
+        Ok(())
+    })?;
+    let write = Sample {
+        elapsed: start.elapsed(),
+        latencies: vec![],
+    };
+    let start = Instant::now();
+    let rows = std::thread::scope(|s| -> Result<u64, BoxError> {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                s.spawn(move || -> Result<u64, BoxError> {
+                    let mut rows = 0;
+                    for p in (r..parts.len()).step_by(ranks) {
+                        let file = std::fs::File::open(dir.join(format!("part-{p:05}.parquet")))?;
+                        for batch in ParquetRecordBatchReaderBuilder::try_new(file)?.build()? {
+                            rows += batch?.num_rows() as u64;
+                        }
+                    }
+                    Ok(rows)
+                })
+            })
+            .collect();
+        let mut rows = 0;
+        for h in handles {
+            rows += h.join().map_err(|_| "parquet reader panicked")??;
+        }
+        Ok(rows)
+    })?;
+    if rows != shape.rows {
+        return Err(format!("parquet readers read {rows} rows of {}", shape.rows).into());
+    }
+    let read = Sample {
+        elapsed: start.elapsed(),
+        latencies: vec![],
+    };
+    Ok((write, read))
+}
+
+/// Raw loopback TCP: `conns` connections each carrying `bytes / conns`
+/// bytes in `message` byte writes, as fast as the kernel moves them.
+pub fn limit_tcp(conns: usize, bytes: u64, message: usize) -> Result<Sample, BoxError> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let per_conn = bytes / conns as u64;
+    let message = message.max(1);
+    let sender = std::thread::spawn(move || -> Result<(), BoxError> {
+        let mut senders = Vec::new();
+        for _ in 0..conns {
+            let (mut sock, _) = listener.accept()?;
+            senders.push(std::thread::spawn(move || -> std::io::Result<()> {
+                let buf = vec![7u8; message];
+                let mut left = per_conn;
+                while left > 0 {
+                    let n = left.min(message as u64) as usize;
+                    sock.write_all(&buf[..n])?;
+                    left -= n as u64;
+                }
+                Ok(())
+            }));
+        }
+        for s in senders {
+            s.join().map_err(|_| "sender panicked")??;
+        }
+        Ok(())
+    });
+    let start = Instant::now();
+    let readers: Vec<_> = (0..conns)
+        .map(|_| {
+            std::thread::spawn(move || -> std::io::Result<u64> {
+                let mut sock = std::net::TcpStream::connect(addr)?;
+                let mut buf = vec![0u8; 1 << 20];
+                let mut total = 0u64;
+                loop {
+                    let n = sock.read(&mut buf)?;
+                    if n == 0 {
+                        return Ok(total);
+                    }
+                    total += n as u64;
+                }
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for r in readers {
+        total += r.join().map_err(|_| "reader panicked")??;
+    }
+    let elapsed = start.elapsed();
+    sender.join().map_err(|_| "sender panicked")??;
+    if total != per_conn * conns as u64 {
+        return Err(format!(
+            "loopback moved {total} bytes, expected {}",
+            per_conn * conns as u64
+        )
+        .into());
+    }
+    Ok(Sample {
+        elapsed,
+        latencies: vec![],
+    })
+}
+
+/// Single-threaded memcpy of `bytes` bytes (in 64 MiB chunks).
+pub fn limit_memcpy(bytes: u64) -> Sample {
+    let chunk = (64usize << 20).min(bytes.max(1) as usize);
+    let src = vec![1u8; chunk];
+    let mut dst = vec![0u8; chunk];
+    let start = Instant::now();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk as u64) as usize;
+        dst[..n].copy_from_slice(&src[..n]);
+        std::hint::black_box(&mut dst);
+        left -= n as u64;
+    }
+    Sample {
+        elapsed: start.elapsed(),
+        latencies: vec![],
+    }
+}
+
+/// A duration as seconds with millisecond precision, for progress lines.
+pub fn secs(d: Duration) -> String {
+    format!("{:.3}s", d.as_secs_f64())
+}

@@ -1,0 +1,71 @@
+//! A small run of every phase of the benchmark tool: it must finish, report
+//! every phase and move every row. No timing is asserted.
+
+use std::process::Command;
+
+#[test]
+fn every_phase_runs_and_reports() {
+    let dir = std::env::temp_dir().join(format!("flightdeck-bench-smoke-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let json = dir.join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
+        .args([
+            "--rows",
+            "5000",
+            "--features",
+            "4",
+            "--partitions",
+            "3",
+            "--writers",
+            "2",
+            "--ranks",
+            "3",
+            "--batch-rows",
+            "512",
+            "--reps",
+            "1",
+            "--baseline",
+            "parquet",
+            "--in-process",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run flightdeck-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for phase in [
+        "limit/tcp",
+        "limit/memcpy",
+        "e2e",
+        "put",
+        "get/none",
+        "get/global",
+        "get/block",
+    ] {
+        assert!(stdout.contains(phase), "table lacks {phase}:\n{stdout}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
+            .expect("valid json");
+    let results = doc["results"].as_array().expect("results");
+    let get = |phase: &str, target: &str| {
+        results
+            .iter()
+            .find(|r| r["phase"] == phase && r["target"] == target)
+            .unwrap_or_else(|| panic!("no {phase} {target}"))
+    };
+    // Every rank read its equal share: ceil(5000 / 3) * 3 rows.
+    assert_eq!(get("get/global", "flightdeck")["rows"], 5001);
+    assert_eq!(get("e2e", "parquet")["rows"], 5000);
+    assert_eq!(
+        get("put", "flightdeck")["payload_bytes"],
+        5000 * (4 * 4 + 8)
+    );
+    assert!(doc["ratios"]["e2e_vs_parquet"].as_f64().is_some());
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
