@@ -168,6 +168,8 @@ impl Client {
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))
+            // Shards arrive in MiB-sized messages: fewer, larger frames.
+            .max_frame_size(Some(1 << 20))
             .connect()
             .await?;
         Ok(Self::from_channel(channel))

@@ -51,6 +51,9 @@ pub use service::FlightdeckService;
 /// loopback or datacenter link busy.
 const STREAM_WINDOW_BYTES: u32 = 8 << 20;
 const CONNECTION_WINDOW_BYTES: u32 = 32 << 20;
+/// Largest HTTP/2 frame this server accepts (writers' DoPut data); the
+/// default 16 KiB cuts a 4 MiB record batch into 256 frames.
+const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 /// Why the server could not run.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +90,7 @@ pub async fn serve(
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)
