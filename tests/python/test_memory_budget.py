@@ -1,0 +1,82 @@
+"""The memory budget holds under concurrent writers offering twice the
+limit: accounting never exceeds it, refused writers get RESOURCE_EXHAUSTED
+and leave nothing, the server's resident memory stays within the limit plus
+a fixed overhead, and dropping returns the memory."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+import flightdeck
+from conftest import RunningServer
+
+LIMIT = 64 << 20
+#: Allowance above the limit for the process itself and in-flight messages:
+#: the binary and its runtime (~20 MiB here) plus up to one undecoded 1 MiB
+#: message per writer and read buffers.
+OVERHEAD = 96 << 20
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_budget_holds_under_eight_writers_offering_twice_the_limit():
+    server = RunningServer("--memory-limit", str(LIMIT))
+    try:
+        uri = server.uri
+        rows = (2 * LIMIT // 8) // 8  # each writer offers a quarter of the limit
+        table = pa.table({"v": pa.array(np.arange(rows, dtype=np.int64))})
+        stop = threading.Event()
+        seen: list[int] = []
+
+        def watch():
+            with flightdeck.connect(uri) as c:
+                while not stop.is_set():
+                    seen.append(c.stats().memory_used)
+
+        def write(p: int):
+            with flightdeck.connect(uri) as c:
+                try:
+                    # 1 MiB messages, so writers interleave inside the budget.
+                    c.put_partition("d", p, iter(table.to_batches(max_chunksize=1 << 17)))
+                    return "ok"
+                except flightdeck.ResourceExhausted:
+                    return "refused"
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(write, range(8)))
+        stop.set()
+        watcher.join()
+
+        client = flightdeck.connect(uri)
+        stats = client.stats()
+        committed = outcomes.count("ok")
+        # At most four quarter-limit attempts fit; which ones win is timing.
+        assert committed <= 4 and outcomes.count("refused") == 8 - committed
+        assert max(seen) <= LIMIT and stats.memory_used <= LIMIT
+        # Refused writers left nothing: what is held is exactly the committed attempts.
+        info = client.describe("d")
+        assert info.committed_partitions == committed
+        assert stats.memory_used == info.bytes == committed * rows * 8
+        rss = peak_rss(server.proc.pid)
+        print(f"committed {committed}/8, max memory_used {max(seen)}, peak RSS {rss}")
+        assert rss <= LIMIT + OVERHEAD
+
+        client.drop("d")
+        assert client.stats().memory_used == 0
+        # The freed budget is usable again.
+        client.put_partition("again", 0, table)
+        assert client.stats().memory_used == rows * 8
+    finally:
+        assert server.stop() == 0
