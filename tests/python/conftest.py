@@ -22,6 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30
 
 
+def strided_order(per_rank: list[list], count: int | None = None) -> list:
+    """The epoch order behind strided shards: global position q is the
+    sample q // W of rank q % W. `count` defaults to every sample."""
+    w = len(per_rank)
+    count = sum(len(r) for r in per_rank) if count is None else count
+    return [per_rank[q % w][q // w] for q in range(count)]
+
+
 def server_binary() -> Path:
     path = Path(os.environ.get("FLIGHTDECK_BIN", REPO / "target" / "debug" / "flightdeck"))
     if not path.exists():

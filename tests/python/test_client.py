@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 import flightdeck
+from conftest import strided_order
 from flightdeck import ShardedDataset, to_numpy
 
 
@@ -115,13 +116,13 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
     per_rank = -(-n // 4)
     assert [len(x) for x in epoch0] == [per_rank] * 4
     assert [len(ds) for ds in ranks] == [-(-per_rank // 100)] * 4
-    order = [epoch0[q % 4][q // 4] for q in range(per_rank * 4)]
+    order = strided_order(epoch0)
     assert sorted(order[:n]) == list(range(n))
     for ds in ranks:
         ds.set_epoch(1)
     epoch1 = [ids_of(ds) for ds in ranks]
     assert epoch1 != epoch0
-    order1 = [epoch1[q % 4][q // 4] for q in range(per_rank * 4)]
+    order1 = strided_order(epoch1)
     assert sorted(order1[:n]) == list(range(n))
 
     # Stop every rank after 7 batches of epoch 1, resume with 2 ranks.
@@ -140,7 +141,7 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
         ds.load_state_dict(state)
     after = [ids_of(ds) for ds in resumed]
     remaining = n - state["start_sample"]
-    rest = [after[q % 2][q // 2] for q in range(remaining)]
+    rest = strided_order(after, remaining)
     assert len(set(rest)) == remaining
     assert set(rest).isdisjoint(seen)
     assert set(rest) | seen == set(range(n))
@@ -152,7 +153,7 @@ def test_split_streams_partition_a_rank(flightdeck_server):
     ds = ShardedDataset(flightdeck_server.uri, "sp", rank=1, world_size=2, batch_rows=64)
     whole = [b.column("id").to_pylist() for b in ds.iter_batches()]
     parts = [[b.column("id").to_pylist() for b in ds.iter_batches(3, i)] for i in range(3)]
-    assert [parts[b % 3][b // 3] for b in range(len(whole))] == whole
+    assert strided_order(parts) == whole
 
 
 def test_numpy_views_share_arrow_memory():

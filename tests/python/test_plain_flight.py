@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from conftest import strided_order
+
 SIZES = [300, 0, 1, 250, 777, 64]
 
 
@@ -141,9 +143,8 @@ def test_write_seal_plan_read(flightdeck_server, pb):
             per_rank = -(-n // world_size)
             assert all(t.num_rows == per_rank for _, t in shards)
             assert info.total_records == per_rank * world_size
-            # Strided order: global position q is rank q % W, step q // W.
             columns = [t.column("id").to_pylist() for _, t in shards]
-            order = [columns[q % world_size][q // world_size] for q in range(per_rank * world_size)]
+            order = strided_order(columns)
             assert sorted(order[:n]) == list(range(n))
             assert order[n:] == order[: len(order) - n]
             everything = pa.concat_tables([t for _, t in shards])

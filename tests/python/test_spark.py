@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
+from conftest import strided_order  # noqa: E402
 from flightdeck import ShardedDataset  # noqa: E402
 from flightdeck.spark import register, vectors_to_arrays, write_dataframe  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_spark_writes_exactly_once_and_ranks_read_balanced_shards(flightdeck_ser
         ds.load_state_dict(state)
         rest.append(ids(ds))
     remaining = ROWS - state["start_sample"]
-    unseen = [rest[q % 2][q // 2] for q in range(remaining)]
+    unseen = strided_order(rest, remaining)
     assert len(set(unseen)) == remaining
     assert set(unseen).isdisjoint(seen) and len(seen) + remaining == ROWS
 

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flightdeck  # noqa: E402
+from conftest import strided_order  # noqa: E402
 from flightdeck import to_torch  # noqa: E402
 from flightdeck.torch import FlightDeckIterableDataset  # noqa: E402
 
@@ -66,7 +67,7 @@ def test_dataloader_workers_yield_each_row_once(flightdeck_server, num_workers):
         assert len(rank_ids) == -(-n // 2)
         assert len(loader) == -(-len(rank_ids) // 500)
         seen.append(rank_ids)
-    order = [seen[q % 2][q // 2] for q in range(n)]
+    order = strided_order(seen, n)
     assert sorted(order) == list(range(n))
 
 

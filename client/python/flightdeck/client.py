@@ -293,11 +293,14 @@ class Client:
             shards.append(Shard(meta.rank, meta.rows, meta.batches, endpoint.ticket.ticket))
         return Plan(info.schema, shards)
 
-    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
-        """Streams a shard's record batches in order."""
-        reader = translate(
+    def _do_get(self, shard: Shard) -> flight.FlightStreamReader:
+        return translate(
             lambda: self._flight.do_get(flight.Ticket(shard.ticket), options=self._options)
         )
+
+    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
+        """Streams a shard's record batches in order."""
+        reader = self._do_get(shard)
         while True:
             try:
                 chunk = translate(reader.read_chunk)
@@ -307,10 +310,7 @@ class Client:
 
     def read_table(self, shard: Shard) -> pa.Table:
         """A whole shard as one table."""
-        reader = translate(
-            lambda: self._flight.do_get(flight.Ticket(shard.ticket), options=self._options)
-        )
-        return translate(reader.read_all)
+        return translate(self._do_get(shard).read_all)
 
 
 def connect(
