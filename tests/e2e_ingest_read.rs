@@ -6,13 +6,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use arrow::array::RecordBatch;
-use arrow_flight::{FlightDescriptor, Ticket};
-use bytes::Bytes;
+use arrow_flight::FlightDescriptor;
 use flightdeck_client::{
     Client, DatasetState, PartitionAttempt, ReadPlan, SealDataset, Shard, Shuffle,
 };
 use flightdeck_tests::{
-    CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, schema, timed,
+    CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, raw_bytes,
+    schema, timed,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -47,20 +47,20 @@ async fn put(client: &mut Client, p: u32, attempt: u32, ids: std::ops::Range<i64
     ack.bytes
 }
 
-async fn memory_used(client: &mut Client) -> u64 {
-    client.stats().await.expect("stats").memory_used
+async fn live_bytes(client: &mut Client) -> u64 {
+    client.stats().await.expect("stats").host_live_bytes
 }
 
 async fn wait_for(client: &mut Client, what: &str, pred: impl Fn(u64) -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let used = memory_used(client).await;
+        let used = live_bytes(client).await;
         if pred(used) {
             return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{what}: memory_used stuck at {used}"
+            "{what}: live bytes stuck at {used}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -70,7 +70,7 @@ async fn wait_for(client: &mut Client, what: &str, pred: impl Fn(u64) -> bool) {
 /// server must have staged bytes, then free them and keep nothing.
 async fn cut_off_attempt(server: &TestServer, ids: std::ops::Range<i64>) {
     let mut probe = server.client().await;
-    assert_eq!(memory_used(&mut probe).await, 0);
+    assert_eq!(live_bytes(&mut probe).await, 0);
     let proxy = CutProxy::start(server.addr()).await;
     let mut writer = timed("connect", Client::connect(proxy.uri()))
         .await
@@ -129,7 +129,7 @@ async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
         staged += timed("writer", w).await.expect("writer task");
     }
     let mut client = server.client().await;
-    assert_eq!(memory_used(&mut client).await, staged);
+    assert_eq!(live_bytes(&mut client).await, staged);
 
     let open = client.describe(DATASET).await.expect("describe");
     assert_eq!(open.state, DatasetState::Open as i32);
@@ -164,7 +164,7 @@ async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
     assert_eq!(by_partition[&FIRST_WINS], (0, 2));
     assert_eq!(by_partition[&CUT_OFF], (1, 1));
     // Losers were freed at seal.
-    assert_eq!(memory_used(&mut client).await, sealed.bytes);
+    assert_eq!(live_bytes(&mut client).await, sealed.bytes);
     assert!(sealed.bytes < staged);
 
     HashMap::from([(NAMED_TWICE, 1), (FIRST_WINS, 0), (CUT_OFF, 1)])
@@ -184,24 +184,6 @@ async fn read_all(server: &TestServer, shards: &[Shard]) -> Vec<Vec<RecordBatch>
     let mut out = Vec::new();
     for t in tasks {
         out.push(timed("read shard", t).await.expect("task").expect("read"));
-    }
-    out
-}
-
-/// The raw bytes of a `DoGet` stream, for byte-for-byte determinism.
-async fn raw_bytes(client: &mut Client, ticket: Bytes) -> Vec<u8> {
-    let mut stream = client
-        .flight()
-        .inner_mut()
-        .do_get(Ticket::new(ticket))
-        .await
-        .expect("do_get")
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(msg) = stream.next().await {
-        let msg = msg.expect("message");
-        out.extend_from_slice(&msg.data_header);
-        out.extend_from_slice(&msg.data_body);
     }
     out
 }
@@ -368,7 +350,7 @@ async fn concurrent_ingest_then_balanced_shuffled_shards() {
 
     // Drop frees everything.
     client.drop_dataset(DATASET).await.expect("drop");
-    assert_eq!(memory_used(&mut client).await, 0);
+    assert_eq!(live_bytes(&mut client).await, 0);
     server.stop().await;
 }
 

@@ -3,11 +3,13 @@
 //!
 //! It generates a synthetic dataset in memory, starts a flightdeck server as
 //! a child process on a free loopback port (so its peak memory can be read),
-//! and runs the phases `put`, `get`, `e2e` and `limit`, each `--reps` times,
+//! and runs the phases `put`, `get`, `e2e` and `limit` (and, on a GPU
+//! machine, `h2d`), each `--reps` times,
 //! baselines interleaved with flightdeck run by run. A table goes to stdout,
 //! `--json FILE` writes every figure, progress goes to stderr.
 
 mod data;
+mod h2d;
 mod phases;
 mod report;
 
@@ -53,9 +55,13 @@ struct Args {
     /// Shuffle modes for get: none, global, block.
     #[arg(long, value_delimiter = ',', default_value = "none,global,block")]
     shuffle: Vec<String>,
-    /// Phases: put, get, e2e, limit.
+    /// Phases: put, get, e2e, limit, and h2d (GPU only: host-to-device
+    /// bandwidth from the arena vs pinned and pageable memory).
     #[arg(long, value_delimiter = ',', default_value = "put,get,e2e,limit")]
     phases: Vec<String>,
+    /// Bytes copied per h2d repetition.
+    #[arg(long, default_value_t = 1 << 30)]
+    h2d_bytes: usize,
     /// Baselines: pyarrow, parquet (empty for none).
     #[arg(long, value_delimiter = ',', default_value = "pyarrow,parquet")]
     baseline: Vec<String>,
@@ -189,7 +195,13 @@ impl Run {
     }
 }
 
+/// Phases the tool knows.
+const PHASES: [&str; 5] = ["put", "get", "e2e", "limit", "h2d"];
+
 async fn run(args: Args) -> Result<(), BoxError> {
+    if let Some(p) = args.phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
+        return Err(format!("unknown phase '{p}': use {}", PHASES.join(", ")).into());
+    }
     let shape = Shape {
         rows: args.rows,
         features: args.features,
@@ -276,6 +288,15 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let (do_limit, do_e2e, do_put, do_get) = (has("limit"), has("e2e"), has("put"), has("get"));
     let mut peak_rss_e2e = None;
 
+    if has("h2d") {
+        progress("h2d: host-to-device copies from the arena, pinned and pageable memory");
+        let bytes = run.args.h2d_bytes;
+        for rep in h2d::run(bytes, reps)? {
+            run.record("h2d/arena", "flightdeck", 0, bytes as u64, rep.arena);
+            run.record("h2d/pinned", "limit", 0, bytes as u64, rep.pinned);
+            run.record("h2d/pageable", "pageable", 0, bytes as u64, rep.pageable);
+        }
+    }
     if do_limit {
         let bytes = payload.min(2 << 30);
         let message = (run.shape.row_bytes() * u64::from(run.args.batch_rows)) as usize;
@@ -397,6 +418,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "get_global_vs_none": ratio(get_none, run.median("get/global", "flightdeck")),
         "put_vs_pyarrow": ratio(run.median("put", "pyarrow"), run.median("put", "flightdeck")),
         "e2e_vs_parquet": ratio(run.median("e2e", "parquet"), run.median("e2e", "flightdeck")),
+        "h2d_arena_vs_pinned": ratio(run.median("h2d/pinned", "limit"), run.median("h2d/arena", "flightdeck")),
         "peak_rss_e2e_bytes": peak_rss_e2e,
         "peak_rss_bound_bytes": (payload as f64 * 1.2) as u64 + (256u64 << 20),
     });
@@ -430,6 +452,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     show("get global vs get none", &ratios["get_global_vs_none"]);
     show("put, flightdeck vs pyarrow", &ratios["put_vs_pyarrow"]);
     show("e2e, flightdeck vs parquet", &ratios["e2e_vs_parquet"]);
+    show(
+        "h2d from the arena vs pinned cudaMemcpy",
+        &ratios["h2d_arena_vs_pinned"],
+    );
     if let Some(rss) = peak_rss_e2e {
         println!(
             "server peak RSS through e2e: {:.3} GB (bound 1.2 x payload + 256 MiB = {:.3} GB)",

@@ -69,3 +69,41 @@ fn every_phase_runs_and_reports() {
     assert!(doc["ratios"]["e2e_vs_parquet"].as_f64().is_some());
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
+
+/// `h2d` needs a GPU: where the driver is missing it says so and fails,
+/// before starting anything; unknown phases are named.
+#[test]
+fn h2d_without_a_driver_and_unknown_phases_fail_clearly() {
+    if std::env::var_os("FLIGHTDECK_GPU_TESTS").is_some() {
+        return; // scripts/gpu-check.sh runs the real h2d phase
+    }
+    let run = |phases: &str| {
+        Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
+            .args([
+                "--rows",
+                "100",
+                "--phases",
+                phases,
+                "--baseline",
+                "",
+                "--in-process",
+            ])
+            .output()
+            .expect("run flightdeck-bench")
+    };
+    let out = run("h2d");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // A machine with a CUDA driver: the figures are in the table.
+        assert!(String::from_utf8_lossy(&out.stdout).contains("h2d/arena"));
+    } else {
+        assert!(stderr.contains("h2d needs a CUDA driver"), "{stderr}");
+    }
+    let out = run("put,sideways");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown phase 'sideways'"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

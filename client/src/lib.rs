@@ -318,7 +318,35 @@ impl Client {
             .await
     }
 
-    /// Memory and dataset totals of the server.
+    /// Copies numeric columns of a sealed dataset to GPUs (`columns` empty =
+    /// every numeric column, `devices` empty = device 0). A server without a
+    /// CUDA driver answers `FailedPrecondition`.
+    pub async fn place(
+        &mut self,
+        dataset: &str,
+        columns: &[&str],
+        devices: &[u32],
+    ) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::PlaceColumns {
+            dataset: dataset.to_string(),
+            columns: columns.iter().map(|c| c.to_string()).collect(),
+            devices: devices.to_vec(),
+        };
+        self.action(actions::PLACE, body.encode_to_vec().into())
+            .await
+    }
+
+    /// Frees a dataset's GPU copies on `devices` (empty = all).
+    pub async fn evict(&mut self, dataset: &str, devices: &[u32]) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::EvictColumns {
+            dataset: dataset.to_string(),
+            devices: devices.to_vec(),
+        };
+        self.action(actions::EVICT, body.encode_to_vec().into())
+            .await
+    }
+
+    /// Memory per tier and dataset totals of the server.
     pub async fn stats(&mut self) -> Result<ServerStats> {
         self.action(actions::STATS, Bytes::new()).await
     }

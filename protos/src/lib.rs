@@ -24,6 +24,10 @@ pub mod actions {
     pub const DESCRIBE: &str = "describe";
     /// Server statistics: empty body, result `ServerStats`.
     pub const STATS: &str = "stats";
+    /// `PlaceColumns` -> `DatasetInfo`: copy numeric columns to GPUs.
+    pub const PLACE: &str = "place";
+    /// `EvictColumns` -> `DatasetInfo`: free a dataset's GPU copies.
+    pub const EVICT: &str = "evict";
 }
 
 /// The proto source, for clients that compile it themselves.

@@ -19,6 +19,9 @@ pub const MAX_WORLD_SIZE: u32 = 1 << 16;
 /// record batch as one message).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1 << 30;
 
+/// Default folder for the server's files, relative to where it starts.
+pub const DEFAULT_DATA_DIR: &str = "flightdeck-data";
+
 /// Everything the server needs to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -32,6 +35,19 @@ pub struct ServerConfig {
     pub default_batch_rows: u32,
     /// Rows per block of `SHUFFLE_BLOCK` when a plan says 0.
     pub default_block_rows: u32,
+    /// Folder for the server's own files; the default spill store lives in
+    /// `<data_dir>/store`. Nothing is written there until a dataset spills
+    /// or is persisted.
+    pub data_dir: std::path::PathBuf,
+    /// Spill and persistence store (`file://`, `memory://`, `s3://`, `gs://`,
+    /// `az://` or a local path); `None` = `<data_dir>/store`.
+    pub spill_url: Option<String>,
+    /// Write every sealed dataset to the store and reload them at start.
+    pub persist: bool,
+    /// Size of the arena's slabs; `None` = 64 MiB, less for small budgets.
+    pub slab_bytes: Option<usize>,
+    /// Use the CUDA driver when one is present (pinned slabs, `place`).
+    pub use_cuda: bool,
 }
 
 impl Default for ServerConfig {
@@ -42,11 +58,23 @@ impl Default for ServerConfig {
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             default_batch_rows: DEFAULT_BATCH_ROWS,
             default_block_rows: DEFAULT_BLOCK_ROWS,
+            data_dir: std::path::PathBuf::from(DEFAULT_DATA_DIR),
+            spill_url: None,
+            persist: false,
+            slab_bytes: None,
+            use_cuda: true,
         }
     }
 }
 
 impl ServerConfig {
+    /// The spill store URL in effect.
+    pub fn spill_url(&self) -> String {
+        self.spill_url
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("store").display().to_string())
+    }
+
     /// Checks that the configuration can run.
     pub fn validate(&self) -> Result<()> {
         if self.memory_limit == 0 {
@@ -62,6 +90,9 @@ impl ServerConfig {
         }
         if self.default_block_rows == 0 {
             return Err(Error::invalid("default block rows must be at least 1"));
+        }
+        if self.slab_bytes.is_some_and(|b| b < 4096) {
+            return Err(Error::invalid("--slab-size must be at least 4KiB"));
         }
         Ok(())
     }

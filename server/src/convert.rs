@@ -342,7 +342,50 @@ pub fn dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
             })
             .collect(),
         generation: s.generation,
+        spilled: !s.resident,
+        persisted: s.stored.as_ref().is_some_and(|st| st.persisted),
+        placements: Vec::new(),
     })
+}
+
+/// A `place` request in domain terms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlaceRequest {
+    /// Sealed dataset.
+    pub dataset: String,
+    /// Columns; empty = every numeric column.
+    pub columns: Vec<String>,
+    /// Device ordinals, at least one, no repeats.
+    pub devices: Vec<u32>,
+}
+
+/// Decodes the body of action `place`.
+pub fn place_request(body: &[u8]) -> Result<PlaceRequest> {
+    let p: pb::PlaceColumns = decode(body, "body of action 'place'", "PlaceColumns")?;
+    let mut devices = p.devices;
+    if devices.is_empty() {
+        devices.push(0);
+    }
+    let mut seen = devices.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != devices.len() {
+        return Err(Error::invalid(format!(
+            "place names a device more than once: {devices:?}"
+        )));
+    }
+    Ok(PlaceRequest {
+        dataset: dataset_name(&p.dataset)?,
+        columns: p.columns,
+        devices,
+    })
+}
+
+/// Decodes the body of action `evict`: the dataset and its devices (empty =
+/// all).
+pub fn evict_request(body: &[u8]) -> Result<(String, Vec<u32>)> {
+    let e: pb::EvictColumns = decode(body, "body of action 'evict'", "EvictColumns")?;
+    Ok((dataset_name(&e.dataset)?, e.devices))
 }
 
 #[cfg(test)]

@@ -87,6 +87,11 @@ pub enum Error {
     #[error("{0}")]
     Unimplemented(String),
 
+    /// The spill or persistence store failed (I/O, network, credentials);
+    /// retrying may work once the store is reachable.
+    #[error("{0}")]
+    Unavailable(String),
+
     /// A bug: an invariant of the server does not hold.
     #[error("internal error: {0}")]
     Internal(String),
@@ -111,6 +116,7 @@ impl Error {
             Self::ResourceExhausted(_) => Code::ResourceExhausted,
             Self::Aborted(_) => Code::Aborted,
             Self::Unimplemented(_) => Code::Unimplemented,
+            Self::Unavailable(_) => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
         }
     }

@@ -14,7 +14,9 @@
 //!   ├── catalog   datasets, attempts, seal and winners: the commit protocol (pure)
 //!   ├── order     sample order: keyed permutation, equal shares, resume (pure)
 //!   ├── read      gathering a shard's rows into record batches (synchronous)
-//!   └── memory    the budget every cached byte is charged to
+//!   └── state     tier policy: arena copies, spill on pressure, restore on read,
+//!       │         persist at seal, device placements (owns the catalog)
+//!       └── memory    budget, host arena (pinned with CUDA), device tier, spill store
 //! convert   wire (prost) <-> domain types, the one place a malformed message fails
 //! error     the error enum and its mapping to gRPC codes
 //! ```
@@ -33,6 +35,7 @@ pub mod memory;
 pub mod order;
 pub mod read;
 pub mod service;
+pub mod state;
 
 use std::future::Future;
 use std::time::Duration;
@@ -58,8 +61,8 @@ const MAX_FRAME_BYTES: u32 = 1 << 20;
 /// Why the server could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// The configuration is invalid.
-    #[error("invalid configuration: {0}")]
+    /// The configuration is invalid, or the store it names cannot be read.
+    #[error("cannot start: {0}")]
     Config(#[from] Error),
     /// The gRPC transport failed.
     #[error("transport failed: {0}")]
@@ -78,7 +81,8 @@ pub async fn serve(
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, memory_limit = config.memory_limit, "flightdeck serving");
     }
-    let service = FlightServiceServer::new(FlightdeckService::new(config))
+    let state = std::sync::Arc::new(state::State::open(config).await?);
+    let service = FlightServiceServer::new(FlightdeckService::new(state.clone()))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
     let incoming = TcpListenerStream::new(listener).map(|conn| {
@@ -95,6 +99,7 @@ pub async fn serve(
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
+    state.shutdown().await;
     info!("flightdeck stopped");
     Ok(())
 }

@@ -40,6 +40,27 @@ struct ServeArgs {
     /// Rows per streamed record batch when a read plan says 0.
     #[arg(long, default_value_t = config::DEFAULT_BATCH_ROWS)]
     default_batch_rows: u32,
+    /// Folder for the server's files; the default spill store is
+    /// DATA_DIR/store. Nothing is written until a dataset spills or is
+    /// persisted.
+    #[arg(long, default_value = config::DEFAULT_DATA_DIR)]
+    data_dir: std::path::PathBuf,
+    /// Where datasets spill when memory is full (and are persisted with
+    /// --persist): a local directory, file:///path, memory://,
+    /// s3://bucket/prefix, gs://bucket/prefix or az://container/prefix
+    /// (credentials from the usual AWS_*, GOOGLE_*, AZURE_* variables).
+    #[arg(long)]
+    spill_url: Option<String>,
+    /// Write each sealed dataset to the spill store at seal, and serve the
+    /// stored datasets again after a restart.
+    #[arg(long)]
+    persist: bool,
+    /// Size of the host arena's slabs (default 64MiB, less for small limits).
+    #[arg(long, value_parser = parse_size)]
+    slab_size: Option<u64>,
+    /// Do not use a CUDA driver even if one is present (heap slabs, no `place`).
+    #[arg(long)]
+    no_cuda: bool,
 }
 
 impl ServeArgs {
@@ -50,6 +71,13 @@ impl ServeArgs {
             memory_limit: self.memory_limit.unwrap_or(defaults.memory_limit),
             max_message_bytes: usize::try_from(self.max_message_size).unwrap_or(usize::MAX),
             default_batch_rows: self.default_batch_rows,
+            data_dir: self.data_dir,
+            spill_url: self.spill_url,
+            persist: self.persist,
+            slab_bytes: self
+                .slab_size
+                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+            use_cuda: !self.no_cuda,
             ..defaults
         }
     }

@@ -34,6 +34,39 @@ pub async fn timed<T>(what: &str, f: impl Future<Output = T>) -> T {
     }
 }
 
+/// The raw bytes of a `DoGet` stream (every message's IPC header and
+/// body), for byte-for-byte comparisons.
+pub async fn raw_bytes(client: &mut Client, ticket: bytes::Bytes) -> Vec<u8> {
+    use futures::StreamExt;
+    let mut stream = timed(
+        "do_get",
+        client
+            .flight()
+            .inner_mut()
+            .do_get(arrow_flight::Ticket::new(ticket)),
+    )
+    .await
+    .expect("do_get")
+    .into_inner();
+    let mut out = Vec::new();
+    while let Some(msg) = timed("next message", stream.next()).await {
+        let msg = msg.expect("message");
+        out.extend_from_slice(&msg.data_header);
+        out.extend_from_slice(&msg.data_body);
+    }
+    out
+}
+
+/// Default settings, but spills go to memory (no files from tests) and the
+/// CUDA driver is used only where the GPU checks ask for it.
+pub fn test_config() -> ServerConfig {
+    ServerConfig {
+        spill_url: Some("memory://".to_string()),
+        use_cuda: std::env::var_os("FLIGHTDECK_GPU_TESTS").is_some(),
+        ..ServerConfig::default()
+    }
+}
+
 /// A server running in this process on `127.0.0.1:<free port>`.
 pub struct TestServer {
     addr: SocketAddr,
@@ -47,11 +80,12 @@ impl TestServer {
         self.addr
     }
 
-    /// A server with a 1 GiB memory limit and otherwise default settings.
+    /// A server with a 1 GiB memory limit, an in-memory spill store, and
+    /// otherwise default settings.
     pub async fn start() -> Self {
         Self::start_with(ServerConfig {
             memory_limit: 1 << 30,
-            ..ServerConfig::default()
+            ..test_config()
         })
         .await
     }

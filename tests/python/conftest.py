@@ -41,6 +41,9 @@ class RunningServer:
     """A `flightdeck serve` child process on 127.0.0.1:<free port>."""
 
     def __init__(self, *extra_args: str) -> None:
+        if "--spill-url" not in extra_args:
+            # Spills stay in memory: tests leave no files behind.
+            extra_args = (*extra_args, "--spill-url", "memory://")
         self.proc = subprocess.Popen(
             [str(server_binary()), "serve", "--listen", "127.0.0.1:0", *extra_args],
             stdout=subprocess.PIPE,

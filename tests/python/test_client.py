@@ -95,7 +95,7 @@ def test_errors_keep_code_and_message(flightdeck_server):
         client.put_partition("e", 1, failing(), schema=mixed_table(range(1)).schema)
     info = client.describe("e")
     assert (info.rows, info.committed_partitions) == (5, 1)
-    assert client.stats().memory_used == info.bytes
+    assert client.stats().host_live_bytes == info.bytes
 
     with pytest.raises(flightdeck.Unavailable):
         flightdeck.connect("127.0.0.1:1", timeout=5).stats()

@@ -77,3 +77,15 @@ def test_encodings_are_interchangeable(pb):
     # Unknown fields are skipped, as protobuf does.
     stats = pb.ServerStats(memory_used=5).SerializeToString() + b"\xf8\x07\x01"
     assert wire.ServerStats.decode(stats).memory_used == 5
+
+    # Repeated scalars are packed both ways; unpacked input still decodes.
+    place = wire.PlaceColumns(dataset="d", columns=["x"], devices=[0, 3, 300])
+    assert place.encode() == pb.PlaceColumns(dataset="d", columns=["x"], devices=[0, 3, 300]).SerializeToString()
+    assert wire.PlaceColumns.decode(place.encode()) == place
+    unpacked = b"\x10\x01\x10\x02"  # field 2 (devices) twice, one varint each
+    assert wire.EvictColumns.decode(unpacked).devices == [1, 2]
+    info = pb.DatasetInfo(
+        dataset="d", spilled=True, placements=[pb.DevicePlacement(device=1, columns=["a"], bytes=8)]
+    )
+    decoded = wire.DatasetInfo.decode(info.SerializeToString())
+    assert decoded.spilled and decoded.placements[0].columns == ["a"]

@@ -99,6 +99,12 @@ class Message:
         out = bytearray()
         for f in self.FIELDS:
             value = getattr(self, f.name)
+            if f.repeated and f.kind in _VARINT_KINDS:
+                # proto3 packs repeated scalars: one length-delimited run.
+                if value:
+                    payload = b"".join(_varint(int(v)) for v in value)
+                    out += _varint((f.number << 3) | 2) + _varint(len(payload)) + payload
+                continue
             values = value if f.repeated else [value]
             for v in values:
                 if not f.repeated and not f.optional and f.kind != "message" and not v:
@@ -145,6 +151,12 @@ class Message:
             else:
                 raise ValueError(f"unsupported wire type {wire} in {cls.NAME}")
             if f is None:
+                continue
+            if f.repeated and f.kind in _VARINT_KINDS and wire == 2:
+                packed, inner = memoryview(value), 0
+                while inner < len(packed):
+                    item, inner = _read_varint(packed, inner)
+                    getattr(msg, f.name).append(bool(item) if f.kind == "bool" else item)
                 continue
             expected = 0 if f.kind in _VARINT_KINDS else 2
             if wire != expected:
@@ -254,6 +266,26 @@ DatasetInfo = _message(
     Field("schema", 6, "bytes"),
     Field("partitions", 7, "message", repeated=True, message="PartitionInfo"),
     Field("generation", 8, "uint64"),
+    Field("spilled", 9, "bool"),
+    Field("persisted", 10, "bool"),
+    Field("placements", 11, "message", repeated=True, message="DevicePlacement"),
+)
+DevicePlacement = _message(
+    "DevicePlacement",
+    Field("device", 1, "uint32"),
+    Field("columns", 2, "string", repeated=True),
+    Field("bytes", 3, "uint64"),
+)
+PlaceColumns = _message(
+    "PlaceColumns",
+    Field("dataset", 1, "string"),
+    Field("columns", 2, "string", repeated=True),
+    Field("devices", 3, "uint32", repeated=True),
+)
+EvictColumns = _message(
+    "EvictColumns",
+    Field("dataset", 1, "string"),
+    Field("devices", 2, "uint32", repeated=True),
 )
 ServerStats = _message(
     "ServerStats",
@@ -263,4 +295,15 @@ ServerStats = _message(
     Field("rows", 4, "uint64"),
     Field("bytes", 5, "uint64"),
     Field("sealed_datasets", 6, "uint32"),
+    Field("host_held_bytes", 7, "uint64"),
+    Field("host_live_bytes", 8, "uint64"),
+    Field("host_idle_bytes", 9, "uint64"),
+    Field("host_pinned", 10, "bool"),
+    Field("device_bytes", 11, "uint64"),
+    Field("spilled_datasets", 12, "uint32"),
+    Field("spills", 13, "uint64"),
+    Field("restores", 14, "uint64"),
+    Field("spill_url", 15, "string"),
+    Field("persist", 16, "bool"),
+    Field("cuda_devices", 17, "uint32"),
 )

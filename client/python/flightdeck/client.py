@@ -243,8 +243,26 @@ class Client:
         """State, rows, bytes, partitions and schema (see :func:`dataset_schema`)."""
         return self._action("describe", wire.DescribeDataset(dataset=dataset), wire.DatasetInfo)
 
+    def place(
+        self,
+        dataset: str,
+        columns: Sequence[str] = (),
+        devices: Sequence[int] = (),
+    ) -> wire.Message:
+        """Copies numeric columns of a sealed dataset to GPUs (`columns` empty:
+        every numeric column; `devices` empty: device 0). A server without a
+        CUDA driver raises :class:`FailedPrecondition`."""
+        body = wire.PlaceColumns(dataset=dataset, columns=list(columns), devices=list(devices))
+        return self._action("place", body, wire.DatasetInfo)
+
+    def evict(self, dataset: str, devices: Sequence[int] = ()) -> wire.Message:
+        """Frees a dataset's GPU copies on `devices` (empty: all)."""
+        body = wire.EvictColumns(dataset=dataset, devices=list(devices))
+        return self._action("evict", body, wire.DatasetInfo)
+
     def stats(self) -> wire.Message:
-        """Memory used and limit, datasets, rows, bytes."""
+        """Memory per tier (host arena, devices, spills) and limit, datasets,
+        rows, bytes."""
         return self._action("stats", None, wire.ServerStats)
 
     def list_datasets(self) -> list[str]:

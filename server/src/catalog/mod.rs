@@ -18,6 +18,7 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
 
 use crate::error::{Error, Result};
+use crate::memory::spill::{PersistedDataset, Stored};
 
 /// One attempt of one partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -79,20 +80,28 @@ pub struct SealedData {
 
 impl SealedData {
     fn new(schema: SchemaRef, parts: Vec<(AttemptKey, AttemptData)>) -> Self {
-        let mut winners = Vec::with_capacity(parts.len());
+        let winners = parts.iter().map(|(key, _)| *key).collect();
+        let batches = parts.into_iter().flat_map(|(_, data)| data.batches);
+        Self::from_batches(schema, winners, batches)
+    }
+
+    /// Sealed data from the winners' batches in row order (as read back from
+    /// the spill store); empty batches are left out.
+    pub fn from_batches(
+        schema: SchemaRef,
+        winners: Vec<AttemptKey>,
+        all: impl IntoIterator<Item = RecordBatch>,
+    ) -> Self {
         let mut batches = Vec::new();
         let mut starts = vec![0u64];
         let mut rows = 0u64;
-        for (key, data) in parts {
-            winners.push(key);
-            for batch in data.batches {
-                if batch.num_rows() == 0 {
-                    continue;
-                }
-                rows += batch.num_rows() as u64;
-                starts.push(rows);
-                batches.push(batch);
+        for batch in all {
+            if batch.num_rows() == 0 {
+                continue;
             }
+            rows += batch.num_rows() as u64;
+            starts.push(rows);
+            batches.push(batch);
         }
         Self {
             schema,
@@ -131,6 +140,17 @@ impl SealedData {
     }
 }
 
+/// Where a sealed dataset's rows are.
+#[derive(Debug)]
+struct Sealed {
+    /// In the host arena (readable now), or `None` when spilled.
+    data: Option<Arc<SealedData>>,
+    /// Its copy in the spill store, if written.
+    stored: Option<Stored>,
+    /// Tick of the last read, for least-recently-read spilling.
+    last_read: u64,
+}
+
 /// One dataset and its attempts.
 #[derive(Debug)]
 struct Dataset {
@@ -138,7 +158,7 @@ struct Dataset {
     schema: SchemaRef,
     /// Committed attempts while open; the winners' data moves to `sealed`.
     attempts: BTreeMap<AttemptKey, CommittedAttempt>,
-    sealed: Option<Arc<SealedData>>,
+    sealed: Option<Sealed>,
     /// Per winning partition: (rows, bytes, committed attempts), kept after seal.
     sealed_parts: Vec<PartitionSummary>,
 }
@@ -169,9 +189,51 @@ pub struct DatasetSummary {
     pub schema: SchemaRef,
     /// Rows of the winning (or first committed) attempts.
     pub rows: u64,
-    /// Bytes held for the dataset, all attempts included.
+    /// Host bytes held for the dataset, all attempts included (0 when spilled).
     pub bytes: u64,
     /// One entry per partition with a committed attempt, in partition order.
+    pub partitions: Vec<PartitionSummary>,
+    /// Whether the rows are in host memory (always, unless sealed and spilled).
+    pub resident: bool,
+    /// The dataset's copy in the spill store, if any.
+    pub stored: Option<Stored>,
+}
+
+/// A sealed dataset as a reader finds it.
+#[derive(Debug, Clone)]
+pub enum SealedView {
+    /// In host memory.
+    Resident {
+        /// Dataset generation.
+        generation: u64,
+        /// The rows.
+        data: Arc<SealedData>,
+    },
+    /// Spilled: only in the store.
+    Stored {
+        /// Dataset generation.
+        generation: u64,
+        /// Where its rows are.
+        stored: Stored,
+        /// Its schema.
+        schema: SchemaRef,
+        /// The winning attempts, in partition order.
+        winners: Vec<AttemptKey>,
+    },
+}
+
+/// A sealed, resident dataset that could be spilled.
+#[derive(Debug, Clone)]
+pub struct SpillCandidate {
+    /// Dataset name.
+    pub name: String,
+    /// Its generation.
+    pub generation: u64,
+    /// Its rows.
+    pub data: Arc<SealedData>,
+    /// Its copy in the store, when already written (persisted).
+    pub stored: Option<Stored>,
+    /// Its winning partitions.
     pub partitions: Vec<PartitionSummary>,
 }
 
@@ -186,6 +248,8 @@ pub struct CatalogTotals {
     pub rows: u64,
     /// Bytes held over all datasets.
     pub bytes: u64,
+    /// Sealed datasets that are spilled (in the store only).
+    pub spilled: u32,
 }
 
 /// All datasets of the server.
@@ -194,6 +258,8 @@ pub struct Catalog {
     datasets: BTreeMap<String, Dataset>,
     next_generation: u64,
     next_seq: u64,
+    /// Logical clock of reads.
+    tick: u64,
 }
 
 /// Whether two schemas are the same for the purpose of one dataset: same
@@ -362,7 +428,13 @@ impl Catalog {
                 freed += a.data.bytes;
             }
         }
-        ds.sealed = Some(Arc::new(SealedData::new(ds.schema.clone(), parts)));
+        // Sealing counts as a read: a fresh dataset is not the first to spill.
+        self.tick += 1;
+        ds.sealed = Some(Sealed {
+            data: Some(Arc::new(SealedData::new(ds.schema.clone(), parts))),
+            stored: None,
+            last_read: self.tick,
+        });
         ds.sealed_parts = summaries;
         Ok((summarize(name, ds), freed))
     }
@@ -405,10 +477,143 @@ impl Catalog {
             .ok_or_else(|| Error::DatasetNotFound {
                 dataset: name.to_string(),
             })?;
-        let data = ds.sealed.clone().ok_or_else(|| Error::DatasetNotSealed {
+        let sealed = ds.sealed.as_ref().ok_or_else(|| Error::DatasetNotSealed {
             dataset: name.to_string(),
         })?;
+        let data = sealed.data.clone().ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "dataset '{name}' is spilled to the store; read it to bring it back"
+            ))
+        })?;
         Ok((ds.generation, data))
+    }
+
+    /// A sealed dataset, resident or spilled.
+    pub fn lookup(&self, name: &str) -> Result<SealedView> {
+        let ds = self.get(name)?;
+        let sealed = ds.sealed.as_ref().ok_or_else(|| Error::DatasetNotSealed {
+            dataset: name.to_string(),
+        })?;
+        match (&sealed.data, &sealed.stored) {
+            (Some(data), _) => Ok(SealedView::Resident {
+                generation: ds.generation,
+                data: data.clone(),
+            }),
+            (None, Some(stored)) => Ok(SealedView::Stored {
+                generation: ds.generation,
+                stored: stored.clone(),
+                schema: ds.schema.clone(),
+                winners: ds.sealed_parts.iter().map(|p| p.key).collect(),
+            }),
+            (None, None) => Err(Error::Internal(format!(
+                "dataset '{name}' is neither in memory nor in the store"
+            ))),
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<&Dataset> {
+        self.datasets
+            .get(name)
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: name.to_string(),
+            })
+    }
+
+    fn sealed_mut(&mut self, name: &str, generation: u64) -> Option<&mut Sealed> {
+        self.datasets
+            .get_mut(name)
+            .filter(|ds| ds.generation == generation)
+            .and_then(|ds| ds.sealed.as_mut())
+    }
+
+    /// Records a read of a sealed dataset (for least-recently-read spilling).
+    pub fn touch(&mut self, name: &str) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(s) = self.datasets.get_mut(name).and_then(|d| d.sealed.as_mut()) {
+            s.last_read = tick;
+        }
+    }
+
+    /// The resident sealed dataset read least recently (ties: by name),
+    /// other than `except`.
+    pub fn spill_candidate(&self, except: Option<&str>) -> Option<SpillCandidate> {
+        self.datasets
+            .iter()
+            .filter(|(name, _)| Some(name.as_str()) != except)
+            .filter_map(|(name, ds)| {
+                let s = ds.sealed.as_ref()?;
+                let data = s.data.clone()?;
+                Some((s.last_read, name, ds, data, s.stored.clone()))
+            })
+            .min_by_key(|(last_read, ..)| *last_read)
+            .map(|(_, name, ds, data, stored)| SpillCandidate {
+                name: name.clone(),
+                generation: ds.generation,
+                data,
+                stored,
+                partitions: ds.sealed_parts.clone(),
+            })
+    }
+
+    /// Records the store copy of a sealed dataset; false when the dataset
+    /// (of that generation) is gone.
+    pub fn set_stored(&mut self, name: &str, generation: u64, stored: Stored) -> bool {
+        match self.sealed_mut(name, generation) {
+            Some(s) => {
+                s.stored = Some(stored);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Lets go of the host copy of a sealed dataset that has a store copy;
+    /// returns it (its memory is freed when the last reader lets go too).
+    pub fn release_host(&mut self, name: &str, generation: u64) -> Option<Arc<SealedData>> {
+        let s = self.sealed_mut(name, generation)?;
+        s.stored.as_ref()?;
+        s.data.take()
+    }
+
+    /// Puts a spilled dataset's rows back in memory; returns what is now
+    /// resident (another reader may have restored it first), or `None` when
+    /// the dataset of that generation is gone.
+    pub fn restore(
+        &mut self,
+        name: &str,
+        generation: u64,
+        data: SealedData,
+    ) -> Option<Arc<SealedData>> {
+        let s = self.sealed_mut(name, generation)?;
+        Some(s.data.get_or_insert_with(|| Arc::new(data)).clone())
+    }
+
+    /// Adds a dataset persisted by an earlier run, sealed and spilled; later
+    /// datasets get newer generations.
+    pub fn insert_persisted(&mut self, p: PersistedDataset) -> Result<()> {
+        if self.datasets.contains_key(&p.name) {
+            return Err(Error::Internal(format!(
+                "dataset '{}' is persisted twice",
+                p.name
+            )));
+        }
+        self.next_generation = self.next_generation.max(p.generation + 1);
+        self.datasets.insert(
+            p.name,
+            Dataset {
+                generation: p.generation,
+                schema: p.schema,
+                attempts: BTreeMap::new(),
+                sealed: Some(Sealed {
+                    data: None,
+                    stored: Some(p.stored),
+                    last_read: 0,
+                }),
+                sealed_parts: p.partitions,
+            },
+        );
+        Ok(())
     }
 
     /// The schema of a dataset, open or sealed.
@@ -430,6 +635,7 @@ impl Catalog {
                 t.sealed += u32::from(s.state == DatasetState::Sealed);
                 t.rows += s.rows;
                 t.bytes += s.bytes;
+                t.spilled += u32::from(!s.resident);
                 t
             })
     }
@@ -470,9 +676,12 @@ fn attempt_counts(attempts: &BTreeMap<AttemptKey, CommittedAttempt>) -> BTreeMap
 
 fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
     let (state, partitions, bytes) = match &ds.sealed {
-        Some(_) => {
+        Some(sealed) => {
             let parts = ds.sealed_parts.clone();
-            let bytes = parts.iter().map(|p| p.bytes).sum();
+            let bytes = match sealed.data {
+                Some(_) => parts.iter().map(|p| p.bytes).sum(),
+                None => 0,
+            };
             (DatasetState::Sealed, parts, bytes)
         }
         None => {
@@ -501,6 +710,8 @@ fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
         rows: partitions.iter().map(|p| p.rows).sum(),
         bytes,
         partitions,
+        resident: ds.sealed.as_ref().is_none_or(|s| s.data.is_some()),
+        stored: ds.sealed.as_ref().and_then(|s| s.stored.clone()),
     }
 }
 

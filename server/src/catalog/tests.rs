@@ -235,3 +235,101 @@ proptest! {
         }
     }
 }
+
+fn sealed_with(c: &mut Catalog, name: &str, rows: u64) {
+    c.commit(name, key(0, 0), schema(), attempt(key(0, 0), rows))
+        .expect("commit");
+    c.seal(&SealRequest {
+        dataset: name.into(),
+        ..Default::default()
+    })
+    .expect("seal");
+}
+
+fn stored(name: &str) -> Stored {
+    Stored {
+        dir: object_store::path::Path::from(name),
+        persisted: false,
+    }
+}
+
+#[test]
+fn least_recently_read_spills_first_and_comes_back() {
+    let mut c = Catalog::new();
+    sealed_with(&mut c, "a", 3);
+    sealed_with(&mut c, "b", 4);
+    // Open datasets are never candidates.
+    c.commit("open", key(0, 0), schema(), attempt(key(0, 0), 1))
+        .expect("commit");
+    let first = c.spill_candidate(None).expect("candidate");
+    assert_eq!(first.name, "a", "sealed first, read never");
+    c.touch("a");
+    assert_eq!(c.spill_candidate(None).expect("candidate").name, "b");
+    assert_eq!(c.spill_candidate(Some("b")).expect("candidate").name, "a");
+
+    // Without a store copy the host copy cannot go.
+    let gen_b = c.describe("b").expect("b").generation;
+    assert!(c.release_host("b", gen_b).is_none());
+    assert!(c.set_stored("b", gen_b, stored("b")));
+    let data = c.release_host("b", gen_b).expect("released");
+    let s = c.describe("b").expect("b");
+    assert!(!s.resident && s.bytes == 0 && s.rows == 4 && s.stored.is_some());
+    assert_eq!(c.totals().spilled, 1);
+    assert!(matches!(c.lookup("b"), Ok(SealedView::Stored { .. })));
+    assert!(c.sealed("b").is_err());
+    // Only "a" is left to spill.
+    assert_eq!(c.spill_candidate(None).expect("candidate").name, "a");
+
+    // A stale generation changes nothing.
+    assert!(!c.set_stored("b", gen_b + 100, stored("x")));
+    assert!(
+        c.restore(
+            "b",
+            gen_b + 100,
+            SealedData::from_batches(schema(), vec![], vec![])
+        )
+        .is_none()
+    );
+    let back = c
+        .restore(
+            "b",
+            gen_b,
+            SealedData::from_batches(schema(), vec![key(0, 0)], data.batches().to_vec()),
+        )
+        .expect("restored");
+    assert_eq!(all_values(&back), all_values(&data));
+    assert!(c.describe("b").expect("b").resident);
+    assert!(matches!(c.lookup("b"), Ok(SealedView::Resident { .. })));
+}
+
+#[test]
+fn persisted_datasets_come_back_sealed_with_newer_generations_after_them() {
+    let mut c = Catalog::new();
+    let parts = vec![PartitionSummary {
+        key: key(0, 1),
+        rows: 5,
+        bytes: 40,
+        committed_attempts: 2,
+    }];
+    c.insert_persisted(PersistedDataset {
+        name: "p".into(),
+        generation: 41,
+        schema: schema(),
+        partitions: parts.clone(),
+        stored: Stored {
+            dir: object_store::path::Path::from("p"),
+            persisted: true,
+        },
+    })
+    .expect("insert");
+    let s = c.describe("p").expect("p");
+    assert_eq!(
+        (s.state, s.rows, s.generation, s.resident),
+        (DatasetState::Sealed, 5, 41, false)
+    );
+    assert_eq!(s.partitions, parts);
+    assert!(c.check_put("p", key(1, 0), &schema()).is_err(), "sealed");
+    c.commit("q", key(0, 0), schema(), attempt(key(0, 0), 1))
+        .expect("commit");
+    assert!(c.describe("q").expect("q").generation > 41);
+}

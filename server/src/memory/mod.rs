@@ -1,9 +1,21 @@
-//! Memory accounting: the budget every cached byte is charged to.
+//! Memory tiers: the budget, the host arena, the device tier and the spill
+//! store.
 //!
-//! The budget is reserved *before* data is kept, so concurrent ingest can never
-//! overshoot `--memory-limit`; a refused reservation is a `ResourceExhausted`
-//! error for that one request, never a dead server. This module owns counting
-//! only: it does not know about datasets or the Flight protocol.
+//! - [`Budget`]: `--memory-limit`. Memory is taken from it *before* data is
+//!   copied, so concurrent ingest can never overshoot the limit; a refusal is
+//!   a `ResourceExhausted` error for that one request, never a dead server.
+//! - [`arena`]: the slabs every cached byte lives in (page-locked with a CUDA
+//!   driver), charged to the budget slab by slab.
+//! - [`device`]: the CUDA driver when present; columns placed on GPUs.
+//! - [`spill`]: sealed datasets as Parquet in an object store, for spill and
+//!   for persistence across restarts.
+//!
+//! None of these know about the Flight protocol; the server's state ties
+//! them to the catalog.
+
+pub mod arena;
+pub mod device;
+pub mod spill;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,7 +49,7 @@ impl Budget {
     }
 
     /// Takes `bytes` from the budget, or fails without taking anything.
-    fn try_take(&self, bytes: u64, what: &dyn Fn() -> String) -> Result<()> {
+    pub(crate) fn try_take(&self, bytes: u64, what: &dyn Fn() -> String) -> Result<()> {
         let mut used = self.used.load(Ordering::Acquire);
         loop {
             let next = used.saturating_add(bytes);
@@ -71,100 +83,52 @@ impl Budget {
     }
 }
 
-/// Bytes held for one in-flight request; returned to the budget on drop
-/// unless [`Reservation::keep`] hands them over to the catalog.
-#[derive(Debug)]
-pub struct Reservation {
-    budget: Arc<Budget>,
-    bytes: u64,
-}
-
-impl Reservation {
-    /// An empty reservation against `budget`.
-    pub fn new(budget: Arc<Budget>) -> Self {
-        Self { budget, bytes: 0 }
-    }
-
-    /// Grows the reservation by `bytes`, or fails leaving it as it was.
-    /// `what` describes the request for the error message.
-    pub fn grow(&mut self, bytes: u64, what: impl Fn() -> String) -> Result<()> {
-        self.budget.try_take(bytes, &what)?;
-        self.bytes += bytes;
-        Ok(())
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Keeps the bytes charged: from now on whoever holds the data releases
-    /// them with [`Budget::release`].
-    pub fn keep(mut self) -> u64 {
-        std::mem::take(&mut self.bytes)
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        if self.bytes > 0 {
-            self.budget.release(self.bytes);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn reservations_never_overshoot_and_return_on_drop() {
+    fn takes_never_overshoot_and_name_the_request() {
         let budget = Budget::new(100);
-        let mut a = Reservation::new(budget.clone());
-        a.grow(60, || "a".into()).expect("fits");
-        let mut b = Reservation::new(budget.clone());
-        let err = b
-            .grow(50, || "partition 3 of 'd'".into())
+        budget.try_take(60, &|| "a".into()).expect("fits");
+        let err = budget
+            .try_take(50, &|| "partition 3 of 'd'".into())
             .expect_err("over the limit");
         assert!(err.to_string().contains("partition 3 of 'd'"), "{err}");
         assert_eq!(budget.used(), 60);
-        b.grow(40, || "b".into()).expect("fits exactly");
+        budget.try_take(40, &|| "b".into()).expect("fits exactly");
         assert_eq!(budget.used(), 100);
-        drop(b);
-        assert_eq!(budget.used(), 60);
-        let kept = a.keep();
-        assert_eq!((kept, budget.used()), (60, 60));
-        budget.release(kept);
+        budget.release(100);
         assert_eq!(budget.used(), 0);
     }
 
     #[test]
-    fn concurrent_reservations_respect_the_limit() {
+    fn concurrent_takes_respect_the_limit() {
         let budget = Budget::new(1_000);
-        let held: Vec<_> = std::thread::scope(|s| {
+        let taken: u64 = std::thread::scope(|s| {
             let handles: Vec<_> = (0..8)
                 .map(|_| {
                     let budget = budget.clone();
                     s.spawn(move || {
-                        let mut r = Reservation::new(budget);
+                        let mut mine = 0u64;
                         for _ in 0..100 {
-                            if r.grow(7, String::new).is_err() {
+                            if budget.try_take(7, &String::new).is_err() {
                                 break;
                             }
+                            mine += 7;
                         }
-                        r
+                        mine
                     })
                 })
                 .collect();
             handles
                 .into_iter()
                 .map(|h| h.join().expect("no panic"))
-                .collect()
+                .sum()
         });
-        let total: u64 = held.iter().map(Reservation::bytes).sum();
-        assert!(total <= 1_000);
-        assert_eq!(total, budget.used());
-        // Free space only shrinks, and some thread failed: less than one grow is left.
-        assert!(1_000 - total < 7);
+        assert!(taken <= 1_000);
+        assert_eq!(taken, budget.used());
+        // Free space only shrinks, and some thread failed: less than one take is left.
+        assert!(1_000 - taken < 7);
     }
 }

@@ -15,25 +15,27 @@ use prost::Message;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use super::{State, Stream};
-use crate::catalog::{DatasetState, SealedData};
+use super::Stream;
+use crate::catalog::{DatasetState, DatasetSummary};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
 use crate::order::ReadPlan;
 use crate::read::{Shard, project};
+use crate::state::State;
 
 /// Batches gathered ahead of the socket per stream.
 const READ_AHEAD: usize = 2;
 
-/// The endpoints of a plan over sealed `data`, one per rank in rank order.
+/// The endpoints of a plan over the sealed dataset `s` (resident or
+/// spilled), one per rank in rank order.
 fn plan_info(
     plan: &ReadPlan,
-    generation: u64,
-    data: &SealedData,
+    s: &DatasetSummary,
     descriptor: FlightDescriptor,
 ) -> Result<FlightInfo> {
-    let (_, schema) = project(data.schema(), &plan.columns, &plan.dataset)?;
-    let shares = plan.shares(data.rows())?;
+    let generation = s.generation;
+    let (_, schema) = project(&s.schema, &plan.columns, &plan.dataset)?;
+    let shares = plan.shares(s.rows)?;
     let (rows, batches) = plan.stream_size(shares.per_rank());
     let mut info = FlightInfo::new()
         .try_with_schema(&schema)
@@ -65,8 +67,19 @@ fn plan_info(
 /// one ticket per rank.
 pub(super) fn flight_info(state: &State, descriptor: FlightDescriptor) -> Result<FlightInfo> {
     let plan = convert::read_plan(&descriptor, &state.config)?;
-    let (generation, data) = state.catalog().sealed(&plan.dataset)?;
-    plan_info(&plan, generation, &data, descriptor)
+    let summary = sealed_summary(state, &plan.dataset)?;
+    plan_info(&plan, &summary, descriptor)
+}
+
+/// The summary of a dataset that must be sealed.
+fn sealed_summary(state: &State, name: &str) -> Result<DatasetSummary> {
+    let summary = state.catalog().describe(name)?;
+    if summary.state != DatasetState::Sealed {
+        return Err(Error::DatasetNotSealed {
+            dataset: name.to_string(),
+        });
+    }
+    Ok(summary)
 }
 
 /// `GetSchema`: the (projected) schema of a dataset, open or sealed.
@@ -89,11 +102,7 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
         let info = match s.state {
             DatasetState::Sealed => {
                 let plan = convert::read_plan(&descriptor, &state.config)?;
-                match state.catalog().sealed(&s.name) {
-                    Ok((generation, data)) => plan_info(&plan, generation, &data, descriptor)?,
-                    // Dropped in between: leave it out.
-                    Err(_) => continue,
-                }
+                plan_info(&plan, &s, descriptor)?
             }
             DatasetState::Open => FlightInfo::new()
                 .try_with_schema(&s.schema)
@@ -119,9 +128,9 @@ fn flight_error_to_status(e: FlightError) -> Status {
 
 /// `DoGet`: stream a rank's shard. Rows are gathered on a blocking thread
 /// into a small bounded channel, so a slow reader holds back the gather.
-pub(super) fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
+pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
-    let (generation, data) = state.catalog().sealed(&t.plan.dataset)?;
+    let (generation, data) = state.resident(&t.plan.dataset).await?;
     if generation != t.generation {
         return Err(Error::FailedPrecondition(format!(
             "dataset '{}' was dropped and written again after this ticket was issued; call \

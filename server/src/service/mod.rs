@@ -9,7 +9,7 @@ mod actions;
 mod get;
 mod put;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use arrow_flight::flight_service_server::FlightService;
 use arrow_flight::{
@@ -21,35 +21,7 @@ use futures::{StreamExt, stream};
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::catalog::Catalog;
-use crate::config::ServerConfig;
-use crate::memory::Budget;
-
-/// State shared by all requests of one server.
-#[derive(Debug)]
-pub struct State {
-    catalog: Mutex<Catalog>,
-    budget: Arc<Budget>,
-    config: ServerConfig,
-}
-
-impl State {
-    /// Fresh state for `config`.
-    pub fn new(config: ServerConfig) -> Self {
-        Self {
-            catalog: Mutex::new(Catalog::new()),
-            budget: Budget::new(config.memory_limit),
-            config,
-        }
-    }
-
-    /// The catalog, locked. Catalog operations do not panic; if one ever did,
-    /// the catalog is still consistent (each operation validates before it
-    /// mutates), so a poisoned lock is taken over rather than spread.
-    fn catalog(&self) -> MutexGuard<'_, Catalog> {
-        self.catalog.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
+use crate::state::State;
 
 /// The flightdeck Flight service.
 #[derive(Debug, Clone)]
@@ -58,11 +30,9 @@ pub struct FlightdeckService {
 }
 
 impl FlightdeckService {
-    /// A service over fresh state.
-    pub fn new(config: ServerConfig) -> Self {
-        Self {
-            state: Arc::new(State::new(config)),
-        }
+    /// A service over `state`.
+    pub fn new(state: Arc<State>) -> Self {
+        Self { state }
     }
 }
 
@@ -134,10 +104,9 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        Ok(Response::new(get::do_get(
-            &self.state,
-            &request.into_inner(),
-        )?))
+        Ok(Response::new(
+            get::do_get(&self.state, &request.into_inner()).await?,
+        ))
     }
 
     async fn do_put(
@@ -154,7 +123,7 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
-        let body = actions::do_action(&self.state, &request.into_inner())?;
+        let body = actions::do_action(&self.state, &request.into_inner()).await?;
         Ok(Response::new(once(arrow_flight::Result { body })))
     }
 

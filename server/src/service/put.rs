@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{Array, RecordBatch};
+use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use arrow_flight::FlightData;
 use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
@@ -14,23 +14,10 @@ use futures::{StreamExt, TryStreamExt, stream};
 use tonic::Streaming;
 use tracing::info;
 
-use super::State;
 use crate::catalog::AttemptData;
 use crate::convert;
 use crate::error::{Error, Result};
-use crate::memory::Reservation;
-
-/// Bytes of the buffers a batch's arrays use (their slices, not whole
-/// underlying allocations).
-pub(crate) fn batch_bytes(batch: &RecordBatch) -> Result<u64> {
-    batch.columns().iter().try_fold(0u64, |acc, col| {
-        let size = col
-            .to_data()
-            .get_slice_memory_size()
-            .map_err(|e| Error::invalid(format!("cannot size column: {e}")))?;
-        Ok(acc + size as u64)
-    })
-}
+use crate::state::State;
 
 /// Checks the writer's `PutCommit` against what arrived.
 fn check_commit_marker(marker: &[u8], rows: u64, what: &str) -> Result<()> {
@@ -103,7 +90,7 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
     let mut schema: Option<SchemaRef> = None;
     let mut batches: Vec<RecordBatch> = Vec::new();
     let mut rows = 0u64;
-    let mut reservation = Reservation::new(state.budget.clone());
+    let mut bytes = 0u64;
     while let Some(item) = decoder.next().await {
         let decoded = match item {
             Ok(decoded) => decoded,
@@ -133,9 +120,11 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
                 schema = Some(s);
             }
             DecodedPayload::RecordBatch(batch) => {
-                reservation.grow(batch_bytes(&batch)?, what)?;
-                rows += batch.num_rows() as u64;
-                batches.push(batch);
+                // Into the arena before it is kept; the decoded copy goes.
+                let (kept, taken) = state.admit(&batch, None, &what).await?;
+                bytes += taken;
+                rows += kept.num_rows() as u64;
+                batches.push(kept);
             }
             DecodedPayload::None => {}
         }
@@ -153,7 +142,6 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
             .clone();
         check_commit_marker(&marker, rows, &what())?;
     }
-    let bytes = reservation.bytes();
     state.catalog().commit(
         &dataset,
         key,
@@ -164,7 +152,6 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
             bytes,
         },
     )?;
-    reservation.keep();
     info!(
         dataset = %dataset,
         partition = key.partition,

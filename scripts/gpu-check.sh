@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU checks, in two steps because the GPU machine has no Rust toolchain:
+#
+#   scripts/gpu-check.sh build   # here: release test and bench binaries into target/gpu-check/
+#   scripts/gpu-check.sh run     # on the GPU machine (carry target/gpu-check): tests + h2d bench
+#
+# `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
+# fails the checks instead of passing them vacuously. Output goes to $OUT
+# (or target/gpu-check/out).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=target/gpu-check
+
+build() {
+    mkdir -p "$dir"
+    cargo build --release -p flightdeck-server -p flightdeck-bench --bins
+    cp target/release/flightdeck target/release/flightdeck-bench "$dir/"
+    # Test executables: the GPU checks of the tiers, and the end-to-end tier tests.
+    cargo test --release -p flightdeck-server --test gpu --no-run --message-format=json \
+        | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/gpu-tests"; done
+    cargo test --release -p flightdeck-tests --test e2e_tiers --no-run --message-format=json \
+        | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/tier-tests"; done
+    strip "$dir"/*
+    du -sh "$dir"
+}
+
+run() {
+    out="${OUT:-$dir/out}"
+    mkdir -p "$out"
+    # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages.
+    if nv=$(python3 -c "import nvidia, os; print(list(nvidia.__path__)[0])" 2>/dev/null); then
+        for lib in "$nv"/*/lib; do LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"; done
+        export LD_LIBRARY_PATH
+    fi
+    nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+    export FLIGHTDECK_GPU_TESTS=1
+    status=0
+    "$dir/gpu-tests" --test-threads 1 --nocapture > "$out/gpu-tests.txt" 2>&1 || status=1
+    "$dir/tier-tests" --test-threads 1 > "$out/tier-tests.txt" 2>&1 || status=1
+    "$dir/flightdeck-bench" --phases h2d --baseline "" --reps 5 --in-process \
+        --json "$out/h2d.json" > "$out/h2d.txt" 2>&1 || status=1
+    tail -n 5 "$out"/*.txt
+    exit "$status"
+}
+
+case "${1:-}" in
+    build) build ;;
+    run) run ;;
+    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,269 @@
+//! The CUDA driver, when there is one: page-locked slabs for the arena and
+//! the device tier (`place` / `evict`).
+//!
+//! cudarc loads `libcuda` at run time, and panics when a call finds no
+//! library, so every entry point goes through [`CudaHost::probe`], which
+//! checks `is_culib_present()` first. A server without a driver has no
+//! `CudaHost`: its arena uses heap memory and `place` answers
+//! `FailedPrecondition`.
+//!
+//! Which bytes go to the device is decided by [`column_segments`], which is
+//! pure and tested without a GPU; this module only copies them.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use arrow::array::{Array, ArrayData, AsArray};
+use arrow::buffer::Buffer;
+use arrow::datatypes::DataType;
+use cudarc::driver::{CudaContext, CudaSlice, sys};
+
+use crate::catalog::SealedData;
+use crate::error::{Error, Result};
+
+/// A handle on the CUDA driver, bound to device 0's primary context for host
+/// allocations (which are portable: usable from every device).
+#[derive(Clone)]
+pub struct CudaHost {
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for CudaHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaHost")
+            .field("devices", &self.device_count())
+            .finish()
+    }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library by its usual names.
+    unsafe { sys::is_culib_present() }
+}
+
+impl CudaHost {
+    /// The driver with at least one device, or `None` (no library, no device,
+    /// or a driver that fails to initialise).
+    pub fn probe() -> Option<Self> {
+        if !driver_present() {
+            return None;
+        }
+        let count = CudaContext::device_count().ok()?;
+        if count < 1 {
+            return None;
+        }
+        let ctx = CudaContext::new(0).ok()?;
+        Some(Self { ctx })
+    }
+
+    /// Number of devices the driver sees.
+    pub fn device_count(&self) -> u32 {
+        CudaContext::device_count()
+            .ok()
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(0)
+    }
+
+    /// `cap` bytes of page-locked, portable host memory.
+    pub(crate) fn alloc_pinned(&self, cap: usize) -> Result<*mut u8> {
+        self.ctx.bind_to_thread().map_err(cuda_error)?;
+        // SAFETY: a plain allocation; its bytes are written before they are read.
+        let ptr =
+            unsafe { cudarc::driver::result::malloc_host(cap, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(cuda_error)?;
+        Ok(ptr.cast())
+    }
+
+    /// Frees memory from [`CudaHost::alloc_pinned`].
+    pub(crate) fn free_pinned(&self, ptr: *mut u8) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from `alloc_pinned` and is freed once.
+            let _ = unsafe { cudarc::driver::result::free_host(ptr.cast()) };
+        }
+    }
+
+    /// Whether `ptr` lies in page-locked memory the driver knows
+    /// (`cuMemHostGetFlags` succeeds only for such memory).
+    pub fn is_pinned(&self, ptr: *const u8) -> bool {
+        if self.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        let mut flags = 0u32;
+        // SAFETY: the driver only reads the pointer value.
+        let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast_mut().cast()) };
+        r == sys::CUresult::CUDA_SUCCESS
+    }
+
+    /// Copies the named columns of `data` to `device`, one device buffer per
+    /// column, from the arena (page-locked) on one stream.
+    pub fn place(
+        &self,
+        data: &SealedData,
+        columns: &[String],
+        device: u32,
+    ) -> Result<DevicePlacement> {
+        let count = self.device_count();
+        if device >= count {
+            return Err(Error::invalid(format!(
+                "device {device} does not exist: this server sees {count} CUDA devices \
+                 (0..{count})"
+            )));
+        }
+        let ctx = CudaContext::new(device as usize).map_err(cuda_error)?;
+        let stream = ctx.default_stream();
+        let mut placed = Vec::with_capacity(columns.len());
+        let mut bytes = 0u64;
+        for name in columns {
+            let col = column_segments(data, name)?;
+            let total: usize = col.segments.iter().map(|s| s.len()).sum();
+            // SAFETY: every byte is written by the copies below before use.
+            let mut buf = unsafe { stream.alloc::<u8>(total.max(1)) }.map_err(cuda_error)?;
+            let mut at = 0usize;
+            for seg in &col.segments {
+                let mut dst = buf.slice_mut(at..at + seg.len());
+                stream
+                    .memcpy_htod(seg.as_slice(), &mut dst)
+                    .map_err(cuda_error)?;
+                at += seg.len();
+            }
+            bytes += total as u64;
+            placed.push(DeviceColumn {
+                name: name.clone(),
+                element: col.element,
+                width: col.width,
+                rows: col.rows,
+                buffer: buf,
+            });
+        }
+        stream.synchronize().map_err(cuda_error)?;
+        Ok(DevicePlacement {
+            device,
+            columns: placed,
+            bytes,
+        })
+    }
+}
+
+fn cuda_error(e: cudarc::driver::DriverError) -> Error {
+    Error::Internal(format!("CUDA driver call failed: {e}"))
+}
+
+/// One column on one device: `rows × width` values of `element`, row-major.
+pub struct DeviceColumn {
+    /// Column name.
+    pub name: String,
+    /// Element type.
+    pub element: DataType,
+    /// Values per row (1 for primitive columns).
+    pub width: usize,
+    /// Rows.
+    pub rows: u64,
+    /// The values.
+    pub buffer: CudaSlice<u8>,
+}
+
+/// The columns of one dataset placed on one device.
+pub struct DevicePlacement {
+    /// Device ordinal.
+    pub device: u32,
+    /// Placed columns, in request order.
+    pub columns: Vec<DeviceColumn>,
+    /// Device bytes held.
+    pub bytes: u64,
+}
+
+impl std::fmt::Debug for DevicePlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevicePlacement")
+            .field("device", &self.device)
+            .field(
+                "columns",
+                &self.columns.iter().map(|c| &c.name).collect::<Vec<_>>(),
+            )
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// A numeric column of a sealed dataset as contiguous byte runs: the values
+/// of each stored batch, in row order, without nulls.
+#[derive(Debug)]
+pub struct ColumnSegments {
+    /// Element type (a primitive numeric type).
+    pub element: DataType,
+    /// Values per row.
+    pub width: usize,
+    /// Rows over all segments.
+    pub rows: u64,
+    /// The values, batch by batch; concatenated they are the column.
+    pub segments: Vec<Buffer>,
+}
+
+fn numeric_element(dt: &DataType) -> Option<usize> {
+    (dt.is_numeric() && dt.is_primitive()).then(|| dt.primitive_width())?
+}
+
+/// The bytes of column `name` of `data`: a primitive numeric column, or a
+/// `fixed_size_list` of one, with no nulls. Anything else is refused with a
+/// message naming the column and its type.
+pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> {
+    let schema = data.schema();
+    let idx = schema.index_of(name).map_err(|_| {
+        Error::invalid(format!(
+            "no column '{name}'; columns are {}",
+            crate::catalog::describe_fields(schema)
+        ))
+    })?;
+    let field = schema.field(idx);
+    let (element, width) = match field.data_type() {
+        DataType::FixedSizeList(item, n) if numeric_element(item.data_type()).is_some() => {
+            (item.data_type().clone(), *n as usize)
+        }
+        dt if numeric_element(dt).is_some() => (dt.clone(), 1),
+        other => {
+            return Err(Error::invalid(format!(
+                "column '{name}' has type {other}; only numeric columns and fixed_size_list \
+                 columns of numbers can be placed on a device or trained on"
+            )));
+        }
+    };
+    let elem_bytes = numeric_element(&element).unwrap_or(1);
+    let mut segments = Vec::with_capacity(data.batches().len());
+    let mut rows = 0u64;
+    for batch in data.batches() {
+        let col = batch.column(idx);
+        if col.null_count() > 0 {
+            return Err(Error::invalid(format!(
+                "column '{name}' has nulls; fill or drop them before placing or training"
+            )));
+        }
+        let values: ArrayData =
+            if width == 1 && !matches!(col.data_type(), DataType::FixedSizeList(..)) {
+                col.to_data()
+            } else {
+                let list = col.as_fixed_size_list();
+                let child = list.values();
+                if child.null_count() > 0 {
+                    return Err(Error::invalid(format!(
+                        "column '{name}' has null list items; fill them before placing or training"
+                    )));
+                }
+                // The rows of this (possibly sliced) list array.
+                child
+                    .slice(list.offset() * width, list.len() * width)
+                    .to_data()
+            };
+        let buf = &values.buffers()[0];
+        let start = values.offset() * elem_bytes;
+        let len = values.len() * elem_bytes;
+        segments.push(buf.slice_with_length(start, len));
+        rows += col.len() as u64;
+    }
+    Ok(ColumnSegments {
+        element,
+        width,
+        rows,
+        segments,
+    })
+}

@@ -1,0 +1,507 @@
+//! The spill and persistence store: sealed datasets as Parquet files (Arrow
+//! schema embedded) in an `object_store` — a local directory, memory, or a
+//! cloud bucket.
+//!
+//! Layout under the store's root:
+//!
+//! ```text
+//! datasets/<name>/<generation>/data.parquet    persisted (--persist), with
+//! datasets/<name>/<generation>/manifest.json   the catalog entry for restart
+//! spill/<session>/<name>/<generation>/data.parquet
+//!                                              spilled by a server without --persist;
+//!                                              removed on drop and at shutdown
+//! ```
+//!
+//! One file per dataset, rows in the dataset's row order, so a dataset read
+//! back serves the same bytes in the same order. Row groups are kept small so
+//! writing a spill needs little memory — spilling happens when memory is
+//! short.
+
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::{IpcMessage, SchemaAsIpc};
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use object_store::buffered::BufWriter;
+use object_store::path::{Path, PathPart};
+use object_store::{GetOptions, GetRange};
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use parquet::arrow::arrow_reader::ArrowReaderOptions;
+use parquet::arrow::async_reader::{
+    AsyncFileReader, MetadataSuffixFetch, ParquetRecordBatchStreamBuilder,
+};
+use parquet::arrow::async_writer::AsyncArrowWriter;
+use parquet::errors::ParquetError;
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
+use parquet::file::properties::WriterProperties;
+use serde_json::{Value, json};
+
+use crate::catalog::{AttemptKey, PartitionSummary, SealedData};
+use crate::error::{Error, Result};
+
+/// Rows per Parquet row group (and per batch read back).
+const ROW_GROUP_ROWS: usize = 65_536;
+/// Version of the manifest layout.
+const MANIFEST_FORMAT: u64 = 1;
+
+/// Where a dataset's copy lives in the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The dataset's folder.
+    pub dir: Path,
+    /// Written by `--persist` (with a manifest; survives restart), or a spill.
+    pub persisted: bool,
+}
+
+impl Stored {
+    fn data(&self) -> Path {
+        self.dir.clone().join("data.parquet")
+    }
+
+    fn manifest(&self) -> Path {
+        self.dir.clone().join("manifest.json")
+    }
+}
+
+/// A persisted dataset as found at start.
+#[derive(Debug, Clone)]
+pub struct PersistedDataset {
+    /// Dataset name.
+    pub name: String,
+    /// Its generation when sealed.
+    pub generation: u64,
+    /// Its schema.
+    pub schema: SchemaRef,
+    /// Winning partitions.
+    pub partitions: Vec<PartitionSummary>,
+    /// Where it lives.
+    pub stored: Stored,
+}
+
+/// An object store with flightdeck's layout.
+#[derive(Debug, Clone)]
+pub struct Store {
+    store: Arc<dyn ObjectStore>,
+    root: Path,
+    session: String,
+    url: String,
+}
+
+fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Unavailable(format!("{what}: {e}"))
+}
+
+/// Environment variables that configure cloud stores (credentials, region,
+/// endpoint), passed to the store's builder.
+fn cloud_options() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter(|(k, _)| {
+            ["AWS_", "GOOGLE_", "AZURE_"]
+                .iter()
+                .any(|p| k.starts_with(p))
+        })
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect()
+}
+
+impl Store {
+    /// Opens the store at `url`: `file:///abs/dir`, `memory://`, `s3://bucket/prefix`,
+    /// `gs://…`, `az://…` (credentials from the environment), or a plain
+    /// local path. Nothing is created until something is written.
+    pub fn open(url: &str) -> Result<Self> {
+        let bad = |e: &dyn std::fmt::Display| {
+            Error::invalid(format!(
+                "--spill-url '{url}' is not usable: {e}; give a local directory, file:///path, \
+                 memory://, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix"
+            ))
+        };
+        let (store, root): (Arc<dyn ObjectStore>, Path) =
+            if url == "memory://" || url.starts_with("memory:") {
+                (
+                    Arc::new(object_store::memory::InMemory::new()),
+                    Path::default(),
+                )
+            } else if !url.contains("://") {
+                let dir = std::path::absolute(url).map_err(|e| bad(&e))?;
+                let root = Path::from_absolute_path(&dir).map_err(|e| bad(&e))?;
+                (Arc::new(object_store::local::LocalFileSystem::new()), root)
+            } else {
+                let parsed = url::Url::parse(url).map_err(|e| bad(&e))?;
+                let (store, root) =
+                    object_store::parse_url_opts(&parsed, cloud_options()).map_err(|e| bad(&e))?;
+                (Arc::from(store), root)
+            };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        Ok(Self {
+            store,
+            root,
+            session: format!("{}-{nanos}", std::process::id()),
+            url: url.to_string(),
+        })
+    }
+
+    /// The URL it was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn dir(&self, persisted: bool, name: &str, generation: u64) -> Path {
+        let base = if persisted {
+            self.root.clone().join("datasets")
+        } else {
+            self.root.clone().join("spill").join(self.session.as_str())
+        };
+        base.join(PathPart::from(name)).join(generation.to_string())
+    }
+
+    /// Writes `data` as Parquet; with `manifest` (persisting), also the
+    /// catalog entry restart needs, written last so that a manifest always
+    /// names a complete file.
+    pub async fn write(
+        &self,
+        name: &str,
+        generation: u64,
+        data: &SealedData,
+        manifest: Option<&[PartitionSummary]>,
+    ) -> Result<Stored> {
+        let stored = Stored {
+            dir: self.dir(manifest.is_some(), name, generation),
+            persisted: manifest.is_some(),
+        };
+        let what = || format!("writing dataset '{name}' to {}", self.url);
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+            .build();
+        let sink = BufWriter::new(self.store.clone(), stored.data());
+        let mut writer = AsyncArrowWriter::try_new(sink, data.schema().clone(), Some(props))
+            .map_err(|e| store_error(&what(), e))?;
+        for batch in data.batches() {
+            writer
+                .write(batch)
+                .await
+                .map_err(|e| store_error(&what(), e))?;
+        }
+        writer.close().await.map_err(|e| store_error(&what(), e))?;
+        if let Some(parts) = manifest {
+            let body = manifest_json(name, generation, data.schema(), parts)?;
+            self.store
+                .put(&stored.manifest(), PutPayload::from(body))
+                .await
+                .map_err(|e| store_error(&what(), e))?;
+        }
+        Ok(stored)
+    }
+
+    /// The dataset's record batches, read back in row order with `schema`.
+    pub async fn read(
+        &self,
+        stored: &Stored,
+        schema: SchemaRef,
+    ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
+        let path = stored.data();
+        let what = format!("reading {path} from {}", self.url);
+        let reader = ObjectReader {
+            store: self.store.clone(),
+            path,
+        };
+        let stream = ParquetRecordBatchStreamBuilder::new(reader)
+            .await
+            .map_err(|e| store_error(&what, e))?
+            .with_batch_size(ROW_GROUP_ROWS)
+            .build()
+            .map_err(|e| store_error(&what, e))?;
+        Ok(stream
+            .map_err(move |e| store_error(&what, e))
+            .and_then(move |batch| {
+                let schema = schema.clone();
+                async move {
+                    // The catalog's schema, metadata included; types must match.
+                    RecordBatch::try_new(schema, batch.columns().to_vec()).map_err(|e| {
+                        Error::Internal(format!("a stored batch does not fit its schema: {e}"))
+                    })
+                }
+            })
+            .boxed())
+    }
+
+    /// Removes a dataset's files.
+    pub async fn delete(&self, stored: &Stored) -> Result<()> {
+        self.delete_under(&stored.dir).await
+    }
+
+    async fn delete_under(&self, dir: &Path) -> Result<()> {
+        let paths: Vec<Path> = self
+            .store
+            .list(Some(dir))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await
+            .map_err(|e| store_error(&format!("listing {dir}"), e))?;
+        for p in paths {
+            match self.store.delete(&p).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(store_error(&format!("deleting {p}"), e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes this server's spill files (at shutdown).
+    pub async fn clear_session(&self) -> Result<()> {
+        let dir = self.root.clone().join("spill").join(self.session.as_str());
+        self.delete_under(&dir).await
+    }
+
+    /// Every persisted dataset with a manifest, newest generation per name.
+    pub async fn persisted(&self) -> Result<Vec<PersistedDataset>> {
+        let dir = self.root.clone().join("datasets");
+        let manifests: Vec<Path> = self
+            .store
+            .list(Some(&dir))
+            .map_ok(|m| m.location)
+            .try_filter(|p| std::future::ready(p.filename() == Some("manifest.json")))
+            .try_collect()
+            .await
+            .map_err(|e| store_error(&format!("listing {dir} in {}", self.url), e))?;
+        let mut found: Vec<PersistedDataset> = Vec::new();
+        for path in manifests {
+            let what = format!("reading {path} from {}", self.url);
+            let bytes = self
+                .store
+                .get(&path)
+                .await
+                .map_err(|e| store_error(&what, e))?
+                .bytes()
+                .await
+                .map_err(|e| store_error(&what, e))?;
+            let mut ds = parse_manifest(&bytes)
+                .map_err(|e| Error::Internal(format!("{what}: not a flightdeck manifest ({e})")))?;
+            let parts: Vec<PathPart<'_>> = path.parts().collect();
+            ds.stored = Stored {
+                dir: Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned()),
+                persisted: true,
+            };
+            match found.iter_mut().find(|f| f.name == ds.name) {
+                Some(f) if f.generation < ds.generation => *f = ds,
+                Some(_) => {}
+                None => found.push(ds),
+            }
+        }
+        found.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(found)
+    }
+}
+
+/// Parquet's view of one object: ranged reads, footer by suffix.
+struct ObjectReader {
+    store: Arc<dyn ObjectStore>,
+    path: Path,
+}
+
+fn parquet_error(e: object_store::Error) -> ParquetError {
+    ParquetError::External(Box::new(e))
+}
+
+impl AsyncFileReader for ObjectReader {
+    fn get_bytes(
+        &mut self,
+        range: std::ops::Range<u64>,
+    ) -> BoxFuture<'_, parquet::errors::Result<Bytes>> {
+        async move {
+            self.store
+                .get_range(&self.path, range)
+                .await
+                .map_err(parquet_error)
+        }
+        .boxed()
+    }
+
+    fn get_byte_ranges(
+        &mut self,
+        ranges: Vec<std::ops::Range<u64>>,
+    ) -> BoxFuture<'_, parquet::errors::Result<Vec<Bytes>>> {
+        async move {
+            self.store
+                .get_ranges(&self.path, &ranges)
+                .await
+                .map_err(parquet_error)
+        }
+        .boxed()
+    }
+
+    fn get_metadata<'a>(
+        &'a mut self,
+        options: Option<&'a ArrowReaderOptions>,
+    ) -> BoxFuture<'a, parquet::errors::Result<Arc<ParquetMetaData>>> {
+        async move {
+            let metadata = ParquetMetaDataReader::new()
+                .with_arrow_reader_options(options)
+                .load_via_suffix_and_finish(self)
+                .await?;
+            Ok(Arc::new(metadata))
+        }
+        .boxed()
+    }
+}
+
+impl MetadataSuffixFetch for &mut ObjectReader {
+    fn fetch_suffix(&mut self, suffix: usize) -> BoxFuture<'_, parquet::errors::Result<Bytes>> {
+        let options = GetOptions {
+            range: Some(GetRange::Suffix(suffix as u64)),
+            ..Default::default()
+        };
+        async move {
+            let got = self
+                .store
+                .get_opts(&self.path, options)
+                .await
+                .map_err(parquet_error)?;
+            got.bytes().await.map_err(parquet_error)
+        }
+        .boxed()
+    }
+}
+
+fn schema_bytes(schema: &Schema) -> Result<Vec<u8>> {
+    let msg: IpcMessage = SchemaAsIpc::new(schema, &IpcWriteOptions::default())
+        .try_into()
+        .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))?;
+    Ok(msg.0.to_vec())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn manifest_json(
+    name: &str,
+    generation: u64,
+    schema: &Schema,
+    parts: &[PartitionSummary],
+) -> Result<Vec<u8>> {
+    let partitions: Vec<Value> = parts
+        .iter()
+        .map(|p| {
+            json!({
+                "partition": p.key.partition,
+                "attempt": p.key.attempt,
+                "rows": p.rows,
+                "bytes": p.bytes,
+                "committed_attempts": p.committed_attempts,
+            })
+        })
+        .collect();
+    let doc = json!({
+        "format": MANIFEST_FORMAT,
+        "dataset": name,
+        "generation": generation,
+        "rows": parts.iter().map(|p| p.rows).sum::<u64>(),
+        "schema_ipc_hex": hex(&schema_bytes(schema)?),
+        "partitions": partitions,
+    });
+    serde_json::to_vec_pretty(&doc).map_err(|e| Error::Internal(format!("manifest: {e}")))
+}
+
+fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String> {
+    let doc: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let u = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).ok_or(format!("no '{k}'"));
+    if u(&doc, "format")? != MANIFEST_FORMAT {
+        return Err("unknown manifest format".into());
+    }
+    let name = doc
+        .get("dataset")
+        .and_then(Value::as_str)
+        .ok_or("no 'dataset'")?
+        .to_string();
+    let ipc = doc
+        .get("schema_ipc_hex")
+        .and_then(Value::as_str)
+        .and_then(unhex)
+        .ok_or("no 'schema_ipc_hex'")?;
+    let schema = Schema::try_from(IpcMessage(ipc.into())).map_err(|e| e.to_string())?;
+    let partitions = doc
+        .get("partitions")
+        .and_then(Value::as_array)
+        .ok_or("no 'partitions'")?
+        .iter()
+        .map(|p| {
+            let small = |k: &str| {
+                u(p, k).and_then(|v| u32::try_from(v).map_err(|_| format!("'{k}' too large")))
+            };
+            Ok(PartitionSummary {
+                key: AttemptKey {
+                    partition: small("partition")?,
+                    attempt: small("attempt")?,
+                },
+                rows: u(p, "rows")?,
+                bytes: u(p, "bytes")?,
+                committed_attempts: small("committed_attempts")?,
+            })
+        })
+        .collect::<std::result::Result<Vec<_>, String>>()?;
+    Ok(PersistedDataset {
+        name,
+        generation: u(&doc, "generation")?,
+        schema: Arc::new(schema),
+        partitions,
+        stored: Stored {
+            dir: Path::default(),
+            persisted: true,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field};
+
+    #[test]
+    fn manifests_round_trip() {
+        let schema = Schema::new(vec![
+            Field::new("x", DataType::Float32, false),
+            Field::new("name", DataType::Utf8, true),
+        ]);
+        let parts = vec![PartitionSummary {
+            key: AttemptKey {
+                partition: 0,
+                attempt: 2,
+            },
+            rows: 10,
+            bytes: 640,
+            committed_attempts: 3,
+        }];
+        let body = manifest_json("a/b c", 7, &schema, &parts).expect("encodes");
+        let back = parse_manifest(&body).expect("parses");
+        assert_eq!(back.name, "a/b c");
+        assert_eq!(back.generation, 7);
+        assert_eq!(*back.schema, schema);
+        assert_eq!(back.partitions, parts);
+        assert!(parse_manifest(b"{}").is_err());
+        assert!(parse_manifest(b"not json").is_err());
+    }
+
+    #[test]
+    fn plain_paths_and_bad_urls() {
+        assert!(Store::open("memory://").is_ok());
+        assert!(Store::open("relative/dir").is_ok());
+        let err = Store::open("nosuch://x/y").expect_err("unknown scheme");
+        assert!(err.to_string().contains("--spill-url"), "{err}");
+    }
+}

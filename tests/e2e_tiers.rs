@@ -1,0 +1,314 @@
+//! Memory tiers end to end: datasets spill to the store when the budget is
+//! full and come back byte for byte in every shuffle mode (`memory://` and
+//! `file://` stores); `--persist` survives a restart; dropping returns
+//! memory to the pool; `place` without a CUDA driver answers its code.
+
+use std::path::PathBuf;
+
+use flightdeck_client::{Client, Code, DatasetState, ReadPlan, SealDataset, Shuffle};
+use flightdeck_server::ServerConfig;
+use flightdeck_tests::{TestServer, partition_batches, raw_bytes, schema, test_config, timed};
+use futures::stream;
+
+const ROWS_PER_PART: i64 = 10_000;
+const PARTS: u32 = 3;
+
+/// Writes and seals `PARTS` partitions of the synthetic dataset.
+async fn write_sealed(c: &mut Client, ds: &str) -> u64 {
+    for p in 0..PARTS {
+        let start = i64::from(p) * ROWS_PER_PART;
+        let batches = partition_batches(start..start + ROWS_PER_PART, 0, 1_000);
+        timed(
+            "put",
+            c.put_partition(
+                ds,
+                p,
+                0,
+                schema(),
+                stream::iter(batches.into_iter().map(Ok)),
+            ),
+        )
+        .await
+        .expect("put fits");
+    }
+    let info = timed(
+        "seal",
+        c.seal(SealDataset {
+            dataset: ds.into(),
+            partitions: PARTS,
+            attempts: vec![],
+        }),
+    )
+    .await
+    .expect("seal");
+    info.bytes
+}
+
+/// The raw `DoGet` bytes of every rank of 3 ranks, for each shuffle mode.
+async fn read_every_mode(c: &mut Client, ds: &str) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for shuffle in [Shuffle::None, Shuffle::Global, Shuffle::Block] {
+        let plan = timed(
+            "plan",
+            c.plan(ReadPlan {
+                dataset: ds.into(),
+                world_size: 3,
+                epoch: 1,
+                seed: 7,
+                shuffle: shuffle.into(),
+                batch_rows: 4_096,
+                block_rows: 512,
+                ..Default::default()
+            }),
+        )
+        .await
+        .expect("plan");
+        for shard in &plan.shards {
+            out.push(raw_bytes(c, shard.ticket.clone()).await);
+        }
+    }
+    out
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "flightdeck-test-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Bytes one synthetic dataset takes in the arena (measured on a roomy server).
+async fn dataset_bytes() -> u64 {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let bytes = write_sealed(&mut c, "probe").await;
+    server.stop().await;
+    bytes
+}
+
+async fn spill_and_read_back(spill_url: String) {
+    let one = dataset_bytes().await;
+    // Room for two datasets and a half, in slabs of a 32nd of the limit.
+    let limit = one * 5 / 2;
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: limit,
+        spill_url: Some(spill_url),
+        slab_bytes: Some(usize::try_from(limit / 32).expect("fits")),
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "a").await;
+    let before = read_every_mode(&mut c, "a").await;
+    write_sealed(&mut c, "b").await;
+    // "a" was read before "b" was sealed: it is the one to spill for "c".
+    write_sealed(&mut c, "c").await;
+    let a = c.describe("a").await.expect("describe");
+    assert!(a.spilled, "a should have spilled: {a:?}");
+    assert_eq!(a.bytes, 0);
+    assert_eq!(a.state(), DatasetState::Sealed);
+    assert_eq!(a.rows, u64::from(PARTS) * ROWS_PER_PART as u64);
+    let stats = c.stats().await.expect("stats");
+    assert!(
+        stats.spills >= 1 && stats.spilled_datasets >= 1,
+        "{stats:?}"
+    );
+    assert!(stats.memory_used <= limit, "{stats:?}");
+
+    // Reading brings it back, byte for byte, in every mode (spilling another).
+    let after = read_every_mode(&mut c, "a").await;
+    assert_eq!(before.len(), after.len());
+    for (i, (x, y)) in before.iter().zip(&after).enumerate() {
+        assert!(x == y, "stream {i} differs after spill and read back");
+    }
+    assert!(!c.describe("a").await.expect("describe").spilled);
+    let stats = c.stats().await.expect("stats");
+    assert!(stats.restores >= 1, "{stats:?}");
+    assert!(stats.memory_used <= limit, "{stats:?}");
+    // Everyone is still readable.
+    for ds in ["a", "b", "c"] {
+        assert_eq!(read_every_mode(&mut c, ds).await.len(), 9);
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_to_a_memory_store_reads_back_byte_identical() {
+    spill_and_read_back("memory://".to_string()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_to_a_file_store_reads_back_byte_identical() {
+    let dir = temp_dir("spill");
+    spill_and_read_back(format!("file://{}", dir.display())).await;
+    // The server removes its spill files at shutdown.
+    let leftover: Vec<_> = walk(&dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect();
+    assert!(leftover.is_empty(), "{leftover:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_persist_serves_the_same_data() {
+    let dir = temp_dir("persist");
+    let config = ServerConfig {
+        memory_limit: 1 << 30,
+        spill_url: Some(format!("file://{}", dir.display())),
+        persist: true,
+        ..test_config()
+    };
+    let server = TestServer::start_with(config.clone()).await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "kept").await;
+    let described = c.describe("kept").await.expect("describe");
+    assert!(described.persisted && !described.spilled);
+    let before = read_every_mode(&mut c, "kept").await;
+    // An open dataset is not persisted: it was never sealed.
+    let batches = partition_batches(0..10, 0, 10);
+    c.put_partition(
+        "unsealed",
+        0,
+        0,
+        schema(),
+        stream::iter(batches.into_iter().map(Ok)),
+    )
+    .await
+    .expect("put");
+    server.stop().await;
+    let files = walk(&dir);
+    assert!(
+        files.iter().any(|p| p.ends_with("manifest.json")),
+        "{files:?}"
+    );
+
+    let server = TestServer::start_with(config.clone()).await;
+    let mut c = server.client().await;
+    assert_eq!(
+        c.list_datasets().await.expect("list"),
+        vec!["kept".to_string()]
+    );
+    let again = c.describe("kept").await.expect("describe");
+    assert_eq!(again.state(), DatasetState::Sealed);
+    assert!(again.persisted && again.spilled);
+    assert_eq!(
+        (
+            again.rows,
+            again.generation,
+            &again.partitions,
+            &again.schema
+        ),
+        (
+            described.rows,
+            described.generation,
+            &described.partitions,
+            &described.schema
+        )
+    );
+    let after = read_every_mode(&mut c, "kept").await;
+    assert!(before == after, "a restarted server serves different bytes");
+    // A new dataset gets a new generation, not one a persisted one has.
+    write_sealed(&mut c, "new").await;
+    let new = c.describe("new").await.expect("describe");
+    assert!(new.generation > again.generation);
+    // Dropping removes it from the store too.
+    c.drop_dataset("kept").await.expect("drop");
+    c.drop_dataset("new").await.expect("drop");
+    server.stop().await;
+    assert!(
+        !walk(&dir).iter().any(|p| p.ends_with("manifest.json")),
+        "{:?}",
+        walk(&dir)
+    );
+    let server = TestServer::start_with(config).await;
+    let mut c = server.client().await;
+    let err = c.describe("kept").await.expect_err("dropped");
+    assert_eq!(err.code(), Code::NotFound);
+    server.stop().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_returns_memory_to_the_pool() {
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 64 << 20,
+        slab_bytes: Some(1 << 20),
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "x").await;
+    write_sealed(&mut c, "y").await;
+    let full = c.stats().await.expect("stats");
+    assert!(full.host_live_bytes > 0 && full.host_held_bytes >= full.host_live_bytes);
+    assert_eq!(full.memory_used, full.host_held_bytes);
+    c.drop_dataset("x").await.expect("drop");
+    c.drop_dataset("y").await.expect("drop");
+    let empty = c.stats().await.expect("stats");
+    assert_eq!(empty.host_live_bytes, 0, "{empty:?}");
+    // What is still held is the current slab and a few idle ones, for reuse.
+    assert!(empty.host_held_bytes <= 3 << 20, "{empty:?}");
+    assert_eq!(empty.memory_used, empty.host_held_bytes);
+    // Reuse: writing the same again takes no more than the first time.
+    write_sealed(&mut c, "x").await;
+    write_sealed(&mut c, "y").await;
+    let again = c.stats().await.expect("stats");
+    assert!(
+        again.host_held_bytes <= full.host_held_bytes,
+        "{again:?} vs {full:?}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn place_without_a_cuda_driver_is_a_failed_precondition() {
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 1 << 30,
+        use_cuda: false,
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "d").await;
+    let err = c.place("d", &["x"], &[0]).await.expect_err("no driver");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("no CUDA driver"), "{err}");
+    let stats = c.stats().await.expect("stats");
+    assert_eq!(
+        (stats.cuda_devices, stats.host_pinned, stats.device_bytes),
+        (0, false, 0)
+    );
+    // Evict has nothing to free but still names unknown datasets.
+    let info = c.evict("d", &[]).await.expect("evict");
+    assert!(info.placements.is_empty());
+    assert_eq!(
+        c.evict("nope", &[]).await.expect_err("unknown").code(),
+        Code::NotFound
+    );
+    let err = c
+        .place("d", &["x"], &[1, 1])
+        .await
+        .expect_err("repeated device");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    server.stop().await;
+}

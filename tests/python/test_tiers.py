@@ -1,0 +1,98 @@
+"""Memory tiers through the `flightdeck serve` binary and the Python client:
+a server started with `--persist` serves its sealed datasets again after a
+restart, a small budget spills and brings datasets back with the same rows,
+and `place` without a CUDA driver raises FailedPrecondition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import flightdeck
+from conftest import RunningServer
+
+
+def table(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table(
+        {
+            "id": pa.array(np.arange(n, dtype=np.int64)),
+            "x": pa.array(rng.standard_normal(n).astype(np.float32)),
+            "label": pa.array(rng.integers(0, 3, n).astype(np.int32)),
+        }
+    )
+
+
+def write(client: flightdeck.Client, name: str, t: pa.Table, parts: int = 4) -> None:
+    step = -(-t.num_rows // parts)
+    for p in range(parts):
+        client.put_partition(name, p, t.slice(p * step, step))
+    client.seal(name, partitions=parts)
+
+
+def epoch(client: flightdeck.Client, name: str, shuffle: str) -> list[pa.Table]:
+    plan = client.plan(name, world_size=2, epoch=3, seed=11, shuffle=shuffle)
+    return [client.read_table(s) for s in plan.shards]
+
+
+def stopped(server: RunningServer) -> None:
+    assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_persist_survives_a_restart(tmp_path):
+    args = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    t = table(50_000, 1)
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "kept", t)
+            info = c.describe("kept")
+            assert info.persisted and not info.spilled
+            before = {m: epoch(c, "kept", m) for m in ("none", "global", "block")}
+    finally:
+        stopped(server)
+    assert list((tmp_path / "store" / "datasets" / "kept").glob("*/manifest.json"))
+
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            assert c.list_datasets() == ["kept"]
+            info = c.describe("kept")
+            assert (info.rows, info.persisted, info.spilled) == (50_000, True, True)
+            for mode, tables in before.items():
+                assert epoch(c, "kept", mode) == tables, mode
+            assert not c.describe("kept").spilled
+            stats = c.stats()
+            assert stats.persist and stats.restores == 1
+    finally:
+        stopped(server)
+
+
+def test_a_small_budget_spills_and_reads_back():
+    one = table(200_000, 2)  # ~3.2 MB in the arena
+    server = RunningServer("--memory-limit", "8MiB", "--slab-size", "256KiB")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "a", one)
+            first = epoch(c, "a", "global")
+            write(c, "b", table(200_000, 3))
+            write(c, "c", table(200_000, 4))
+            assert c.describe("a").spilled
+            assert epoch(c, "a", "global") == first
+            stats = c.stats()
+            assert stats.spills >= 2 and stats.restores >= 1
+            assert stats.memory_used <= stats.memory_limit
+            assert stats.spill_url == "memory://"
+    finally:
+        stopped(server)
+
+
+def test_place_without_a_driver(flightdeck_server):
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        write(c, "d", table(100, 5))
+        if c.stats().cuda_devices:
+            pytest.skip("this machine has a CUDA driver; scripts/gpu-check.sh covers place")
+        with pytest.raises(flightdeck.FailedPrecondition, match="no CUDA driver"):
+            c.place("d", ["x"])
+        assert c.evict("d").placements == []
