@@ -374,7 +374,9 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         .expect("actions");
     assert_eq!(
         actions,
-        ["seal", "drop", "describe", "stats", "place", "evict"]
+        [
+            "seal", "drop", "describe", "stats", "place", "evict", "train", "job"
+        ]
     );
 
     // Calls flightdeck does not offer.

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use flightdeck_client::{Client, Code, DatasetState, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
-use flightdeck_tests::{TestServer, partition_batches, raw_bytes, schema, test_config, timed};
+use flightdeck_tests::{
+    TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
+};
 use futures::stream;
 
 const ROWS_PER_PART: i64 = 10_000;
@@ -68,19 +70,6 @@ async fn read_every_mode(c: &mut Client, ds: &str) -> Vec<Vec<u8>> {
         }
     }
     out
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "flightdeck-test-{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0)
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
 }
 
 /// Bytes one synthetic dataset takes in the arena (measured on a roomy server).

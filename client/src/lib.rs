@@ -53,8 +53,9 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 pub use flightdeck_protos::{
-    DatasetInfo, DatasetState, PartitionAttempt, PutAck, PutPartition, ReadPlan, SealDataset,
-    ServerStats, ShardInfo, Shuffle, actions,
+    DatasetInfo, DatasetState, JobList, JobStatus, OptimizerKind, PartitionAttempt, PutAck,
+    PutPartition, ReadPlan, SealDataset, ServerStats, ShardInfo, Shuffle, Task, TrainJob,
+    TrainProgress, actions,
 };
 
 /// Largest message the client accepts: shards stream whole batches of
@@ -344,6 +345,29 @@ impl Client {
         };
         self.action(actions::EVICT, body.encode_to_vec().into())
             .await
+    }
+
+    /// Starts a training job on the server; the stream yields its progress
+    /// reports and ends after the one with `done` set, or with the job's
+    /// error. Dropping the stream cancels the job.
+    pub async fn train(
+        &mut self,
+        job: TrainJob,
+    ) -> Result<BoxStream<'static, Result<TrainProgress>>> {
+        let results = self
+            .inner
+            .do_action(Action::new(actions::TRAIN, job.encode_to_vec()))
+            .await?;
+        Ok(results
+            .map_err(ClientError::from)
+            .and_then(|body| async move { decode(&body, "TrainProgress") })
+            .boxed())
+    }
+
+    /// Status of training job `job` (0 = every job since the server started).
+    pub async fn jobs(&mut self, job: u64) -> Result<JobList> {
+        let body = flightdeck_protos::JobQuery { job };
+        self.action(actions::JOB, body.encode_to_vec().into()).await
     }
 
     /// Memory per tier and dataset totals of the server.

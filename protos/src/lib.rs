@@ -28,6 +28,10 @@ pub mod actions {
     pub const PLACE: &str = "place";
     /// `EvictColumns` -> `DatasetInfo`: free a dataset's GPU copies.
     pub const EVICT: &str = "evict";
+    /// `TrainJob` -> a stream of `TrainProgress`: run a training job.
+    pub const TRAIN: &str = "train";
+    /// `JobQuery` -> `JobList`: status of training jobs.
+    pub const JOB: &str = "job";
 }
 
 /// The proto source, for clients that compile it themselves.

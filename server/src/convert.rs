@@ -153,19 +153,7 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
     } else {
         p.block_rows
     };
-    let shuffle = match pb::Shuffle::try_from(p.shuffle) {
-        Ok(pb::Shuffle::None) => Shuffle::None,
-        Ok(pb::Shuffle::Global) => Shuffle::Global,
-        Ok(pb::Shuffle::Block) => Shuffle::Block {
-            block_rows: u64::from(block_rows),
-        },
-        Err(_) => {
-            return Err(Error::invalid(format!(
-                "unknown shuffle mode {}; use SHUFFLE_NONE, SHUFFLE_GLOBAL or SHUFFLE_BLOCK",
-                p.shuffle
-            )));
-        }
-    };
+    let shuffle = shuffle_of(p.shuffle, block_rows)?;
     let split = match (p.split_count, p.split_index) {
         (0 | 1, 0) => Split::WHOLE,
         (count, index) if count > 1 && index < count => Split { count, index },
@@ -386,6 +374,113 @@ pub fn place_request(body: &[u8]) -> Result<PlaceRequest> {
 pub fn evict_request(body: &[u8]) -> Result<(String, Vec<u32>)> {
     let e: pb::EvictColumns = decode(body, "body of action 'evict'", "EvictColumns")?;
     Ok((dataset_name(&e.dataset)?, e.devices))
+}
+
+fn shuffle_of(value: i32, block_rows: u32) -> Result<Shuffle> {
+    match pb::Shuffle::try_from(value) {
+        Ok(pb::Shuffle::None) => Ok(Shuffle::None),
+        Ok(pb::Shuffle::Global) => Ok(Shuffle::Global),
+        Ok(pb::Shuffle::Block) => Ok(Shuffle::Block {
+            block_rows: u64::from(block_rows),
+        }),
+        Err(_) => Err(Error::invalid(format!(
+            "unknown shuffle mode {value}; use SHUFFLE_NONE, SHUFFLE_GLOBAL or SHUFFLE_BLOCK"
+        ))),
+    }
+}
+
+/// Most CPU ranks one job may ask for.
+pub const MAX_CPU_RANKS: u32 = 256;
+
+/// Decodes the body of action `train`. Checks against the data come later
+/// ([`crate::train::Job::prepare`]).
+pub fn train_job(body: &[u8], config: &ServerConfig) -> Result<crate::train::JobSpec> {
+    use crate::train::model::Optimizer;
+    use crate::train::{Devices, JobSpec, TaskSpec};
+    let j: pb::TrainJob = decode(body, "body of action 'train'", "TrainJob")?;
+    let task = match pb::Task::try_from(j.task) {
+        Ok(pb::Task::Classification) => TaskSpec::Classification(j.classes),
+        Ok(pb::Task::Regression) => TaskSpec::Regression,
+        Err(_) => {
+            return Err(Error::invalid(format!(
+                "unknown task {}; use TASK_CLASSIFICATION or TASK_REGRESSION",
+                j.task
+            )));
+        }
+    };
+    let optimizer = match pb::OptimizerKind::try_from(j.optimizer) {
+        Ok(pb::OptimizerKind::OptimizerAdamw) => Optimizer::AdamW,
+        Ok(pb::OptimizerKind::OptimizerSgd) => Optimizer::Sgd {
+            momentum: j.momentum as f32,
+        },
+        Err(_) => {
+            return Err(Error::invalid(format!(
+                "unknown optimizer {}; use OPTIMIZER_ADAMW or OPTIMIZER_SGD",
+                j.optimizer
+            )));
+        }
+    };
+    let devices = if j.gpus.is_empty() {
+        match j.cpu_ranks {
+            0 => Devices::Cpu(1),
+            n if n > MAX_CPU_RANKS => {
+                return Err(Error::invalid(format!(
+                    "{n} cpu ranks is more than the {MAX_CPU_RANKS} a job may use"
+                )));
+            }
+            n => Devices::Cpu(n),
+        }
+    } else {
+        Devices::Gpu(j.gpus)
+    };
+    let block_rows = if j.block_rows == 0 {
+        config.default_block_rows
+    } else {
+        j.block_rows
+    };
+    let nonempty = |s: String| (!s.is_empty()).then_some(s);
+    Ok(JobSpec {
+        dataset: dataset_name(&j.dataset)?,
+        features: j.features,
+        label: j.label,
+        task,
+        hidden: j.hidden.iter().map(|&h| h as usize).collect(),
+        optimizer,
+        lr: j.learning_rate as f32,
+        weight_decay: j.weight_decay as f32,
+        global_batch: j.batch_size,
+        epochs: j.epochs,
+        seed: j.seed,
+        shuffle: shuffle_of(j.shuffle, block_rows)?,
+        devices,
+        checkpoint_url: nonempty(j.checkpoint_url),
+        checkpoint_every: j.checkpoint_every,
+        resume_from: nonempty(j.resume_from),
+        max_steps: j.max_steps,
+    })
+}
+
+/// The wire form of a progress report of job `job`.
+pub fn train_progress(job: u64, p: &crate::train::Progress) -> pb::TrainProgress {
+    pb::TrainProgress {
+        job,
+        epoch: p.epoch,
+        step: p.step,
+        total_steps: p.total_steps,
+        loss: p.loss,
+        samples_per_second: p.samples_per_second,
+        data_stall_seconds: p.data_stall_seconds,
+        data_stall_fraction: p.data_stall_fraction,
+        accuracy: p.accuracy,
+        checkpoint: p.checkpoint.clone().unwrap_or_default(),
+        done: p.done,
+    }
+}
+
+/// Decodes the body of action `job`: a job id, 0 = all.
+pub fn job_query(body: &[u8]) -> Result<u64> {
+    let q: pb::JobQuery = decode(body, "body of action 'job'", "JobQuery")?;
+    Ok(q.job)
 }
 
 #[cfg(test)]

@@ -87,6 +87,10 @@ pub enum Error {
     #[error("{0}")]
     Unimplemented(String),
 
+    /// Something other than a dataset that the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
+
     /// The spill or persistence store failed (I/O, network, credentials);
     /// retrying may work once the store is reachable.
     #[error("{0}")]
@@ -107,7 +111,7 @@ impl Error {
     pub fn code(&self) -> Code {
         match self {
             Self::InvalidArgument(_) => Code::InvalidArgument,
-            Self::DatasetNotFound { .. } => Code::NotFound,
+            Self::DatasetNotFound { .. } | Self::NotFound(_) => Code::NotFound,
             Self::AttemptExists { .. } => Code::AlreadyExists,
             Self::DatasetSealed { .. }
             | Self::DatasetNotSealed { .. }

@@ -16,7 +16,9 @@
 //!   ├── read      gathering a shard's rows into record batches (synchronous)
 //!   └── state     tier policy: arena copies, spill on pressure, restore on read,
 //!       │         persist at seal, device placements (owns the catalog)
-//!       └── memory    budget, host arena (pinned with CUDA), device tier, spill store
+//!       ├── memory    budget, host arena (pinned with CUDA), device tier, spill store
+//!       └── jobs      training jobs: start, progress, checkpoints, cancel
+//!             └── train   the runtime: model, step, CPU backend, checkpoints (no I/O)
 //! convert   wire (prost) <-> domain types, the one place a malformed message fails
 //! error     the error enum and its mapping to gRPC codes
 //! ```
@@ -31,11 +33,13 @@ pub mod catalog;
 pub mod config;
 pub mod convert;
 pub mod error;
+pub mod jobs;
 pub mod memory;
 pub mod order;
 pub mod read;
 pub mod service;
 pub mod state;
+pub mod train;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,5 +1,8 @@
-//! The `flightdeck` binary: parses flags into a [`ServerConfig`], binds the
-//! listener and serves until SIGINT or SIGTERM.
+//! The `flightdeck` binary: `serve` parses flags into a [`ServerConfig`],
+//! binds the listener and serves until SIGINT or SIGTERM; `train` submits a
+//! training job to a running server and shows its progress.
+
+mod train_cli;
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
@@ -23,6 +26,8 @@ struct Cli {
 enum Command {
     /// Run the server (one per GPU node).
     Serve(ServeArgs),
+    /// Train a model on a sealed dataset of a running server.
+    Train(train_cli::TrainArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -142,6 +147,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => run(args).await,
+        Command::Train(args) => train_cli::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

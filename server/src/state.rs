@@ -65,6 +65,8 @@ pub struct State {
     restore_lock: tokio::sync::Mutex<()>,
     spills: AtomicU64,
     restores: AtomicU64,
+    /// Training jobs since start.
+    pub(crate) jobs: crate::jobs::Jobs,
     /// The configuration the server runs with.
     pub config: ServerConfig,
 }
@@ -111,6 +113,7 @@ impl State {
             restore_lock: tokio::sync::Mutex::new(()),
             spills: AtomicU64::new(0),
             restores: AtomicU64::new(0),
+            jobs: crate::jobs::Jobs::default(),
             config,
         })
     }

@@ -57,6 +57,20 @@ pub async fn raw_bytes(client: &mut Client, ticket: bytes::Bytes) -> Vec<u8> {
     out
 }
 
+/// A fresh folder under the system's temporary directory.
+pub fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "flightdeck-test-{tag}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
 /// Default settings, but spills go to memory (no files from tests) and the
 /// CUDA driver is used only where the GPU checks ask for it.
 pub fn test_config() -> ServerConfig {

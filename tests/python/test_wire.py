@@ -13,6 +13,7 @@ KINDS = {
     FieldDescriptor.TYPE_UINT32: "uint32",
     FieldDescriptor.TYPE_UINT64: "uint64",
     FieldDescriptor.TYPE_BOOL: "bool",
+    FieldDescriptor.TYPE_DOUBLE: "double",
     FieldDescriptor.TYPE_ENUM: "enum",
     FieldDescriptor.TYPE_MESSAGE: "message",
 }
@@ -89,3 +90,13 @@ def test_encodings_are_interchangeable(pb):
     )
     decoded = wire.DatasetInfo.decode(info.SerializeToString())
     assert decoded.spilled and decoded.placements[0].columns == ["a"]
+
+    # Doubles and proto3 optional doubles.
+    progress = pb.TrainProgress(job=3, loss=0.25, accuracy=0.0, done=True)
+    ours = wire.TrainProgress.decode(progress.SerializeToString())
+    assert (ours.loss, ours.accuracy, ours.done) == (0.25, 0.0, True)
+    assert wire.TrainProgress.decode(pb.TrainProgress(loss=1.5).SerializeToString()).accuracy is None
+    job = wire.TrainJob(dataset="d", features=["a"], learning_rate=1e-3, hidden=[8, 4], gpus=[1])
+    assert pb.TrainJob.FromString(job.encode()) == pb.TrainJob(
+        dataset="d", features=["a"], learning_rate=1e-3, hidden=[8, 4], gpus=[1]
+    )

@@ -9,6 +9,8 @@ when a name, number, type or label here drifts from it.
 
 from __future__ import annotations
 
+import struct
+
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -76,6 +78,8 @@ class Message:
                 default = b""
             elif f.kind == "bool":
                 default = False
+            elif f.kind == "double":
+                default = 0.0
             else:
                 default = 0
             setattr(self, f.name, default)
@@ -113,6 +117,8 @@ class Message:
                     continue
                 if f.kind in _VARINT_KINDS:
                     out += _varint(f.number << 3) + _varint(int(v))
+                elif f.kind == "double":
+                    out += _varint((f.number << 3) | 1) + struct.pack("<d", float(v))
                 else:
                     if f.kind == "string":
                         payload = v.encode("utf-8")
@@ -158,11 +164,13 @@ class Message:
                     item, inner = _read_varint(packed, inner)
                     getattr(msg, f.name).append(bool(item) if f.kind == "bool" else item)
                 continue
-            expected = 0 if f.kind in _VARINT_KINDS else 2
+            expected = 0 if f.kind in _VARINT_KINDS else 1 if f.kind == "double" else 2
             if wire != expected:
                 raise ValueError(f"field {f.name} of {cls.NAME} has wire type {wire}")
             if f.kind == "bool":
                 value = bool(value)
+            elif f.kind == "double":
+                value = struct.unpack("<d", value)[0]
             elif f.kind == "string":
                 value = value.decode("utf-8")
             elif f.kind == "message":
@@ -192,7 +200,18 @@ SHUFFLE = {"SHUFFLE_NONE": 0, "SHUFFLE_GLOBAL": 1, "SHUFFLE_BLOCK": 2}
 # enum DatasetState
 DATASET_STATE_UNSPECIFIED, DATASET_STATE_OPEN, DATASET_STATE_SEALED = 0, 1, 2
 DATASET_STATE = {"DATASET_STATE_UNSPECIFIED": 0, "DATASET_STATE_OPEN": 1, "DATASET_STATE_SEALED": 2}
-ENUMS = {"Shuffle": SHUFFLE, "DatasetState": DATASET_STATE}
+# enum Task
+TASK_CLASSIFICATION, TASK_REGRESSION = 0, 1
+TASK = {"TASK_CLASSIFICATION": 0, "TASK_REGRESSION": 1}
+# enum OptimizerKind
+OPTIMIZER_ADAMW, OPTIMIZER_SGD = 0, 1
+OPTIMIZER_KIND = {"OPTIMIZER_ADAMW": 0, "OPTIMIZER_SGD": 1}
+ENUMS = {
+    "Shuffle": SHUFFLE,
+    "DatasetState": DATASET_STATE,
+    "Task": TASK,
+    "OptimizerKind": OPTIMIZER_KIND,
+}
 
 PutPartition = _message(
     "PutPartition",
@@ -307,3 +326,55 @@ ServerStats = _message(
     Field("persist", 16, "bool"),
     Field("cuda_devices", 17, "uint32"),
 )
+TrainJob = _message(
+    "TrainJob",
+    Field("dataset", 1, "string"),
+    Field("features", 2, "string", repeated=True),
+    Field("label", 3, "string"),
+    Field("task", 4, "enum", message="Task"),
+    Field("classes", 5, "uint32"),
+    Field("hidden", 6, "uint32", repeated=True),
+    Field("optimizer", 7, "enum", message="OptimizerKind"),
+    Field("learning_rate", 8, "double"),
+    Field("momentum", 9, "double"),
+    Field("weight_decay", 10, "double"),
+    Field("batch_size", 11, "uint32"),
+    Field("epochs", 12, "uint32"),
+    Field("seed", 13, "uint64"),
+    Field("shuffle", 14, "enum", message="Shuffle"),
+    Field("block_rows", 15, "uint32"),
+    Field("cpu_ranks", 16, "uint32"),
+    Field("gpus", 17, "uint32", repeated=True),
+    Field("checkpoint_url", 18, "string"),
+    Field("checkpoint_every", 19, "uint64"),
+    Field("resume_from", 20, "string"),
+    Field("max_steps", 21, "uint64"),
+)
+TrainProgress = _message(
+    "TrainProgress",
+    Field("job", 1, "uint64"),
+    Field("epoch", 2, "uint64"),
+    Field("step", 3, "uint64"),
+    Field("total_steps", 4, "uint64"),
+    Field("loss", 5, "double"),
+    Field("samples_per_second", 6, "double"),
+    Field("data_stall_seconds", 7, "double"),
+    Field("data_stall_fraction", 8, "double"),
+    Field("accuracy", 9, "double", optional=True),
+    Field("checkpoint", 10, "string"),
+    Field("done", 11, "bool"),
+)
+JobQuery = _message("JobQuery", Field("job", 1, "uint64"))
+JobStatus = _message(
+    "JobStatus",
+    Field("job", 1, "uint64"),
+    Field("dataset", 2, "string"),
+    Field("state", 3, "string"),
+    Field("step", 4, "uint64"),
+    Field("total_steps", 5, "uint64"),
+    Field("loss", 6, "double"),
+    Field("accuracy", 7, "double", optional=True),
+    Field("error", 8, "string"),
+    Field("checkpoint", 9, "string"),
+)
+JobList = _message("JobList", Field("jobs", 1, "message", repeated=True, message="JobStatus"))

@@ -260,6 +260,70 @@ class Client:
         body = wire.EvictColumns(dataset=dataset, devices=list(devices))
         return self._action("evict", body, wire.DatasetInfo)
 
+    def train(
+        self,
+        dataset: str,
+        features: Sequence[str],
+        label: str,
+        *,
+        classes: int | None = None,
+        hidden: Sequence[int] = (),
+        optimizer: str = "adamw",
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        batch_size: int = 256,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: str | int = "global",
+        cpu_ranks: int = 1,
+        gpus: Sequence[int] = (),
+        checkpoint_url: str = "",
+        checkpoint_every: int = 0,
+        resume_from: str = "",
+        max_steps: int = 0,
+    ) -> Iterator[wire.Message]:
+        """Trains a model on a sealed dataset inside the server and yields its
+        `TrainProgress` reports; the last has `done` set (and, for
+        classification, the training `accuracy`). `classes=None` means
+        regression. Closing the iterator early cancels the job."""
+        if optimizer not in ("adamw", "sgd"):
+            raise InvalidArgument(f"unknown optimizer {optimizer!r}: use 'adamw' or 'sgd'", "INVALID_ARGUMENT")
+        job = wire.TrainJob(
+            dataset=dataset,
+            features=list(features),
+            label=label,
+            task=wire.TASK_REGRESSION if classes is None else wire.TASK_CLASSIFICATION,
+            classes=classes or 0,
+            hidden=list(hidden),
+            optimizer=wire.OPTIMIZER_SGD if optimizer == "sgd" else wire.OPTIMIZER_ADAMW,
+            learning_rate=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            batch_size=batch_size,
+            epochs=epochs,
+            seed=seed,
+            shuffle=shuffle_mode(shuffle),
+            cpu_ranks=cpu_ranks,
+            gpus=list(gpus),
+            checkpoint_url=checkpoint_url,
+            checkpoint_every=checkpoint_every,
+            resume_from=resume_from,
+            max_steps=max_steps,
+        )
+        results = translate(
+            lambda: self._flight.do_action(flight.Action("train", job.encode()), options=self._options)
+        )
+        while True:
+            item = translate(lambda: next(results, None))
+            if item is None:
+                return
+            yield wire.TrainProgress.decode(item.body.to_pybytes())
+
+    def jobs(self, job: int = 0) -> list[wire.Message]:
+        """Status of training job `job`, or of every job since the server started."""
+        return self._action("job", wire.JobQuery(job=job), wire.JobList).jobs
+
     def stats(self) -> wire.Message:
         """Memory per tier (host arena, devices, spills) and limit, datasets,
         rows, bytes."""

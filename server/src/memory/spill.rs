@@ -97,6 +97,40 @@ fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("{what}: {e}"))
 }
 
+/// The object store and path a URL names: `file:///abs/path`, `memory://…`,
+/// `s3://bucket/prefix`, `gs://…`, `az://…` (credentials from the
+/// environment), or a plain local path. With `shared_memory`, every
+/// `memory://` URL of this process names one store (so a checkpoint written
+/// there can be read back by a later job); otherwise each call gets a fresh
+/// one. Nothing is created until something is written.
+pub fn open_location(
+    url: &str,
+    shared_memory: bool,
+) -> std::result::Result<(Arc<dyn ObjectStore>, Path), String> {
+    static SHARED: std::sync::OnceLock<Arc<object_store::memory::InMemory>> =
+        std::sync::OnceLock::new();
+    if let Some(rest) = url.strip_prefix("memory:") {
+        let store: Arc<dyn ObjectStore> = if shared_memory {
+            SHARED
+                .get_or_init(|| Arc::new(object_store::memory::InMemory::new()))
+                .clone()
+        } else {
+            Arc::new(object_store::memory::InMemory::new())
+        };
+        let path = Path::parse(rest.trim_start_matches('/')).map_err(|e| e.to_string())?;
+        return Ok((store, path));
+    }
+    if !url.contains("://") {
+        let dir = std::path::absolute(url).map_err(|e| e.to_string())?;
+        let root = Path::from_absolute_path(&dir).map_err(|e| e.to_string())?;
+        return Ok((Arc::new(object_store::local::LocalFileSystem::new()), root));
+    }
+    let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
+    let (store, root) =
+        object_store::parse_url_opts(&parsed, cloud_options()).map_err(|e| e.to_string())?;
+    Ok((Arc::from(store), root))
+}
+
 /// Environment variables that configure cloud stores (credentials, region,
 /// endpoint), passed to the store's builder.
 fn cloud_options() -> Vec<(String, String)> {
@@ -115,28 +149,12 @@ impl Store {
     /// `gs://…`, `az://…` (credentials from the environment), or a plain
     /// local path. Nothing is created until something is written.
     pub fn open(url: &str) -> Result<Self> {
-        let bad = |e: &dyn std::fmt::Display| {
+        let (store, root) = open_location(url, false).map_err(|e| {
             Error::invalid(format!(
                 "--spill-url '{url}' is not usable: {e}; give a local directory, file:///path, \
                  memory://, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix"
             ))
-        };
-        let (store, root): (Arc<dyn ObjectStore>, Path) =
-            if url == "memory://" || url.starts_with("memory:") {
-                (
-                    Arc::new(object_store::memory::InMemory::new()),
-                    Path::default(),
-                )
-            } else if !url.contains("://") {
-                let dir = std::path::absolute(url).map_err(|e| bad(&e))?;
-                let root = Path::from_absolute_path(&dir).map_err(|e| bad(&e))?;
-                (Arc::new(object_store::local::LocalFileSystem::new()), root)
-            } else {
-                let parsed = url::Url::parse(url).map_err(|e| bad(&e))?;
-                let (store, root) =
-                    object_store::parse_url_opts(&parsed, cloud_options()).map_err(|e| bad(&e))?;
-                (Arc::from(store), root)
-            };
+        })?;
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())

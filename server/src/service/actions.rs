@@ -37,6 +37,14 @@ pub(super) fn list() -> Vec<ActionType> {
             actions::EVICT,
             "EvictColumns -> DatasetInfo: free a dataset's GPU copies",
         ),
+        (
+            actions::TRAIN,
+            "TrainJob -> stream of TrainProgress: train a model on a sealed dataset",
+        ),
+        (
+            actions::JOB,
+            "JobQuery -> JobList: status of training jobs",
+        ),
     ]
     .into_iter()
     .map(|(t, d)| ActionType {
@@ -114,6 +122,25 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             let summary = state.evict(&name, &devices)?;
             info(state, &summary)
         }
+        actions::JOB => {
+            let id = convert::job_query(&action.body)?;
+            let jobs = state
+                .jobs(id)?
+                .into_iter()
+                .map(|s| pb::JobStatus {
+                    job: s.id,
+                    dataset: s.dataset,
+                    state: s.state.to_string(),
+                    step: s.last.step,
+                    total_steps: s.last.total_steps,
+                    loss: s.last.loss,
+                    accuracy: s.last.accuracy,
+                    error: s.error.unwrap_or_default(),
+                    checkpoint: s.last.checkpoint.unwrap_or_default(),
+                })
+                .collect();
+            Ok(pb::JobList { jobs }.encode_to_vec().into())
+        }
         other => Err(Error::Unimplemented(format!(
             "unknown action '{other}'; this server offers: {}",
             list()
@@ -123,4 +150,22 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 .join(", ")
         ))),
     }
+}
+
+/// Action `train`: starts the job and streams its progress; the stream ends
+/// with the final report, or with the job's error.
+pub(super) async fn train(
+    state: &std::sync::Arc<State>,
+    action: &Action,
+) -> Result<super::Stream<arrow_flight::Result>> {
+    use futures::StreamExt;
+    let spec = convert::train_job(&action.body, &state.config)?;
+    let (id, rx) = state.train(spec).await?;
+    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |item| {
+        item.map(|p| arrow_flight::Result {
+            body: convert::train_progress(id, &p).encode_to_vec().into(),
+        })
+        .map_err(tonic::Status::from)
+    });
+    Ok(stream.boxed())
 }

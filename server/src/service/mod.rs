@@ -123,7 +123,11 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
-        let body = actions::do_action(&self.state, &request.into_inner()).await?;
+        let action = request.into_inner();
+        if action.r#type == flightdeck_protos::actions::TRAIN {
+            return Ok(Response::new(actions::train(&self.state, &action).await?));
+        }
+        let body = actions::do_action(&self.state, &action).await?;
         Ok(Response::new(once(arrow_flight::Result { body })))
     }
 

@@ -1,0 +1,104 @@
+//! The backend trait: the handful of tensor operations one training step
+//! needs, so that the step (`model.rs`) is written once for every device.
+//!
+//! Matrices are row-major `f32`. A backend owns its buffers (host vectors
+//! for the CPU, device memory for CUDA) and its rank's view of the
+//! collective (the all-reduce).
+
+/// Tensor operations of one rank.
+pub trait Backend {
+    /// A buffer of `f32` on this backend's device.
+    type Buf;
+
+    /// A buffer holding `data`.
+    fn upload(&mut self, data: &[f32]) -> Self::Buf;
+    /// The contents of `buf`.
+    fn download(&mut self, buf: &Self::Buf) -> Vec<f32>;
+    /// `len` zeros.
+    fn zeros(&mut self, len: usize) -> Self::Buf;
+
+    /// `a[m×k] · b[n×k]ᵀ → [m×n]` (a layer's forward: `X · Wᵀ`).
+    fn matmul_nt(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf;
+    /// `a[k×m]ᵀ · b[k×n] → [m×n]` (a weight gradient: `dZᵀ · X`).
+    fn matmul_tn(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf;
+    /// `a[m×k] · b[k×n] → [m×n]` (an input gradient: `dZ · W`).
+    fn matmul_nn(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf;
+    /// Adds `bias[cols]` to every row of `z[rows×cols]`.
+    fn add_row_bias(&mut self, z: &mut Self::Buf, bias: &Self::Buf, rows: usize, cols: usize);
+    /// Column sums of `d[rows×cols]` (a bias gradient).
+    fn col_sums(&mut self, d: &Self::Buf, rows: usize, cols: usize) -> Self::Buf;
+    /// `z = max(z, 0)` in place.
+    fn relu(&mut self, z: &mut Self::Buf);
+    /// `d *= (a > 0)` where `a` is the ReLU's output.
+    fn relu_backward(&mut self, d: &mut Self::Buf, a: &Self::Buf);
+
+    /// Softmax cross-entropy of `logits[rows×classes]` against class indices
+    /// `labels[rows]` (as `f32`): the gradient of the *mean* loss, the loss
+    /// summed over rows, and the rows predicted right.
+    fn softmax_xent(
+        &mut self,
+        logits: &Self::Buf,
+        labels: &Self::Buf,
+        rows: usize,
+        classes: usize,
+    ) -> (Self::Buf, f64, u64);
+    /// Squared error of `pred[rows×outs]` against `target`: the gradient of
+    /// the mean loss (`mean over rows of ½·Σ (p − t)²`) and the loss summed
+    /// over rows.
+    fn mse(
+        &mut self,
+        pred: &Self::Buf,
+        target: &Self::Buf,
+        rows: usize,
+        outs: usize,
+    ) -> (Self::Buf, f64);
+
+    /// Replaces every buffer with the mean of it over all ranks, and `extra`
+    /// with the sum over ranks; every rank ends with identical values.
+    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf], extra: &mut [f64]);
+
+    /// SGD with momentum and decoupled weight decay:
+    /// `v = μ·v + g; p -= lr·(v + wd·p)`.
+    fn sgd_step(
+        &mut self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        v: &mut Self::Buf,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+    );
+    /// AdamW (β₁ 0.9, β₂ 0.999, ε 1e-8) at step `t` (from 1).
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_step(
+        &mut self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        t: u64,
+        lr: f32,
+        wd: f32,
+    );
+}

@@ -1,0 +1,283 @@
+//! The CPU backend: the same operations over plain vectors, and an
+//! in-process all-reduce between the rank threads of one job. A real,
+//! deterministic implementation: sums accumulate in `f64`, and every rank
+//! reduces the ranks' buffers in rank order, so all ranks hold identical
+//! parameters after every step.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use super::backend::Backend;
+
+/// The collective of a job's CPU ranks.
+#[derive(Debug)]
+pub struct CpuGroup {
+    world: usize,
+    slots: Mutex<Vec<Vec<f64>>>,
+    barrier: Barrier,
+}
+
+impl CpuGroup {
+    /// A group of `world` ranks.
+    pub fn new(world: usize) -> Arc<Self> {
+        Arc::new(Self {
+            world,
+            slots: Mutex::new(vec![Vec::new(); world]),
+            barrier: Barrier::new(world),
+        })
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Vec<f64>>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sums `values` over ranks, in rank order.
+    fn all_reduce_sum(&self, rank: usize, values: &mut [f64]) {
+        if self.world == 1 {
+            return;
+        }
+        self.slots()[rank] = values.to_vec();
+        self.barrier.wait();
+        {
+            let slots = self.slots();
+            for (i, v) in values.iter_mut().enumerate() {
+                *v = slots.iter().map(|s| s[i]).sum();
+            }
+        }
+        // Nobody overwrites a slot before everyone has read them all.
+        self.barrier.wait();
+    }
+}
+
+/// One CPU rank.
+#[derive(Debug)]
+pub struct Cpu {
+    rank: usize,
+    group: Arc<CpuGroup>,
+}
+
+impl Cpu {
+    /// Rank `rank` of `group`.
+    pub fn new(rank: usize, group: Arc<CpuGroup>) -> Self {
+        Self { rank, group }
+    }
+}
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+
+    fn upload(&mut self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn download(&mut self, buf: &Vec<f32>) -> Vec<f32> {
+        buf.clone()
+    }
+
+    fn zeros(&mut self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn matmul_nt(&mut self, a: &Vec<f32>, b: &Vec<f32>, m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            let ar = &a[i * k..(i + 1) * k];
+            for j in 0..n {
+                let br = &b[j * k..(j + 1) * k];
+                c[i * n + j] = dot(ar, br) as f32;
+            }
+        }
+        c
+    }
+
+    fn matmul_tn(&mut self, a: &Vec<f32>, b: &Vec<f32>, m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut acc = vec![0.0f64; m * n];
+        for r in 0..k {
+            let ar = &a[r * m..(r + 1) * m];
+            let br = &b[r * n..(r + 1) * n];
+            for (i, &x) in ar.iter().enumerate() {
+                if x == 0.0 {
+                    continue;
+                }
+                let row = &mut acc[i * n..(i + 1) * n];
+                for (c, &y) in row.iter_mut().zip(br) {
+                    *c += f64::from(x) * f64::from(y);
+                }
+            }
+        }
+        acc.into_iter().map(|v| v as f32).collect()
+    }
+
+    fn matmul_nn(&mut self, a: &Vec<f32>, b: &Vec<f32>, m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut c = vec![0.0; m * n];
+        let mut acc = vec![0.0f64; n];
+        for i in 0..m {
+            acc.fill(0.0);
+            for (p, &x) in a[i * k..(i + 1) * k].iter().enumerate() {
+                if x == 0.0 {
+                    continue;
+                }
+                for (s, &y) in acc.iter_mut().zip(&b[p * n..(p + 1) * n]) {
+                    *s += f64::from(x) * f64::from(y);
+                }
+            }
+            for (d, s) in c[i * n..(i + 1) * n].iter_mut().zip(&acc) {
+                *d = *s as f32;
+            }
+        }
+        c
+    }
+
+    fn add_row_bias(&mut self, z: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, cols: usize) {
+        for r in 0..rows {
+            for (v, b) in z[r * cols..(r + 1) * cols].iter_mut().zip(bias) {
+                *v += b;
+            }
+        }
+    }
+
+    fn col_sums(&mut self, d: &Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
+        let mut acc = vec![0.0f64; cols];
+        for r in 0..rows {
+            for (s, &v) in acc.iter_mut().zip(&d[r * cols..(r + 1) * cols]) {
+                *s += f64::from(v);
+            }
+        }
+        acc.into_iter().map(|v| v as f32).collect()
+    }
+
+    fn relu(&mut self, z: &mut Vec<f32>) {
+        for v in z.iter_mut() {
+            *v = v.max(0.0);
+        }
+    }
+
+    fn relu_backward(&mut self, d: &mut Vec<f32>, a: &Vec<f32>) {
+        for (g, &x) in d.iter_mut().zip(a) {
+            if x <= 0.0 {
+                *g = 0.0;
+            }
+        }
+    }
+
+    fn softmax_xent(
+        &mut self,
+        logits: &Vec<f32>,
+        labels: &Vec<f32>,
+        rows: usize,
+        classes: usize,
+    ) -> (Vec<f32>, f64, u64) {
+        let mut grad = vec![0.0; rows * classes];
+        let mut loss = 0.0f64;
+        let mut correct = 0u64;
+        let scale = 1.0 / rows.max(1) as f64;
+        for r in 0..rows {
+            let z = &logits[r * classes..(r + 1) * classes];
+            let label = labels[r] as usize;
+            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f64> = z.iter().map(|&v| f64::from(v - max).exp()).collect();
+            let sum: f64 = exps.iter().sum();
+            loss += sum.ln() - f64::from(z[label] - max);
+            let argmax = z
+                .iter()
+                .enumerate()
+                .fold(0, |best, (i, &v)| if v > z[best] { i } else { best });
+            correct += u64::from(argmax == label);
+            for (c, g) in grad[r * classes..(r + 1) * classes].iter_mut().enumerate() {
+                let p = exps[c] / sum;
+                *g = ((p - f64::from(u8::from(c == label))) * scale) as f32;
+            }
+        }
+        (grad, loss, correct)
+    }
+
+    fn mse(
+        &mut self,
+        pred: &Vec<f32>,
+        target: &Vec<f32>,
+        rows: usize,
+        outs: usize,
+    ) -> (Vec<f32>, f64) {
+        let scale = 1.0 / rows.max(1) as f64;
+        let mut loss = 0.0f64;
+        let grad = pred
+            .iter()
+            .zip(target)
+            .take(rows * outs)
+            .map(|(&p, &t)| {
+                let e = f64::from(p) - f64::from(t);
+                loss += 0.5 * e * e;
+                (e * scale) as f32
+            })
+            .collect();
+        (grad, loss)
+    }
+
+    fn all_reduce_mean(&mut self, bufs: &mut [Vec<f32>], extra: &mut [f64]) {
+        let world = self.group.world;
+        if world == 1 {
+            return;
+        }
+        let mut flat: Vec<f64> = bufs
+            .iter()
+            .flat_map(|b| b.iter().map(|&v| f64::from(v)))
+            .chain(extra.iter().copied())
+            .collect();
+        self.group.all_reduce_sum(self.rank, &mut flat);
+        let mut it = flat.into_iter();
+        for b in bufs.iter_mut() {
+            for v in b.iter_mut() {
+                *v = (it.next().unwrap_or(0.0) / world as f64) as f32;
+            }
+        }
+        for e in extra.iter_mut() {
+            *e = it.next().unwrap_or(0.0);
+        }
+    }
+
+    fn sgd_step(
+        &mut self,
+        p: &mut Vec<f32>,
+        g: &Vec<f32>,
+        v: &mut Vec<f32>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+    ) {
+        for ((p, &g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
+            *v = momentum * *v + g;
+            *p -= lr * (*v + wd * *p);
+        }
+    }
+
+    fn adamw_step(
+        &mut self,
+        p: &mut Vec<f32>,
+        g: &Vec<f32>,
+        m: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+        t: u64,
+        lr: f32,
+        wd: f32,
+    ) {
+        let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+        let t = i32::try_from(t).unwrap_or(i32::MAX);
+        let c1 = 1.0 - b1.powi(t);
+        let c2 = 1.0 - b2.powi(t);
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = f64::from(g);
+            let mm = b1 * f64::from(*m) + (1.0 - b1) * g;
+            let vv = b2 * f64::from(*v) + (1.0 - b2) * g * g;
+            *m = mm as f32;
+            *v = vv as f32;
+            let update = (mm / c1) / ((vv / c2).sqrt() + eps) + f64::from(wd) * f64::from(*p);
+            *p = (f64::from(*p) - f64::from(lr) * update) as f32;
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum()
+}

@@ -1,0 +1,174 @@
+//! A job's view of a sealed dataset: the feature columns as `f32` and the
+//! label column, checked once, and the gather of a batch's rows into a
+//! row-major feature matrix.
+
+use arrow::array::{Array, ArrayRef, AsArray, Float32Array};
+use arrow::compute::cast;
+use arrow::datatypes::{DataType, Float32Type};
+
+use crate::catalog::{SealedData, describe_fields};
+use crate::error::{Error, Result};
+
+/// What the label column holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LabelKind {
+    /// Class indices `0..classes` (an integer column).
+    Classes(usize),
+    /// Regression targets (a numeric or fixed_size_list column).
+    Values,
+}
+
+/// Feature and label columns of every stored batch, as `f32`.
+#[derive(Debug)]
+pub struct TrainData {
+    /// Per stored batch, per feature column: its values and width.
+    features: Vec<Vec<(Float32Array, usize)>>,
+    /// Per stored batch: the labels (`f32`; class indices are exact).
+    labels: Vec<(Float32Array, usize)>,
+    /// Row offsets of the stored batches (one extra = rows).
+    starts: Vec<u64>,
+    /// Features per row.
+    pub dim: usize,
+    /// Label values per row (1 for classes).
+    pub label_width: usize,
+}
+
+fn numeric(dt: &DataType) -> bool {
+    dt.is_numeric() && dt.is_primitive()
+}
+
+/// The column as `f32` values and its width, or why it cannot be.
+fn as_f32(col: &ArrayRef, name: &str, what: &str) -> Result<(Float32Array, usize)> {
+    if col.null_count() > 0 {
+        return Err(Error::invalid(format!(
+            "{what} column '{name}' has nulls; fill or drop them before training"
+        )));
+    }
+    let (values, width): (ArrayRef, usize) = match col.data_type() {
+        DataType::FixedSizeList(item, n) if numeric(item.data_type()) => {
+            let list = col.as_fixed_size_list();
+            let w = *n as usize;
+            let child = list.values().slice(list.offset() * w, list.len() * w);
+            if child.null_count() > 0 {
+                return Err(Error::invalid(format!(
+                    "{what} column '{name}' has null list items; fill them before training"
+                )));
+            }
+            (child, w)
+        }
+        dt if numeric(dt) => (col.clone(), 1),
+        other => {
+            return Err(Error::invalid(format!(
+                "{what} column '{name}' has type {other}; training needs numeric columns or \
+                 fixed_size_list columns of numbers"
+            )));
+        }
+    };
+    let f = cast(&values, &DataType::Float32)
+        .map_err(|e| Error::invalid(format!("{what} column '{name}': {e}")))?;
+    Ok((f.as_primitive::<Float32Type>().clone(), width))
+}
+
+impl TrainData {
+    /// Checks `features` and `label` against `data` and prepares them: every
+    /// column exists, is numeric (or a fixed_size_list of numbers) without
+    /// nulls; class labels are integers in `0..classes`.
+    pub fn new(
+        data: &SealedData,
+        features: &[String],
+        label: &str,
+        kind: LabelKind,
+    ) -> Result<Self> {
+        let schema = data.schema();
+        let index = |name: &str, what: &str| {
+            schema.index_of(name).map_err(|_| {
+                Error::invalid(format!(
+                    "{what} column '{name}' is not in the dataset; its columns are {}",
+                    describe_fields(schema)
+                ))
+            })
+        };
+        if features.is_empty() {
+            return Err(Error::invalid("the job names no feature columns"));
+        }
+        if features.iter().any(|f| f == label) {
+            return Err(Error::invalid(format!(
+                "column '{label}' is both a feature and the label"
+            )));
+        }
+        let feature_idx = features
+            .iter()
+            .map(|f| index(f, "feature"))
+            .collect::<Result<Vec<_>>>()?;
+        let label_idx = index(label, "label")?;
+        if let LabelKind::Classes(_) = kind
+            && !schema.field(label_idx).data_type().is_integer()
+        {
+            return Err(Error::invalid(format!(
+                "label column '{label}' has type {}; classification needs integer class indices",
+                schema.field(label_idx).data_type()
+            )));
+        }
+        let mut out = Self {
+            features: Vec::new(),
+            labels: Vec::new(),
+            starts: vec![0],
+            dim: 0,
+            label_width: 1,
+        };
+        let mut rows = 0u64;
+        for batch in data.batches() {
+            let cols = feature_idx
+                .iter()
+                .zip(features)
+                .map(|(&i, name)| as_f32(batch.column(i), name, "feature"))
+                .collect::<Result<Vec<_>>>()?;
+            out.dim = cols.iter().map(|(_, w)| w).sum();
+            let (labels, width) = as_f32(batch.column(label_idx), label, "label")?;
+            if let LabelKind::Classes(classes) = kind
+                && let Some((row, v)) = labels
+                    .values()
+                    .iter()
+                    .enumerate()
+                    .find(|(_, v)| !(0.0..classes as f32).contains(*v))
+            {
+                return Err(Error::invalid(format!(
+                    "label column '{label}' holds {v} at row {}, outside the {classes} \
+                     classes 0..{classes}",
+                    rows + row as u64
+                )));
+            }
+            out.label_width = width;
+            out.features.push(cols);
+            out.labels.push((labels, width));
+            rows += batch.num_rows() as u64;
+            out.starts.push(rows);
+        }
+        if rows == 0 {
+            return Err(Error::invalid("the dataset has no rows to train on"));
+        }
+        Ok(out)
+    }
+
+    /// Rows of the dataset.
+    pub fn rows(&self) -> u64 {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Features (`rows × dim`, row-major) and labels (`rows × label_width`)
+    /// of the given global rows, in that order.
+    pub fn gather(&self, rows: impl Iterator<Item = u64>) -> (Vec<f32>, Vec<f32>) {
+        let mut x = Vec::new();
+        let mut y = Vec::new();
+        for row in rows {
+            let b = self.starts.partition_point(|&s| s <= row) - 1;
+            let r = (row - self.starts[b]) as usize;
+            for (col, w) in &self.features[b] {
+                x.extend_from_slice(&col.values()[r * w..(r + 1) * w]);
+            }
+            let (labels, w) = &self.labels[b];
+            y.extend_from_slice(&labels.values()[r * w..(r + 1) * w]);
+        }
+        (x, y)
+    }
+}

@@ -1,0 +1,554 @@
+//! The embedded training runtime: data-parallel training of a linear model
+//! or an MLP straight from the cache.
+//!
+//! One thread per rank. Every step, rank `r` of `W` takes positions
+//! `r + k·W` of the epoch's sample order for its `G/W` samples — the same
+//! order `DoGet` serves for `(seed, epoch, W)` — so the global batch at step
+//! `s` is positions `[s·G, (s+1)·G)` of the epoch whatever `W` is. It
+//! gathers those rows, runs forward and backward ([`model`]), all-reduces
+//! the gradients (mean) and updates; every rank holds identical parameters
+//! after every step. Each epoch has `⌊N / G⌋` steps (the last partial
+//! global batch is dropped).
+//!
+//! - [`backend`]: the operations a step needs; [`cpu`]: the CPU backend with
+//!   an in-process all-reduce between rank threads.
+//! - [`data`]: the job's columns, checked once, and the gather.
+//! - [`checkpoint`]: parameters and optimizer state as safetensors.
+//!
+//! The CUDA backend (cuBLAS, NVRTC kernels, NCCL) is not written yet: jobs
+//! on GPU ordinals are answered `UNIMPLEMENTED`.
+
+pub mod backend;
+pub mod checkpoint;
+pub mod cpu;
+pub mod data;
+pub mod model;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use backend::Backend;
+use checkpoint::{Checkpoint, Tensor};
+use cpu::{Cpu, CpuGroup};
+use data::{LabelKind, TrainData};
+use model::{Model, OptState, Optimizer, Task};
+
+use crate::error::{Error, Result};
+use crate::order::{EpochOrder, ShardOrder, Shares, Shuffle};
+
+/// Where a job runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Devices {
+    /// This many CPU ranks (threads).
+    Cpu(u32),
+    /// These GPU ordinals, one rank each.
+    Gpu(Vec<u32>),
+}
+
+impl Devices {
+    /// Number of ranks.
+    pub fn world(&self) -> u32 {
+        match self {
+            Devices::Cpu(n) => *n,
+            Devices::Gpu(d) => d.len() as u32,
+        }
+    }
+}
+
+/// A training job in domain terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobSpec {
+    /// Sealed dataset to train on.
+    pub dataset: String,
+    /// Feature columns, concatenated in this order.
+    pub features: Vec<String>,
+    /// Label column.
+    pub label: String,
+    /// Classification with N classes, or regression.
+    pub task: TaskSpec,
+    /// Hidden layer sizes; empty = a linear model.
+    pub hidden: Vec<usize>,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Learning rate.
+    pub lr: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// Samples per step over all ranks.
+    pub global_batch: u32,
+    /// Epochs.
+    pub epochs: u32,
+    /// Seed of the initial weights and the sample order.
+    pub seed: u64,
+    /// Sample order of each epoch.
+    pub shuffle: Shuffle,
+    /// Ranks.
+    pub devices: Devices,
+    /// Folder URL for checkpoints (`file:///…`, `memory://…`, `s3://…`).
+    pub checkpoint_url: Option<String>,
+    /// Checkpoint every this many steps (0 = only at the end).
+    pub checkpoint_every: u64,
+    /// Checkpoint file URL to continue from.
+    pub resume_from: Option<String>,
+    /// Stop after this many steps in total (0 = run every epoch).
+    pub max_steps: u64,
+}
+
+/// The task as the job names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskSpec {
+    /// Cross-entropy over this many classes.
+    Classification(u32),
+    /// Squared error.
+    Regression,
+}
+
+/// A progress report (rank 0's view; losses are over the global batch).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// Current epoch.
+    pub epoch: u64,
+    /// Steps done in total.
+    pub step: u64,
+    /// Steps the job will run.
+    pub total_steps: u64,
+    /// Mean loss over the steps since the last report.
+    pub loss: f64,
+    /// Samples per second since the last report (all ranks).
+    pub samples_per_second: f64,
+    /// Seconds rank 0 spent gathering data since the last report.
+    pub data_stall_seconds: f64,
+    /// Fraction of step time spent gathering data since the last report.
+    pub data_stall_fraction: f64,
+    /// Training accuracy over the whole dataset (classification, final report).
+    pub accuracy: Option<f64>,
+    /// URL of the checkpoint written at this step, if any.
+    pub checkpoint: Option<String>,
+    /// The job has finished.
+    pub done: bool,
+}
+
+/// The prepared job: checked spec, model and data.
+#[derive(Debug)]
+pub struct Job {
+    /// The spec.
+    pub spec: JobSpec,
+    /// The model.
+    pub model: Model,
+    /// The data.
+    pub data: Arc<TrainData>,
+    /// Steps per epoch.
+    pub steps_per_epoch: u64,
+}
+
+/// What a finished job leaves.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Final parameters, `[W₀, b₀, …]`.
+    pub params: Vec<Vec<f32>>,
+    /// Steps run in total.
+    pub steps: u64,
+    /// The final report.
+    pub last: Progress,
+}
+
+/// Writes a checkpoint at a step and returns its URL.
+pub type CheckpointWriter<'a> = dyn Fn(u64, &Checkpoint) -> Result<String> + Sync + 'a;
+
+/// Callbacks a running job uses, from rank 0's thread.
+pub struct Hooks<'a> {
+    /// Receives progress.
+    pub progress: &'a (dyn Fn(&Progress) + Sync),
+    /// Set to stop the job at the next step.
+    pub cancel: &'a AtomicBool,
+    /// Writes a checkpoint at a step; returns its URL.
+    pub checkpoint: Option<&'a CheckpointWriter<'a>>,
+}
+
+impl Job {
+    /// Checks `spec` against the dataset's columns and prepares the data.
+    /// Every problem is `InvalidArgument` naming it.
+    pub fn prepare(spec: JobSpec, data: &crate::catalog::SealedData) -> Result<Self> {
+        let world = spec.devices.world();
+        if world == 0 {
+            return Err(Error::invalid(
+                "the job has no devices; give cpu ranks or GPU ordinals",
+            ));
+        }
+        if spec.global_batch == 0 || !spec.global_batch.is_multiple_of(world) {
+            return Err(Error::invalid(format!(
+                "global batch size {} is not divisible by the {world} ranks; use a multiple of \
+                 {world}",
+                spec.global_batch
+            )));
+        }
+        if spec.epochs == 0 {
+            return Err(Error::invalid("epochs must be at least 1"));
+        }
+        if !(spec.lr.is_finite() && spec.lr > 0.0) {
+            return Err(Error::invalid(format!(
+                "learning rate {} must be positive",
+                spec.lr
+            )));
+        }
+        if !(spec.weight_decay.is_finite() && spec.weight_decay >= 0.0) {
+            return Err(Error::invalid("weight decay must be 0 or more"));
+        }
+        if let Optimizer::Sgd { momentum } = spec.optimizer
+            && !(0.0..1.0).contains(&momentum)
+        {
+            return Err(Error::invalid(format!(
+                "momentum {momentum} must be in [0, 1)"
+            )));
+        }
+        if spec.hidden.contains(&0) {
+            return Err(Error::invalid("hidden layer sizes must be at least 1"));
+        }
+        let kind = match spec.task {
+            TaskSpec::Classification(c) if c < 2 => {
+                return Err(Error::invalid(format!(
+                    "classification needs at least 2 classes, the job says {c}"
+                )));
+            }
+            TaskSpec::Classification(c) => LabelKind::Classes(c as usize),
+            TaskSpec::Regression => LabelKind::Values,
+        };
+        let prepared = TrainData::new(data, &spec.features, &spec.label, kind)?;
+        let task = match spec.task {
+            TaskSpec::Classification(c) => Task::Classification {
+                classes: c as usize,
+            },
+            TaskSpec::Regression => Task::Regression {
+                outputs: prepared.label_width,
+            },
+        };
+        let model = Model::new(prepared.dim, &spec.hidden, task);
+        let per_rank = Shares::new(prepared.rows(), world, 0, true)?.per_rank();
+        let steps_per_epoch = per_rank / u64::from(spec.global_batch / world);
+        if steps_per_epoch == 0 {
+            return Err(Error::invalid(format!(
+                "global batch size {} is larger than the dataset's {} rows",
+                spec.global_batch,
+                prepared.rows()
+            )));
+        }
+        Ok(Self {
+            spec,
+            model,
+            data: Arc::new(prepared),
+            steps_per_epoch,
+        })
+    }
+
+    /// Steps the job runs in total.
+    pub fn total_steps(&self) -> u64 {
+        let all = self.steps_per_epoch * u64::from(self.spec.epochs);
+        if self.spec.max_steps > 0 {
+            all.min(self.spec.max_steps)
+        } else {
+            all
+        }
+    }
+
+    fn optimizer_name(&self) -> &'static str {
+        match self.spec.optimizer {
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::AdamW => "adamw",
+        }
+    }
+
+    fn dims_text(&self) -> String {
+        let dims: Vec<String> = self.model.dims.iter().map(usize::to_string).collect();
+        dims.join(",")
+    }
+
+    /// Checks that `ckpt` was written by a job with this model and optimizer.
+    pub fn check_resume(&self, ckpt: &Checkpoint) -> Result<u64> {
+        let dims = ckpt.metadata.get("dims").map(String::as_str).unwrap_or("");
+        let opt = ckpt
+            .metadata
+            .get("optimizer")
+            .map(String::as_str)
+            .unwrap_or("");
+        if dims != self.dims_text() || opt != self.optimizer_name() {
+            return Err(Error::invalid(format!(
+                "the checkpoint is of a model with layers [{dims}] and optimizer '{opt}', this \
+                 job has layers [{}] and optimizer '{}'",
+                self.dims_text(),
+                self.optimizer_name()
+            )));
+        }
+        let step = ckpt.meta_u64("step")?;
+        if step > self.total_steps() {
+            return Err(Error::invalid(format!(
+                "the checkpoint is at step {step}, past this job's {} steps",
+                self.total_steps()
+            )));
+        }
+        Ok(step)
+    }
+
+    /// Runs the job to the end (or until cancelled) on CPU ranks.
+    pub fn run(&self, resume: Option<&Checkpoint>, hooks: &Hooks<'_>) -> Result<Outcome> {
+        let world = match &self.spec.devices {
+            Devices::Cpu(n) => *n,
+            Devices::Gpu(_) => {
+                return Err(Error::Unimplemented(
+                    "training on GPUs is not implemented yet; run the job with cpu ranks".into(),
+                ));
+            }
+        };
+        let start = match resume {
+            Some(c) => self.check_resume(c)?,
+            None => 0,
+        };
+        let group = CpuGroup::new(world as usize);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let group = group.clone();
+                    s.spawn(move || {
+                        self.rank_loop(Cpu::new(rank as usize, group), rank, start, resume, hooks)
+                    })
+                })
+                .collect();
+            let mut outcome = None;
+            for h in handles {
+                let r = h
+                    .join()
+                    .map_err(|_| Error::Internal("a training rank panicked".into()))??;
+                outcome = outcome.or(r);
+            }
+            outcome.ok_or_else(|| Error::Internal("rank 0 returned no outcome".into()))
+        })
+    }
+
+    /// One rank's loop; rank 0 returns the outcome.
+    fn rank_loop<B: Backend>(
+        &self,
+        mut b: B,
+        rank: u32,
+        start: u64,
+        resume: Option<&Checkpoint>,
+        hooks: &Hooks<'_>,
+    ) -> Result<Option<Outcome>> {
+        let world = self.spec.devices.world();
+        let per_rank = u64::from(self.spec.global_batch / world);
+        let global = u64::from(self.spec.global_batch);
+        let names = self.model.tensors();
+        let (mut params, mut opt) = match resume {
+            Some(c) => self.restore(&mut b, c, start)?,
+            None => {
+                let init = self.model.init(self.spec.seed);
+                let params: Vec<B::Buf> = init.iter().map(|t| b.upload(t)).collect();
+                (
+                    params,
+                    OptState::new(&mut b, &self.model, self.spec.optimizer),
+                )
+            }
+        };
+        let total = self.total_steps();
+        let report_every = (self.steps_per_epoch / 10).max(1);
+        let n = self.data.rows();
+        let mut order: Option<(u64, ShardOrder)> = None;
+        let (mut loss_sum, mut loss_steps, mut stall, mut busy) = (0.0, 0u64, 0.0, 0.0);
+        let mut since = Instant::now();
+        let mut since_step = start;
+        let mut last = Progress::default();
+        // A failure on rank 0 (writing a checkpoint) stops every rank at the
+        // next step, through the same reduction as a cancel.
+        let mut failure: Option<Error> = None;
+        for step in start..total {
+            let epoch = step / self.steps_per_epoch;
+            let in_epoch = step % self.steps_per_epoch;
+            if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                let shares = Shares::new(n, world, 0, true)?;
+                let epoch_order = EpochOrder::new(n, self.spec.shuffle, self.spec.seed, epoch);
+                order = Some((epoch, ShardOrder::new(epoch_order, shares, rank)?));
+            }
+            let Some((_, shard)) = order.as_ref() else {
+                return Err(Error::Internal("no sample order".into()));
+            };
+            let t0 = Instant::now();
+            let (x, y) = self
+                .data
+                .gather(shard.rows(in_epoch * per_rank..(in_epoch + 1) * per_rank));
+            let gathered = t0.elapsed().as_secs_f64();
+            let x = b.upload(&x);
+            let y = b.upload(&y);
+            let (mut grads, loss, _) =
+                self.model
+                    .gradients(&mut b, &params, x, &y, per_rank as usize);
+            let stop = rank == 0 && (hooks.cancel.load(Ordering::Acquire) || failure.is_some());
+            let mut extra = [loss, f64::from(u8::from(stop))];
+            b.all_reduce_mean(&mut grads, &mut extra);
+            if extra[1] > 0.0 {
+                return Err(failure.take().unwrap_or_else(|| {
+                    Error::Aborted(format!("training job cancelled at step {step} of {total}"))
+                }));
+            }
+            opt.update(
+                &mut b,
+                self.spec.optimizer,
+                &mut params,
+                &grads,
+                self.spec.lr,
+                self.spec.weight_decay,
+            );
+            if rank != 0 {
+                continue;
+            }
+            let done_steps = step + 1;
+            stall += gathered;
+            busy += t0.elapsed().as_secs_f64();
+            loss_sum += extra[0] / global as f64;
+            loss_steps += 1;
+            let end_of_epoch = in_epoch + 1 == self.steps_per_epoch;
+            let mut checkpoint = None;
+            if let Some(write) = hooks.checkpoint
+                && ((self.spec.checkpoint_every > 0
+                    && done_steps % self.spec.checkpoint_every == 0)
+                    || done_steps == total)
+            {
+                let ckpt = self.snapshot(&mut b, &names, &params, &opt, done_steps);
+                match write(done_steps, &ckpt) {
+                    Ok(url) => checkpoint = Some(url),
+                    Err(e) => failure = Some(e),
+                }
+            }
+            if done_steps % report_every == 0 || end_of_epoch || checkpoint.is_some() {
+                let secs = since.elapsed().as_secs_f64().max(1e-9);
+                last = Progress {
+                    epoch,
+                    step: done_steps,
+                    total_steps: total,
+                    loss: loss_sum / loss_steps as f64,
+                    samples_per_second: (done_steps - since_step) as f64 * global as f64 / secs,
+                    data_stall_seconds: stall,
+                    data_stall_fraction: if busy > 0.0 { stall / busy } else { 0.0 },
+                    accuracy: None,
+                    checkpoint,
+                    done: false,
+                };
+                (hooks.progress)(&last);
+                (loss_sum, loss_steps, stall, busy) = (0.0, 0, 0.0, 0.0);
+                since = Instant::now();
+                since_step = done_steps;
+            }
+        }
+        if rank != 0 {
+            return Ok(None);
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let host: Vec<Vec<f32>> = params.iter().map(|p| b.download(p)).collect();
+        let (loss, accuracy) = self.evaluate(&mut b, &params);
+        last.step = total;
+        last.total_steps = total;
+        last.epoch = total.saturating_sub(1) / self.steps_per_epoch;
+        last.loss = loss;
+        last.accuracy = accuracy;
+        last.checkpoint = last.checkpoint.filter(|_| last.step == total);
+        last.done = true;
+        (hooks.progress)(&last);
+        Ok(Some(Outcome {
+            params: host,
+            steps: total,
+            last,
+        }))
+    }
+
+    /// Mean loss and (classification) accuracy over every row.
+    fn evaluate<B: Backend>(&self, b: &mut B, params: &[B::Buf]) -> (f64, Option<f64>) {
+        const CHUNK: u64 = 4096;
+        let n = self.data.rows();
+        let (mut loss, mut correct) = (0.0, 0u64);
+        let mut at = 0;
+        while at < n {
+            let end = (at + CHUNK).min(n);
+            let (x, y) = self.data.gather(at..end);
+            let (x, y) = (b.upload(&x), b.upload(&y));
+            let (l, c) = self.model.evaluate(b, params, x, &y, (end - at) as usize);
+            loss += l;
+            correct += c;
+            at = end;
+        }
+        let accuracy = matches!(self.model.task, Task::Classification { .. })
+            .then(|| correct as f64 / n as f64);
+        (loss / n as f64, accuracy)
+    }
+
+    fn snapshot<B: Backend>(
+        &self,
+        b: &mut B,
+        names: &[(String, Vec<usize>)],
+        params: &[B::Buf],
+        opt: &OptState<B>,
+        step: u64,
+    ) -> Checkpoint {
+        let mut c = Checkpoint::default();
+        for (i, (name, shape)) in names.iter().enumerate() {
+            let mut put = |key: String, buf: &B::Buf| {
+                c.tensors.insert(
+                    key,
+                    Tensor {
+                        shape: shape.clone(),
+                        data: b.download(buf),
+                    },
+                );
+            };
+            put(name.clone(), &params[i]);
+            put(format!("optim.m.{name}"), &opt.m[i]);
+            if let Some(v) = opt.v.get(i) {
+                put(format!("optim.v.{name}"), v);
+            }
+        }
+        for (k, v) in [
+            ("format", "flightdeck-checkpoint-1".to_string()),
+            ("step", step.to_string()),
+            ("dims", self.dims_text()),
+            ("optimizer", self.optimizer_name().to_string()),
+            ("dataset", self.spec.dataset.clone()),
+            ("seed", self.spec.seed.to_string()),
+            ("global_batch", self.spec.global_batch.to_string()),
+        ] {
+            c.metadata.insert(k.to_string(), v);
+        }
+        c
+    }
+
+    fn restore<B: Backend>(
+        &self,
+        b: &mut B,
+        c: &Checkpoint,
+        step: u64,
+    ) -> Result<(Vec<B::Buf>, OptState<B>)> {
+        let mut opt = OptState::new(b, &self.model, self.spec.optimizer);
+        let mut params = Vec::new();
+        for (i, (name, shape)) in self.model.tensors().iter().enumerate() {
+            let mut get = |key: &str| {
+                c.tensors
+                    .get(key)
+                    .filter(|t| &t.shape == shape)
+                    .map(|t| b.upload(&t.data))
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "the checkpoint has no tensor '{key}' of shape {shape:?}"
+                        ))
+                    })
+            };
+            params.push(get(name)?);
+            opt.m[i] = get(&format!("optim.m.{name}"))?;
+            if !opt.v.is_empty() {
+                opt.v[i] = get(&format!("optim.v.{name}"))?;
+            }
+        }
+        opt.t = step;
+        Ok((params, opt))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,380 @@
+//! Tests of the runtime on the CPU backend: gradients against finite
+//! differences, equal results on 1, 2 and 4 ranks, resume from a
+//! checkpoint, and the checks a job gets before it starts.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+
+use arrow::array::{FixedSizeListArray, Float32Array, Int32Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+
+use super::*;
+use crate::catalog::{AttemptKey, SealedData};
+
+/// `n` rows: a 2-vector of features, a scalar feature, a class in 0..3 and
+/// a regression target; in batches of 97 rows so rows straddle batches.
+fn dataset(n: usize) -> SealedData {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new(
+            "vec",
+            DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, false)), 2),
+            false,
+        ),
+        Field::new("s", DataType::Float32, false),
+        Field::new("class", DataType::Int32, false),
+        Field::new("target", DataType::Float32, false),
+        Field::new("name", DataType::Utf8, false),
+    ]));
+    let mut batches = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let end = (start + 97).min(n);
+        let rows: Vec<usize> = (start..end).collect();
+        let a = |i: usize| ((i * 7919) % 1000) as f32 / 500.0 - 1.0;
+        let bb = |i: usize| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0;
+        let vec_values: Vec<f32> = rows.iter().flat_map(|&i| [a(i), bb(i)]).collect();
+        let vec = FixedSizeListArray::new(
+            Arc::new(Field::new("item", DataType::Float32, false)),
+            2,
+            Arc::new(Float32Array::from(vec_values)),
+            None,
+        );
+        let class = Int32Array::from_iter_values(rows.iter().map(|&i| {
+            let (x, y) = (a(i), bb(i));
+            if x + y > 0.5 {
+                0
+            } else if x - y > 0.0 {
+                1
+            } else {
+                2
+            }
+        }));
+        batches.push(
+            RecordBatch::try_new(
+                schema.clone(),
+                vec![
+                    Arc::new(vec),
+                    Arc::new(Float32Array::from_iter_values(
+                        rows.iter().map(|&i| (i % 5) as f32 * 0.1),
+                    )),
+                    Arc::new(class),
+                    Arc::new(Float32Array::from_iter_values(
+                        rows.iter().map(|&i| 2.0 * a(i) - bb(i) + 0.5),
+                    )),
+                    Arc::new(StringArray::from_iter_values(
+                        rows.iter().map(|i| i.to_string()),
+                    )),
+                ],
+            )
+            .expect("batch"),
+        );
+        start = end;
+    }
+    SealedData::from_batches(
+        schema,
+        vec![AttemptKey {
+            partition: 0,
+            attempt: 0,
+        }],
+        batches,
+    )
+}
+
+fn spec(world: u32) -> JobSpec {
+    JobSpec {
+        dataset: "d".into(),
+        features: vec!["vec".into(), "s".into()],
+        label: "class".into(),
+        task: TaskSpec::Classification(3),
+        hidden: vec![8],
+        optimizer: Optimizer::AdamW,
+        lr: 0.01,
+        weight_decay: 0.01,
+        global_batch: 32,
+        epochs: 1,
+        seed: 3,
+        shuffle: Shuffle::Global,
+        devices: Devices::Cpu(world),
+        checkpoint_url: None,
+        checkpoint_every: 0,
+        resume_from: None,
+        max_steps: 0,
+    }
+}
+
+fn quiet(_: &Progress) {}
+
+fn run(job: &Job, resume: Option<&Checkpoint>) -> Outcome {
+    let cancel = AtomicBool::new(false);
+    let hooks = Hooks {
+        progress: &quiet,
+        cancel: &cancel,
+        checkpoint: None,
+    };
+    job.run(resume, &hooks).expect("job runs")
+}
+
+fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(&x, &y)| {
+            (f64::from(x) - f64::from(y)).abs() / f64::from(x.abs().max(y.abs())).max(1e-3)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The loss of the model at `params` on a fixed batch (mean over rows).
+fn batch_loss(model: &Model, params: &[Vec<f32>], x: &[f32], y: &[f32], rows: usize) -> f64 {
+    let mut b = Cpu::new(0, CpuGroup::new(1));
+    let p: Vec<Vec<f32>> = params.to_vec();
+    let (loss, _) = model.evaluate(&mut b, &p, x.to_vec(), &y.to_vec(), rows);
+    loss / rows as f64
+}
+
+fn check_gradients(model: &Model, x: &[f32], y: &[f32], rows: usize) {
+    let mut b = Cpu::new(0, CpuGroup::new(1));
+    let params = model.init(11);
+    let (grads, _, _) = model.gradients(&mut b, &params, x.to_vec(), &y.to_vec(), rows);
+    let eps = 1e-3f32;
+    let mut checked = 0;
+    for (t, tensor) in params.iter().enumerate() {
+        for i in 0..tensor.len() {
+            let mut plus = params.clone();
+            plus[t][i] += eps;
+            let mut minus = params.clone();
+            minus[t][i] -= eps;
+            let numeric = (batch_loss(model, &plus, x, y, rows)
+                - batch_loss(model, &minus, x, y, rows))
+                / (2.0 * f64::from(eps));
+            let analytic = f64::from(grads[t][i]);
+            assert!(
+                (numeric - analytic).abs() <= 2e-3 + 2e-2 * analytic.abs(),
+                "tensor {t} index {i}: finite difference {numeric}, backward {analytic} ({:?})",
+                model.dims
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 10);
+}
+
+#[test]
+fn gradients_of_every_op_match_finite_differences() {
+    let data = dataset(40);
+    let d = TrainData::new(
+        &data,
+        &["vec".into(), "s".into()],
+        "class",
+        data::LabelKind::Classes(3),
+    )
+    .expect("data");
+    let (x, y) = d.gather(0..16);
+    // Linear layer (matmul, bias) + softmax cross-entropy.
+    check_gradients(
+        &Model::new(3, &[], Task::Classification { classes: 3 }),
+        &x,
+        &y,
+        16,
+    );
+    // Two hidden layers: ReLU and the input gradient of a matmul too.
+    check_gradients(
+        &Model::new(3, &[5, 4], Task::Classification { classes: 3 }),
+        &x,
+        &y,
+        16,
+    );
+    // Squared error.
+    let r = TrainData::new(
+        &data,
+        &["vec".into(), "s".into()],
+        "target",
+        data::LabelKind::Values,
+    )
+    .expect("data");
+    let (x, y) = r.gather(3..19);
+    check_gradients(
+        &Model::new(3, &[6], Task::Regression { outputs: 1 }),
+        &x,
+        &y,
+        16,
+    );
+}
+
+#[test]
+fn one_two_and_four_ranks_end_with_the_same_parameters() {
+    let data = dataset(1000);
+    for (opt, shuffle) in [
+        (Optimizer::AdamW, Shuffle::Global),
+        (
+            Optimizer::Sgd { momentum: 0.9 },
+            Shuffle::Block { block_rows: 64 },
+        ),
+    ] {
+        let outcome = |world: u32| {
+            let mut s = spec(world);
+            s.optimizer = opt;
+            s.shuffle = shuffle;
+            let job = Job::prepare(s, &data).expect("valid job");
+            assert_eq!(job.steps_per_epoch, 1000 / 32);
+            run(&job, None)
+        };
+        let one = outcome(1);
+        for world in [2, 4] {
+            let other = outcome(world);
+            let diff = max_rel_diff(&one.params, &other.params);
+            assert!(
+                diff <= 1e-5,
+                "{world} ranks differ from 1 by {diff} ({opt:?})"
+            );
+        }
+        // Training moved the parameters.
+        let job = Job::prepare(spec(1), &data).expect("valid job");
+        assert!(max_rel_diff(&one.params, &job.model.init(3)) > 1e-2);
+    }
+}
+
+#[test]
+fn stop_and_resume_reproduces_the_uninterrupted_run() {
+    let data = dataset(700);
+    let mut full = spec(2);
+    full.epochs = 3;
+    let job = Job::prepare(full.clone(), &data).expect("valid job");
+    let uninterrupted = run(&job, None);
+
+    // Stop after 13 steps (mid-epoch), keeping the checkpoint written there.
+    let mut first = full.clone();
+    first.max_steps = 13;
+    let first = Job::prepare(first, &data).expect("valid job");
+    let saved: Mutex<Vec<(u64, Checkpoint)>> = Mutex::new(Vec::new());
+    let write = |step: u64, c: &Checkpoint| -> Result<String> {
+        let bytes = c.encode()?;
+        saved
+            .lock()
+            .expect("lock")
+            .push((step, Checkpoint::decode(&bytes)?));
+        Ok(format!("memory://ckpt/step-{step}"))
+    };
+    let cancel = AtomicBool::new(false);
+    let hooks = Hooks {
+        progress: &quiet,
+        cancel: &cancel,
+        checkpoint: Some(&write),
+    };
+    let stopped = first.run(None, &hooks).expect("runs");
+    assert_eq!(stopped.steps, 13);
+    let (step, ckpt) = saved
+        .lock()
+        .expect("lock")
+        .pop()
+        .expect("a checkpoint at the end");
+    assert_eq!(step, 13);
+
+    // Resume on the same ranks: the uninterrupted run, to the bit here.
+    let rest = Job::prepare(full.clone(), &data).expect("valid job");
+    let resumed = run(&rest, Some(&ckpt));
+    assert_eq!(resumed.steps, uninterrupted.steps);
+    let diff = max_rel_diff(&uninterrupted.params, &resumed.params);
+    assert!(diff <= 1e-6, "resumed run differs by {diff}");
+    // Resume on another number of ranks: the same samples per step, so the
+    // same run up to summation order.
+    let mut other_world = full.clone();
+    other_world.devices = Devices::Cpu(4);
+    let other_world = Job::prepare(other_world, &data).expect("valid job");
+    let resumed = run(&other_world, Some(&ckpt));
+    let diff = max_rel_diff(&uninterrupted.params, &resumed.params);
+    assert!(diff <= 1e-5, "resumed on 4 ranks differs by {diff}");
+
+    // A checkpoint of another model is refused.
+    let mut other = full;
+    other.hidden = vec![4];
+    let other = Job::prepare(other, &data).expect("valid job");
+    let err = other.check_resume(&ckpt).expect_err("other model");
+    assert!(err.to_string().contains("layers"), "{err}");
+}
+
+#[test]
+fn cancelling_stops_every_rank() {
+    let data = dataset(1000);
+    let mut s = spec(3);
+    s.global_batch = 9;
+    s.epochs = 50;
+    let job = Job::prepare(s, &data).expect("valid job");
+    let cancel = AtomicBool::new(false);
+    let seen = Mutex::new(0u64);
+    let progress = |p: &Progress| {
+        *seen.lock().expect("lock") = p.step;
+        if p.step >= 20 {
+            cancel.store(true, std::sync::atomic::Ordering::Release);
+        }
+    };
+    let hooks = Hooks {
+        progress: &progress,
+        cancel: &cancel,
+        checkpoint: None,
+    };
+    let err = job.run(None, &hooks).expect_err("cancelled");
+    assert!(matches!(err, Error::Aborted(_)), "{err}");
+    assert!(*seen.lock().expect("lock") < job.total_steps());
+}
+
+#[test]
+fn bad_jobs_are_refused_before_they_start() {
+    let data = dataset(100);
+    let refuse = |change: &dyn Fn(&mut JobSpec), needle: &str| {
+        let mut s = spec(2);
+        change(&mut s);
+        let err = Job::prepare(s, &data).expect_err(needle);
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains(needle), "{err} lacks {needle}");
+    };
+    refuse(
+        &|s| s.features.push("nope".into()),
+        "feature column 'nope' is not in the dataset",
+    );
+    refuse(
+        &|s| s.features.push("name".into()),
+        "column 'name' has type Utf8",
+    );
+    refuse(&|s| s.label = "missing".into(), "label column 'missing'");
+    refuse(
+        &|s| s.task = TaskSpec::Classification(2),
+        "outside the 2 classes",
+    );
+    refuse(
+        &|s| s.label = "target".into(),
+        "classification needs integer class indices",
+    );
+    refuse(&|s| s.global_batch = 33, "not divisible by the 2 ranks");
+    refuse(
+        &|s| s.global_batch = 200,
+        "larger than the dataset's 100 rows",
+    );
+    refuse(&|s| s.lr = 0.0, "learning rate");
+    refuse(
+        &|s| s.task = TaskSpec::Classification(1),
+        "at least 2 classes",
+    );
+    refuse(&|s| s.features = vec![], "no feature columns");
+    refuse(&|s| s.devices = Devices::Cpu(0), "no devices");
+    // A regression on the target is fine, and GPUs are not there yet.
+    let mut s = spec(2);
+    s.task = TaskSpec::Regression;
+    s.label = "target".into();
+    let job = Job::prepare(s, &data).expect("valid");
+    assert_eq!(job.model.dims, vec![3, 8, 1]);
+    let mut s = spec(1);
+    s.devices = Devices::Gpu(vec![0]);
+    let job = Job::prepare(s, &data).expect("valid");
+    let cancel = AtomicBool::new(false);
+    let hooks = Hooks {
+        progress: &quiet,
+        cancel: &cancel,
+        checkpoint: None,
+    };
+    assert!(matches!(
+        job.run(None, &hooks),
+        Err(Error::Unimplemented(_))
+    ));
+}

@@ -1,0 +1,199 @@
+//! `flightdeck train`: submits a training job to a running server and shows
+//! its progress (a bar on a terminal, a line per report otherwise).
+
+use std::io::{IsTerminal, Write};
+
+use flightdeck_client::{Client, OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
+use futures::StreamExt;
+
+/// Flags of `flightdeck train`.
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Server to train on.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    server: String,
+    /// Sealed dataset.
+    #[arg(long)]
+    dataset: String,
+    /// Feature columns (numeric or fixed_size_list), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    features: Vec<String>,
+    /// Label column.
+    #[arg(long)]
+    label: String,
+    /// Classes of a classification task (integer labels in 0..classes).
+    #[arg(long, conflicts_with = "regression")]
+    classes: Option<u32>,
+    /// Regression (squared error) instead of classification.
+    #[arg(long)]
+    regression: bool,
+    /// Hidden layer sizes of an MLP, comma-separated; none = linear.
+    #[arg(long, value_delimiter = ',')]
+    hidden: Vec<u32>,
+    /// adamw or sgd.
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Samples per step over all ranks.
+    #[arg(long, default_value_t = 256)]
+    batch_size: u32,
+    /// Epochs.
+    #[arg(long, default_value_t = 1)]
+    epochs: u32,
+    /// Seed of the weights and the sample order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// none, global or block.
+    #[arg(long, default_value = "global")]
+    shuffle: String,
+    /// `cpu`, `cpu:N` (N rank threads) or GPU ordinals like `0,1,2,3`.
+    #[arg(long, default_value = "cpu")]
+    devices: String,
+    /// Folder URL for checkpoints.
+    #[arg(long)]
+    checkpoint_url: Option<String>,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Checkpoint file URL to continue from.
+    #[arg(long)]
+    resume_from: Option<String>,
+    /// Stop after this many steps in total.
+    #[arg(long, default_value_t = 0)]
+    max_steps: u64,
+}
+
+impl TrainArgs {
+    fn job(&self) -> Result<TrainJob, String> {
+        let optimizer = match self.optimizer.as_str() {
+            "adamw" => OptimizerKind::OptimizerAdamw,
+            "sgd" => OptimizerKind::OptimizerSgd,
+            other => return Err(format!("unknown optimizer '{other}': use adamw or sgd")),
+        };
+        let shuffle = match self.shuffle.as_str() {
+            "none" => Shuffle::None,
+            "global" => Shuffle::Global,
+            "block" => Shuffle::Block,
+            other => {
+                return Err(format!(
+                    "unknown shuffle '{other}': use none, global or block"
+                ));
+            }
+        };
+        let (cpu_ranks, gpus) = match self.devices.as_str() {
+            "cpu" => (1, vec![]),
+            d if d.starts_with("cpu:") => (
+                d[4..]
+                    .parse()
+                    .map_err(|_| format!("--devices {d}: expected cpu:N"))?,
+                vec![],
+            ),
+            d => (
+                0,
+                d.split(',')
+                    .map(|g| g.trim().parse::<u32>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| format!("--devices {d}: expected cpu, cpu:N or GPU ordinals"))?,
+            ),
+        };
+        let (task, classes) = match (self.regression, self.classes) {
+            (true, _) => (Task::Regression, 0),
+            (false, Some(c)) => (Task::Classification, c),
+            (false, None) => return Err("give --classes N, or --regression".into()),
+        };
+        Ok(TrainJob {
+            dataset: self.dataset.clone(),
+            features: self.features.clone(),
+            label: self.label.clone(),
+            task: task.into(),
+            classes,
+            hidden: self.hidden.clone(),
+            optimizer: optimizer.into(),
+            learning_rate: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            batch_size: self.batch_size,
+            epochs: self.epochs,
+            seed: self.seed,
+            shuffle: shuffle.into(),
+            block_rows: 0,
+            cpu_ranks,
+            gpus,
+            checkpoint_url: self.checkpoint_url.clone().unwrap_or_default(),
+            checkpoint_every: self.checkpoint_every,
+            resume_from: self.resume_from.clone().unwrap_or_default(),
+            max_steps: self.max_steps,
+        })
+    }
+}
+
+fn line(p: &TrainProgress) -> String {
+    let width = 30usize;
+    let filled = (p.step * width as u64)
+        .checked_div(p.total_steps)
+        .unwrap_or(0)
+        .min(width as u64) as usize;
+    format!(
+        "[{}{}] step {}/{} epoch {} loss {:.4} {:.0} samples/s data stall {:.0}%",
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        p.step,
+        p.total_steps,
+        p.epoch,
+        p.loss,
+        p.samples_per_second,
+        p.data_stall_fraction * 100.0
+    )
+}
+
+/// Runs `flightdeck train`.
+pub async fn run(args: TrainArgs) -> Result<(), String> {
+    let job = args.job()?;
+    let mut client = Client::connect(&args.server)
+        .await
+        .map_err(|e| format!("cannot reach {}: {e}", args.server))?;
+    let mut progress = client.train(job).await.map_err(|e| e.to_string())?;
+    let tty = std::io::stderr().is_terminal();
+    let mut err = std::io::stderr();
+    while let Some(p) = progress.next().await {
+        let p = p.map_err(|e| {
+            if tty {
+                eprintln!();
+            }
+            e.to_string()
+        })?;
+        if p.done {
+            if tty {
+                let _ = writeln!(err, "\r\x1b[2K{}", line(&p));
+            }
+            let accuracy = p
+                .accuracy
+                .map(|a| format!(", training accuracy {:.4}", a))
+                .unwrap_or_default();
+            let checkpoint = if p.checkpoint.is_empty() {
+                String::new()
+            } else {
+                format!(", checkpoint {}", p.checkpoint)
+            };
+            println!(
+                "job {} done: {} steps, loss {:.6}{accuracy}{checkpoint}",
+                p.job, p.step, p.loss
+            );
+            return Ok(());
+        }
+        if tty {
+            let _ = write!(err, "\r\x1b[2K{}", line(&p));
+        } else {
+            let _ = writeln!(err, "{}", line(&p));
+        }
+    }
+    Err("the server ended the job's stream without a final report".into())
+}

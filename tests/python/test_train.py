@@ -1,0 +1,96 @@
+"""Training inside the server from Python and from the `flightdeck train`
+command line: a sealed dataset written with the Python client, a softmax
+regression that separates three classes, progress that streams, a bad job
+refused with INVALID_ARGUMENT, and a checkpoint written and resumed."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import flightdeck
+from conftest import server_binary
+
+
+def three_classes(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    centers = np.array([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]], dtype=np.float32)
+    label = rng.integers(0, 3, n)
+    points = centers[label] + rng.normal(0, 0.35, (n, 2)).astype(np.float32)
+    return pa.table(
+        {
+            "features": pa.FixedSizeListArray.from_arrays(pa.array(points.reshape(-1)), 2),
+            "label": pa.array(label.astype(np.int32)),
+        }
+    )
+
+
+@pytest.fixture
+def sealed(flightdeck_server):
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        t = three_classes(4000, 1)
+        for p in range(4):
+            c.put_partition("blobs", p, t.slice(p * 1000, 1000))
+        c.seal("blobs", partitions=4)
+    return flightdeck_server
+
+
+def test_python_client_trains_and_streams_progress(sealed, tmp_path):
+    with flightdeck.connect(sealed.uri) as c:
+        reports = list(
+            c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3, cpu_ranks=2)
+        )
+        assert reports[-1].done and reports[-1].accuracy >= 0.95
+        assert [r.step for r in reports] == sorted(r.step for r in reports)
+        assert reports[-1].total_steps == 3 * 40
+        assert c.jobs(reports[-1].job)[0].state == "finished"
+
+        with pytest.raises(flightdeck.InvalidArgument, match="not divisible by the 3 ranks"):
+            list(c.train("blobs", ["features"], "label", classes=3, batch_size=100, cpu_ranks=3))
+
+        url = f"file://{tmp_path}"
+        first = list(
+            c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,
+                    checkpoint_url=url, max_steps=50)
+        )
+        assert first[-1].checkpoint == f"{url}/step-0000000050.safetensors"
+        resumed = list(
+            c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,
+                    resume_from=first[-1].checkpoint)
+        )
+        whole = list(
+            c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3)
+        )
+        assert resumed[-1].loss == pytest.approx(whole[-1].loss, rel=1e-6)
+
+
+def test_the_train_command(sealed):
+    run = subprocess.run(
+        [
+            str(server_binary()), "train", "--server", sealed.uri.replace("grpc://", "http://"),
+            "--dataset", "blobs", "--features", "features", "--label", "label", "--classes", "3",
+            "--hidden", "8", "--lr", "0.02", "--batch-size", "64", "--epochs", "2", "--devices", "cpu:2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "step 124/124" in run.stderr  # a progress line per report on a pipe
+    done = run.stdout.strip()
+    assert done.startswith("job ") and " done: 124 steps" in done, done
+    accuracy = float(done.split("training accuracy ")[1].split(",")[0])
+    assert accuracy >= 0.95
+
+    bad = subprocess.run(
+        [str(server_binary()), "train", "--server", sealed.uri.replace("grpc://", "http://"),
+         "--dataset", "blobs", "--features", "nope", "--label", "label", "--classes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1
+    assert "feature column 'nope' is not in the dataset" in bad.stderr
