@@ -5,10 +5,24 @@
 //! for the CPU, device memory for CUDA) and its rank's view of the
 //! collective (the all-reduce).
 
+use super::data::TrainData;
+
 /// Tensor operations of one rank.
 pub trait Backend {
     /// A buffer of `f32` on this backend's device.
     type Buf;
+
+    /// The features (`rows × dim`) and labels of the given global rows of
+    /// `data`, in that order, on this backend's device.
+    fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (Self::Buf, Self::Buf);
+
+    /// The first device error since the job started, if any. Operations
+    /// cannot fail one by one (the step is written once for every backend);
+    /// a backend that hits an error records it here, and the rank stops
+    /// every rank at the next all-reduce.
+    fn failure(&mut self) -> Option<String> {
+        None
+    }
 
     /// A buffer holding `data`.
     fn upload(&mut self, data: &[f32]) -> Self::Buf;

@@ -7,6 +7,7 @@
 use std::sync::{Arc, Barrier, Mutex};
 
 use super::backend::Backend;
+use super::data::TrainData;
 
 /// The collective of a job's CPU ranks.
 #[derive(Debug)]
@@ -64,6 +65,10 @@ impl Cpu {
 
 impl Backend for Cpu {
     type Buf = Vec<f32>;
+
+    fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (Vec<f32>, Vec<f32>) {
+        data.gather(rows.iter().copied())
+    }
 
     fn upload(&mut self, data: &[f32]) -> Vec<f32> {
         data.to_vec()

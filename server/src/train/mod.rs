@@ -15,12 +15,13 @@
 //! - [`data`]: the job's columns, checked once, and the gather.
 //! - [`checkpoint`]: parameters and optimizer state as safetensors.
 //!
-//! The CUDA backend (cuBLAS, NVRTC kernels, NCCL) is not written yet: jobs
-//! on GPU ordinals are answered `UNIMPLEMENTED`.
+//! - [`cuda`]: the CUDA backend — cuBLAS GEMMs, NVRTC kernels, NCCL
+//!   all-reduce, one thread and context per GPU.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod model;
 
@@ -291,34 +292,55 @@ impl Job {
 
     /// Runs the job to the end (or until cancelled) on CPU ranks.
     pub fn run(&self, resume: Option<&Checkpoint>, hooks: &Hooks<'_>) -> Result<Outcome> {
-        let world = match &self.spec.devices {
-            Devices::Cpu(n) => *n,
-            Devices::Gpu(_) => {
-                return Err(Error::Unimplemented(
-                    "training on GPUs is not implemented yet; run the job with cpu ranks".into(),
-                ));
-            }
-        };
         let start = match resume {
             Some(c) => self.check_resume(c)?,
             None => 0,
         };
-        let group = CpuGroup::new(world as usize);
+        match &self.spec.devices {
+            Devices::Cpu(n) => {
+                let group = CpuGroup::new(*n as usize);
+                let make = |rank: u32| Ok(Cpu::new(rank as usize, group.clone()));
+                self.run_ranks(*n, start, resume, hooks, &make)
+            }
+            Devices::Gpu(ordinals) => {
+                let setup = cuda::Setup::new(ordinals)?;
+                let make = |rank: u32| setup.rank(rank);
+                self.run_ranks(ordinals.len() as u32, start, resume, hooks, &make)
+            }
+        }
+    }
+
+    /// Runs `world` ranks, each with the backend `make` builds on the rank's
+    /// own thread.
+    fn run_ranks<B: Backend>(
+        &self,
+        world: u32,
+        start: u64,
+        resume: Option<&Checkpoint>,
+        hooks: &Hooks<'_>,
+        make: &(dyn Fn(u32) -> Result<B> + Sync),
+    ) -> Result<Outcome> {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
-                    let group = group.clone();
-                    s.spawn(move || {
-                        self.rank_loop(Cpu::new(rank as usize, group), rank, start, resume, hooks)
-                    })
+                    s.spawn(move || self.rank_loop(make(rank)?, rank, start, resume, hooks))
                 })
                 .collect();
             let mut outcome = None;
+            let mut errors = Vec::new();
             for h in handles {
-                let r = h
-                    .join()
-                    .map_err(|_| Error::Internal("a training rank panicked".into()))??;
-                outcome = outcome.or(r);
+                match h.join() {
+                    Ok(Ok(r)) => outcome = outcome.or(r),
+                    Ok(Err(e)) => errors.push(e),
+                    Err(_) => errors.push(Error::Internal("a training rank panicked".into())),
+                }
+            }
+            // The rank that failed says why; the others only saw the stop.
+            if let Some(i) = errors.iter().position(|e| !matches!(e, Error::Aborted(_))) {
+                return Err(errors.swap_remove(i));
+            }
+            if let Some(e) = errors.into_iter().next() {
+                return Err(e);
             }
             outcome.ok_or_else(|| Error::Internal("rank 0 returned no outcome".into()))
         })
@@ -437,11 +459,11 @@ impl Job {
                 since_step = done_steps;
             }
         }
+        if let Some(e) = failure.or_else(|| b.failure().map(Error::Internal)) {
+            return Err(e);
+        }
         if rank != 0 {
             return Ok(None);
-        }
-        if let Some(e) = failure {
-            return Err(e);
         }
         let host: Vec<Vec<f32>> = params.iter().map(|p| b.download(p)).collect();
         let (loss, accuracy) = self.evaluate(&mut b, &params);
@@ -468,8 +490,8 @@ impl Job {
         let mut at = 0;
         while at < n {
             let end = (at + CHUNK).min(n);
-            let (x, y) = self.data.gather(at..end);
-            let (x, y) = (b.upload(&x), b.upload(&y));
+            let rows: Vec<u64> = (at..end).collect();
+            let (x, y) = b.batch(&self.data, &rows);
             let (l, c) = self.model.evaluate(b, params, x, &y, (end - at) as usize);
             loss += l;
             correct += c;

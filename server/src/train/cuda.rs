@@ -1,0 +1,547 @@
+//! The CUDA backend: one rank per GPU, each on its own thread with its own
+//! context and stream; GEMMs through cuBLAS, elementwise, gather and loss
+//! kernels compiled at start with NVRTC, gradients averaged with NCCL.
+//!
+//! The job's rows live on every rank's GPU for the job's lifetime: features
+//! (`rows × dim`) and labels as dense `f32`, uploaded once from the host
+//! arena (page-locked); each step uploads only the batch's row ids and
+//! gathers on the device.
+//!
+//! Operations cannot fail one by one (the step is written once over
+//! [`Backend`]): the first CUDA error is recorded, later operations become
+//! no-ops, and [`Backend::failure`] stops every rank at the next all-reduce.
+//!
+//! cudarc loads `libcuda`, `libcublas`, `libnvrtc` and `libnccl` at run
+//! time, so this builds with no CUDA toolkit; [`Setup::new`] probes for the
+//! driver before any call.
+#![allow(unsafe_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nccl::{Comm, Id, ReduceOp};
+
+use super::backend::Backend;
+use super::data::TrainData;
+use crate::error::{Error, Result};
+use crate::memory::device::driver_present;
+
+/// Launches kernel `$name` over `$n` elements with the given arguments,
+/// unless an error is already recorded.
+macro_rules! launch {
+    ($self:ident, $name:expr, $n:expr, $($arg:expr),+ $(,)?) => {{
+        let n: usize = $n;
+        if $self.error.is_none() && n > 0 {
+            let f = $self.kernel($name).clone();
+            let stream = $self.stream.clone();
+            let mut builder = stream.launch_builder(&f);
+            $( builder.arg($arg); )+
+            let cfg = LaunchConfig::for_num_elems(u32::try_from(n).unwrap_or(u32::MAX));
+            // SAFETY: every kernel bounds-checks its index against the sizes
+            // it is given, which are the lengths of the buffers passed.
+            let r = unsafe { builder.launch(cfg) };
+            $self.record(r);
+        }
+    }};
+}
+
+/// The kernels, in CUDA C, compiled once per rank with NVRTC.
+const KERNELS: &str = r#"
+extern "C" __global__ void add_row_bias(float* z, const float* b, int rows, int cols) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (long)rows * cols) z[i] += b[i % cols];
+}
+extern "C" __global__ void relu(float* z, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && z[i] < 0.0f) z[i] = 0.0f;
+}
+extern "C" __global__ void relu_backward(float* d, const float* a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && a[i] <= 0.0f) d[i] = 0.0f;
+}
+extern "C" __global__ void col_sums(const float* d, float* out, int rows, int cols) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    double s = 0.0;
+    for (int r = 0; r < rows; ++r) s += d[(long)r * cols + j];
+    out[j] = (float)s;
+}
+extern "C" __global__ void softmax_xent(const float* z, const float* labels, float* grad,
+                                        float* loss, float* correct, int rows, int classes,
+                                        float scale) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* row = z + (long)r * classes;
+    int label = (int)labels[r];
+    float mx = row[0];
+    int arg = 0;
+    for (int c = 1; c < classes; ++c) if (row[c] > mx) { mx = row[c]; arg = c; }
+    double sum = 0.0;
+    for (int c = 0; c < classes; ++c) sum += exp((double)(row[c] - mx));
+    loss[r] = (float)(log(sum) - (double)(row[label] - mx));
+    correct[r] = arg == label ? 1.0f : 0.0f;
+    for (int c = 0; c < classes; ++c) {
+        double p = exp((double)(row[c] - mx)) / sum;
+        grad[(long)r * classes + c] = (float)((p - (c == label ? 1.0 : 0.0)) * scale);
+    }
+}
+extern "C" __global__ void mse(const float* p, const float* t, float* grad, float* loss, int n,
+                               float scale) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double e = (double)p[i] - (double)t[i];
+    loss[i] = (float)(0.5 * e * e);
+    grad[i] = (float)(e * scale);
+}
+extern "C" __global__ void sgd(float* p, const float* g, float* v, int n, float lr, float mom,
+                               float wd) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    v[i] = mom * v[i] + g[i];
+    p[i] -= lr * (v[i] + wd * p[i]);
+}
+extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, int n, float lr,
+                                 float wd, double c1, double c2) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double gi = g[i];
+    double mm = 0.9 * (double)m[i] + 0.1 * gi;
+    double vv = 0.999 * (double)v[i] + 0.001 * gi * gi;
+    m[i] = (float)mm;
+    v[i] = (float)vv;
+    double update = (mm / c1) / (sqrt(vv / c2) + 1e-8) + (double)wd * (double)p[i];
+    p[i] = (float)((double)p[i] - (double)lr * update);
+}
+extern "C" __global__ void gather(const float* src, const long long* rows, float* dst,
+                                  int count, int width) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)count * width) return;
+    long r = i / width, c = i % width;
+    dst[i] = src[rows[r] * width + c];
+}
+"#;
+
+const NAMES: [&str; 9] = [
+    "add_row_bias",
+    "relu",
+    "relu_backward",
+    "col_sums",
+    "softmax_xent",
+    "mse",
+    "sgd",
+    "adamw",
+    "gather",
+];
+
+/// What the ranks of one GPU job share before they start.
+pub struct Setup {
+    ordinals: Vec<u32>,
+    id: Id,
+    ready: Barrier,
+    failed: AtomicBool,
+}
+
+impl Setup {
+    /// A job on GPUs `ordinals`; fails without a driver or with a device
+    /// that does not exist.
+    pub fn new(ordinals: &[u32]) -> Result<Self> {
+        if !driver_present() {
+            return Err(Error::FailedPrecondition(
+                "no CUDA driver on this server: train on cpu ranks instead".into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(cuda)?;
+        let count = u32::try_from(count).unwrap_or(0);
+        if let Some(bad) = ordinals.iter().find(|&&d| d >= count) {
+            return Err(Error::invalid(format!(
+                "GPU {bad} does not exist: this server sees {count} CUDA devices"
+            )));
+        }
+        let id = Id::new().map_err(|e| Error::Internal(format!("NCCL: {e:?}")))?;
+        Ok(Self {
+            ordinals: ordinals.to_vec(),
+            id,
+            ready: Barrier::new(ordinals.len()),
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    /// Rank `rank`'s backend, made on the rank's own thread. Every rank
+    /// prepares its device first; only when all succeeded do they join the
+    /// NCCL communicator (whose creation waits for every rank).
+    pub fn rank(&self, rank: u32) -> Result<Cuda> {
+        let prepared = Cuda::prepare(self.ordinals[rank as usize]);
+        if prepared.is_err() {
+            self.failed.store(true, Ordering::Release);
+        }
+        self.ready.wait();
+        let mut cuda = prepared?;
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Error::Aborted(
+                "another rank could not start its GPU".into(),
+            ));
+        }
+        let world = self.ordinals.len();
+        if world > 1 {
+            let comm = Comm::from_rank(cuda.stream.clone(), rank as usize, world, self.id)
+                .map_err(|e| Error::Internal(format!("NCCL communicator: {e:?}")))?;
+            cuda.comm = Some(comm);
+        }
+        Ok(cuda)
+    }
+}
+
+fn cuda(e: impl std::fmt::Debug) -> Error {
+    Error::Internal(format!("CUDA: {e:?}"))
+}
+
+/// One GPU rank.
+pub struct Cuda {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Vec<CudaFunction>,
+    comm: Option<Comm>,
+    /// The job's features and labels on this device, uploaded at the first batch.
+    resident: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    error: Option<String>,
+}
+
+impl Cuda {
+    fn prepare(ordinal: u32) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal as usize).map_err(cuda)?;
+        let stream = ctx.new_stream().map_err(cuda)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
+        let ptx = cudarc::nvrtc::compile_ptx(KERNELS)
+            .map_err(|e| Error::Internal(format!("NVRTC could not compile the kernels: {e:?}")))?;
+        let module = ctx.load_module(ptx).map_err(cuda)?;
+        let kernels = NAMES
+            .iter()
+            .map(|n| module.load_function(n).map_err(cuda))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            stream,
+            blas,
+            kernels,
+            comm: None,
+            resident: None,
+            error: None,
+        })
+    }
+
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        let i = NAMES.iter().position(|n| *n == name).unwrap_or(0);
+        &self.kernels[i]
+    }
+
+    fn record<T>(&mut self, r: std::result::Result<T, impl std::fmt::Debug>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                if self.error.is_none() {
+                    self.error = Some(format!("CUDA: {e:?}"));
+                }
+                None
+            }
+        }
+    }
+
+    fn empty(&self) -> CudaSlice<f32> {
+        // A zero-length allocation cannot fail in practice; if it does the
+        // error is already recorded by the caller's operation.
+        self.stream.alloc_zeros::<f32>(1).unwrap_or_else(|_| {
+            self.stream
+                .null::<f32>()
+                .unwrap_or_else(|_| unreachable_slice())
+        })
+    }
+
+    fn zeros_or_empty(&mut self, len: usize) -> CudaSlice<f32> {
+        let r = self.stream.alloc_zeros::<f32>(len.max(1));
+        self.record(r).unwrap_or_else(|| self.empty())
+    }
+
+    /// `c = op(a)·op(b)` in cuBLAS's column-major terms.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &mut self,
+        ta: bool,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &CudaSlice<f32>,
+        lda: usize,
+        b: &CudaSlice<f32>,
+        ldb: usize,
+        ldc: usize,
+    ) -> CudaSlice<f32> {
+        let mut c = self.zeros_or_empty(m * n);
+        if self.error.is_some() || m == 0 || n == 0 {
+            return c;
+        }
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let cfg = GemmConfig {
+            transa: op(ta),
+            transb: op(tb),
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: lda as i32,
+            ldb: ldb as i32,
+            beta: 0.0f32,
+            ldc: ldc as i32,
+        };
+        // SAFETY: the shapes and leading dimensions describe buffers of
+        // exactly these sizes (checked by the step's construction).
+        let r = unsafe { self.blas.gemm(cfg, a, b, &mut c) };
+        self.record(r);
+        c
+    }
+
+    fn host_sum(&mut self, buf: &CudaSlice<f32>) -> f64 {
+        let r = self.stream.clone_dtoh(buf);
+        self.record(r)
+            .map(|v| v.iter().map(|&x| f64::from(x)).sum())
+            .unwrap_or(0.0)
+    }
+}
+
+/// Never reached: `null()` and 1-element allocations only fail when the
+/// device is gone, and then the operation's own error is what is reported.
+fn unreachable_slice() -> CudaSlice<f32> {
+    panic!("the CUDA device is gone")
+}
+
+impl Backend for Cuda {
+    type Buf = CudaSlice<f32>;
+
+    fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (CudaSlice<f32>, CudaSlice<f32>) {
+        if self.resident.is_none() && self.error.is_none() {
+            let (x, y) = data.gather(0..data.rows());
+            let x = self.stream.clone_htod(&x);
+            let y = self.stream.clone_htod(&y);
+            if let (Some(x), Some(y)) = (self.record(x), self.record(y)) {
+                self.resident = Some((x, y));
+            }
+        }
+        let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let ids = self.stream.clone_htod(&ids);
+        let Some(ids) = self.record(ids) else {
+            return (self.empty(), self.empty());
+        };
+        let (dim, lw) = (data.dim, data.label_width);
+        let mut x = self.zeros_or_empty(rows.len() * dim);
+        let mut y = self.zeros_or_empty(rows.len() * lw);
+        let Some((fx, fy)) = self.resident.take() else {
+            return (x, y);
+        };
+        let count = rows.len() as i32;
+        for (src, dst, width) in [(&fx, &mut x, dim), (&fy, &mut y, lw)] {
+            let w = width as i32;
+            launch!(
+                self,
+                "gather",
+                rows.len() * width,
+                src,
+                &ids,
+                dst,
+                &count,
+                &w
+            );
+        }
+        self.resident = Some((fx, fy));
+        (x, y)
+    }
+
+    fn failure(&mut self) -> Option<String> {
+        self.error.clone()
+    }
+
+    fn upload(&mut self, data: &[f32]) -> CudaSlice<f32> {
+        let r = self.stream.clone_htod(data);
+        self.record(r).unwrap_or_else(|| self.empty())
+    }
+
+    fn download(&mut self, buf: &CudaSlice<f32>) -> Vec<f32> {
+        let r = self.stream.clone_dtoh(buf);
+        self.record(r).unwrap_or_default()
+    }
+
+    fn zeros(&mut self, len: usize) -> CudaSlice<f32> {
+        self.zeros_or_empty(len)
+    }
+
+    // Row-major X[r×c] is column-major Xᵀ with leading dimension c; each
+    // product below is computed as its transpose.
+    fn matmul_nt(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf {
+        // Cᵀ[n×m] = B[n×k]·Aᵀ: op(B_cm)=T, op(A_cm)=N.
+        self.gemm(true, false, n, m, k, b, k, a, k, n)
+    }
+
+    fn matmul_tn(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf {
+        // C = Aᵀ·B with A[k×m], B[k×n]: Cᵀ[n×m] = Bᵀ·A = B_cm·A_cmᵀ.
+        self.gemm(false, true, n, m, k, b, n, a, m, n)
+    }
+
+    fn matmul_nn(
+        &mut self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self::Buf {
+        // Cᵀ[n×m] = Bᵀ·Aᵀ = B_cm·A_cm.
+        self.gemm(false, false, n, m, k, b, n, a, k, n)
+    }
+
+    fn add_row_bias(&mut self, z: &mut Self::Buf, bias: &Self::Buf, rows: usize, cols: usize) {
+        let (r, c) = (rows as i32, cols as i32);
+        launch!(self, "add_row_bias", rows * cols, z, bias, &r, &c);
+    }
+
+    fn col_sums(&mut self, d: &Self::Buf, rows: usize, cols: usize) -> Self::Buf {
+        let mut out = self.zeros_or_empty(cols);
+        let (r, c) = (rows as i32, cols as i32);
+        launch!(self, "col_sums", cols, d, &mut out, &r, &c);
+        out
+    }
+
+    fn relu(&mut self, z: &mut Self::Buf) {
+        let n = z.len();
+        let ni = n as i32;
+        launch!(self, "relu", n, z, &ni);
+    }
+
+    fn relu_backward(&mut self, d: &mut Self::Buf, a: &Self::Buf) {
+        let n = d.len();
+        let ni = n as i32;
+        launch!(self, "relu_backward", n, d, a, &ni);
+    }
+
+    fn softmax_xent(
+        &mut self,
+        logits: &Self::Buf,
+        labels: &Self::Buf,
+        rows: usize,
+        classes: usize,
+    ) -> (Self::Buf, f64, u64) {
+        let mut grad = self.zeros_or_empty(rows * classes);
+        let mut loss = self.zeros_or_empty(rows);
+        let mut correct = self.zeros_or_empty(rows);
+        let (r, c) = (rows as i32, classes as i32);
+        let scale = 1.0f32 / rows.max(1) as f32;
+        launch!(
+            self,
+            "softmax_xent",
+            rows,
+            logits,
+            labels,
+            &mut grad,
+            &mut loss,
+            &mut correct,
+            &r,
+            &c,
+            &scale
+        );
+        let total = self.host_sum(&loss);
+        let right = self.host_sum(&correct);
+        (grad, total, right as u64)
+    }
+
+    fn mse(
+        &mut self,
+        pred: &Self::Buf,
+        target: &Self::Buf,
+        rows: usize,
+        outs: usize,
+    ) -> (Self::Buf, f64) {
+        let n = rows * outs;
+        let mut grad = self.zeros_or_empty(n);
+        let mut loss = self.zeros_or_empty(n);
+        let ni = n as i32;
+        let scale = 1.0f32 / rows.max(1) as f32;
+        launch!(
+            self, "mse", n, pred, target, &mut grad, &mut loss, &ni, &scale
+        );
+        let total = self.host_sum(&loss);
+        (grad, total)
+    }
+
+    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf], extra: &mut [f64]) {
+        let Some(comm) = self.comm.take() else {
+            return;
+        };
+        for b in bufs.iter_mut() {
+            let r = comm.all_reduce_in_place(b, &ReduceOp::Avg);
+            self.record(r);
+        }
+        let sums = self.stream.clone_htod(extra);
+        if let Some(mut sums) = self.record(sums) {
+            let r = comm.all_reduce_in_place(&mut sums, &ReduceOp::Sum);
+            self.record(r);
+            let back = self.stream.clone_dtoh(&sums);
+            if let Some(back) = self.record(back) {
+                extra.copy_from_slice(&back);
+            }
+        }
+        self.comm = Some(comm);
+    }
+
+    fn sgd_step(
+        &mut self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        v: &mut Self::Buf,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+    ) {
+        let n = p.len();
+        let ni = n as i32;
+        launch!(self, "sgd", n, p, g, v, &ni, &lr, &momentum, &wd);
+    }
+
+    fn adamw_step(
+        &mut self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        t: u64,
+        lr: f32,
+        wd: f32,
+    ) {
+        let n = p.len();
+        let ni = n as i32;
+        let t = i32::try_from(t).unwrap_or(i32::MAX);
+        let c1 = 1.0 - 0.9f64.powi(t);
+        let c2 = 1.0 - 0.999f64.powi(t);
+        launch!(self, "adamw", n, p, g, m, v, &ni, &lr, &wd, &c1, &c2);
+    }
+}
