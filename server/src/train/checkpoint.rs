@@ -4,8 +4,9 @@
 //!
 //! A checkpoint holds the parameters (`layers.{l}.weight`, `layers.{l}.bias`),
 //! the optimizer state (`optim.m.*`, `optim.v.*`), and in `__metadata__` the
-//! global step, the model's layer sizes and the optimizer, which a resume
-//! checks against its job.
+//! global step, the epoch and the sample position within it (samples of the
+//! epoch's order already consumed), the model's layer sizes and the
+//! optimizer, which a resume checks against its job.
 
 use std::collections::BTreeMap;
 
@@ -91,28 +92,20 @@ impl Checkpoint {
             if v.get("dtype").and_then(Value::as_str) != Some("F32") {
                 return Err(bad(&format!("tensor '{name}' is not F32")));
             }
-            let shape: Vec<usize> = v
-                .get("shape")
-                .and_then(Value::as_array)
-                .ok_or_else(|| bad("tensor without shape"))?
-                .iter()
-                .map(|d| {
-                    d.as_u64()
-                        .map(|d| d as usize)
-                        .ok_or_else(|| bad("bad shape"))
-                })
-                .collect::<Result<_>>()?;
-            let offs: Vec<usize> = v
-                .get("data_offsets")
-                .and_then(Value::as_array)
-                .ok_or_else(|| bad("tensor without data_offsets"))?
-                .iter()
-                .map(|d| {
-                    d.as_u64()
-                        .map(|d| d as usize)
-                        .ok_or_else(|| bad("bad offsets"))
-                })
-                .collect::<Result<_>>()?;
+            let sizes = |key: &str| -> Result<Vec<usize>> {
+                v.get(key)
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| bad(&format!("tensor '{name}' has no {key}")))?
+                    .iter()
+                    .map(|d| {
+                        d.as_u64()
+                            .and_then(|d| usize::try_from(d).ok())
+                            .ok_or_else(|| bad(&format!("tensor '{name}' has a bad {key}")))
+                    })
+                    .collect()
+            };
+            let shape = sizes("shape")?;
+            let offs = sizes("data_offsets")?;
             let [start, end] = offs[..] else {
                 return Err(bad("data_offsets must have two entries"));
             };

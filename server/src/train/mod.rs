@@ -530,6 +530,11 @@ impl Job {
         for (k, v) in [
             ("format", "flightdeck-checkpoint-1".to_string()),
             ("step", step.to_string()),
+            ("epoch", (step / self.steps_per_epoch).to_string()),
+            (
+                "sample_position",
+                ((step % self.steps_per_epoch) * u64::from(self.spec.global_batch)).to_string(),
+            ),
             ("dims", self.dims_text()),
             ("optimizer", self.optimizer_name().to_string()),
             ("dataset", self.spec.dataset.clone()),

@@ -270,6 +270,9 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
         .pop()
         .expect("a checkpoint at the end");
     assert_eq!(step, 13);
+    // 700 rows / 32 = 21 steps per epoch: step 13 is mid-epoch 0.
+    assert_eq!(ckpt.meta_u64("epoch").expect("epoch"), 0);
+    assert_eq!(ckpt.meta_u64("sample_position").expect("position"), 13 * 32);
 
     // Resume on the same ranks: the uninterrupted run, to the bit here.
     let rest = Job::prepare(full.clone(), &data).expect("valid job");
