@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks, in two steps because the GPU machine has no Rust toolchain:
 #
-#   scripts/gpu-check.sh build   # here: release test and bench binaries into target/gpu-check/
-#   scripts/gpu-check.sh run     # on the GPU machine (carry target/gpu-check): tests + h2d bench
+#   scripts/gpu-check.sh build   # here: release test and bench binaries, packed into
+#                                # target/gpu-check/bins.tar.xz (~20 MB: fits a device carry)
+#   scripts/gpu-check.sh run     # on the GPU machine (carry target/gpu-check): the GPU tests
+#                                # (pinned arena, place, CUDA training vs CPU), the tier tests
+#                                # on pinned memory, and the h2d bench
 #
 # `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
 # fails the checks instead of passing them vacuously. Output goes to $OUT
@@ -12,32 +15,46 @@ cd "$(dirname "$0")/.."
 dir=target/gpu-check
 
 build() {
+    rm -rf "$dir"
     mkdir -p "$dir"
-    cargo build --release -p flightdeck-server -p flightdeck-bench --bins
-    cp target/release/flightdeck target/release/flightdeck-bench "$dir/"
+    cargo build --release -p flightdeck-bench --bins
+    cp target/release/flightdeck-bench "$dir/"
     # Test executables: the GPU checks of the tiers, and the end-to-end tier tests.
     cargo test --release -p flightdeck-server --test gpu --no-run --message-format=json \
         | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/gpu-tests"; done
     cargo test --release -p flightdeck-tests --test e2e_tiers --no-run --message-format=json \
         | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/tier-tests"; done
     strip "$dir"/*
+    (cd "$dir" && tar -cJf bins.tar.xz gpu-tests tier-tests flightdeck-bench && rm gpu-tests tier-tests flightdeck-bench)
     du -sh "$dir"
 }
 
 run() {
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
+    bins=$(mktemp -d)
+    # Python's tarfile needs no xz binary on the GPU machine.
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$dir/bins.tar.xz" "$bins"
     # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages.
-    if nv=$(python3 -c "import nvidia, os; print(list(nvidia.__path__)[0])" 2>/dev/null); then
-        for lib in "$nv"/*/lib; do LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"; done
-        export LD_LIBRARY_PATH
+    # cudarc looks for unversioned names (libnccl.so): link them in a folder of our own.
+    if nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null); then
+        links=$(mktemp -d)
+        for lib in "$nv"/*/lib; do
+            LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
+            for f in "$lib"/lib*.so.*; do
+                [ -e "$f" ] || continue
+                short="$(basename "$f")"; short="${short%%.so.*}.so"
+                [ -e "$links/$short" ] || ln -s "$f" "$links/$short"
+            done
+        done
+        export LD_LIBRARY_PATH="$links:$LD_LIBRARY_PATH"
     fi
     nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
     export FLIGHTDECK_GPU_TESTS=1
     status=0
-    "$dir/gpu-tests" --test-threads 1 --nocapture > "$out/gpu-tests.txt" 2>&1 || status=1
-    "$dir/tier-tests" --test-threads 1 > "$out/tier-tests.txt" 2>&1 || status=1
-    "$dir/flightdeck-bench" --phases h2d --baseline "" --reps 5 --in-process \
+    "$bins/gpu-tests" --test-threads 1 --nocapture > "$out/gpu-tests.txt" 2>&1 || status=1
+    "$bins/tier-tests" --test-threads 1 > "$out/tier-tests.txt" 2>&1 || status=1
+    "$bins/flightdeck-bench" --phases h2d --rows 1000 --baseline "" --reps 5 --in-process \
         --json "$out/h2d.json" > "$out/h2d.txt" 2>&1 || status=1
     tail -n 5 "$out"/*.txt
     exit "$status"
