@@ -306,6 +306,7 @@ impl State {
         };
         let (generation, data) = self.resident(&req.dataset).await?;
         let columns = if req.columns.is_empty() {
+            // Every column that can be placed.
             data.schema()
                 .fields()
                 .iter()
@@ -313,13 +314,13 @@ impl State {
                 .map(|f| f.name().clone())
                 .collect()
         } else {
+            for c in &req.columns {
+                column_segments(&data, c).map_err(|e| {
+                    Error::invalid(format!("cannot place dataset '{}': {e}", req.dataset))
+                })?;
+            }
             req.columns.clone()
         };
-        for c in &columns {
-            column_segments(&data, c).map_err(|e| {
-                Error::invalid(format!("cannot place dataset '{}': {e}", req.dataset))
-            })?;
-        }
         let devices = req.devices.clone();
         let placed = tokio::task::spawn_blocking(move || {
             devices

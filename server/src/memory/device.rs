@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayData, AsArray};
+use arrow::array::{Array, ArrayData, ArrayRef, AsArray};
 use arrow::buffer::Buffer;
 use arrow::datatypes::DataType;
 use cudarc::driver::{CudaContext, CudaSlice, sys};
@@ -200,8 +200,50 @@ pub struct ColumnSegments {
     pub segments: Vec<Buffer>,
 }
 
-fn numeric_element(dt: &DataType) -> Option<usize> {
-    (dt.is_numeric() && dt.is_primitive()).then(|| dt.primitive_width())?
+/// The element type and values per row of a column type that can be placed
+/// or trained on: a primitive number (width 1) or a `fixed_size_list` of
+/// numbers.
+pub fn numeric_shape(dt: &DataType) -> Option<(DataType, usize)> {
+    let number = |t: &DataType| t.is_numeric() && t.is_primitive();
+    match dt {
+        DataType::FixedSizeList(item, n) if number(item.data_type()) => {
+            Some((item.data_type().clone(), usize::try_from(*n).ok()?))
+        }
+        t if number(t) => Some((t.clone(), 1)),
+        _ => None,
+    }
+}
+
+/// The values of a numeric column as one flat array holding exactly its
+/// rows, and the values per row; refuses other types and nulls. `column`
+/// names it in errors (e.g. "feature column 'x'").
+pub fn numeric_values(col: &ArrayRef, column: &str) -> Result<(ArrayRef, usize)> {
+    let Some((_, width)) = numeric_shape(col.data_type()) else {
+        return Err(Error::invalid(format!(
+            "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
+             can be placed on a device or trained on",
+            col.data_type()
+        )));
+    };
+    if col.null_count() > 0 {
+        return Err(Error::invalid(format!(
+            "{column} has nulls; fill or drop them before placing or training"
+        )));
+    }
+    if !matches!(col.data_type(), DataType::FixedSizeList(..)) {
+        return Ok((col.clone(), 1));
+    }
+    let list = col.as_fixed_size_list();
+    // The rows of this (possibly sliced) list array.
+    let child = list
+        .values()
+        .slice(list.offset() * width, list.len() * width);
+    if child.null_count() > 0 {
+        return Err(Error::invalid(format!(
+            "{column} has null list items; fill them before placing or training"
+        )));
+    }
+    Ok((child, width))
 }
 
 /// The bytes of column `name` of `data`: a primitive numeric column, or a
@@ -215,50 +257,23 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
             crate::catalog::describe_fields(schema)
         ))
     })?;
-    let field = schema.field(idx);
-    let (element, width) = match field.data_type() {
-        DataType::FixedSizeList(item, n) if numeric_element(item.data_type()).is_some() => {
-            (item.data_type().clone(), *n as usize)
-        }
-        dt if numeric_element(dt).is_some() => (dt.clone(), 1),
-        other => {
-            return Err(Error::invalid(format!(
-                "column '{name}' has type {other}; only numeric columns and fixed_size_list \
-                 columns of numbers can be placed on a device or trained on"
-            )));
-        }
-    };
-    let elem_bytes = numeric_element(&element).unwrap_or(1);
+    let column = format!("column '{name}'");
+    let (element, width) = numeric_shape(schema.field(idx).data_type()).ok_or_else(|| {
+        Error::invalid(format!(
+            "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
+             can be placed on a device or trained on",
+            schema.field(idx).data_type()
+        ))
+    })?;
+    let elem_bytes = element.primitive_width().unwrap_or(1);
     let mut segments = Vec::with_capacity(data.batches().len());
     let mut rows = 0u64;
     for batch in data.batches() {
-        let col = batch.column(idx);
-        if col.null_count() > 0 {
-            return Err(Error::invalid(format!(
-                "column '{name}' has nulls; fill or drop them before placing or training"
-            )));
-        }
-        let values: ArrayData =
-            if width == 1 && !matches!(col.data_type(), DataType::FixedSizeList(..)) {
-                col.to_data()
-            } else {
-                let list = col.as_fixed_size_list();
-                let child = list.values();
-                if child.null_count() > 0 {
-                    return Err(Error::invalid(format!(
-                        "column '{name}' has null list items; fill them before placing or training"
-                    )));
-                }
-                // The rows of this (possibly sliced) list array.
-                child
-                    .slice(list.offset() * width, list.len() * width)
-                    .to_data()
-            };
-        let buf = &values.buffers()[0];
+        let (values, _) = numeric_values(batch.column(idx), &column)?;
+        let values: ArrayData = values.to_data();
         let start = values.offset() * elem_bytes;
-        let len = values.len() * elem_bytes;
-        segments.push(buf.slice_with_length(start, len));
-        rows += col.len() as u64;
+        segments.push(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes));
+        rows += batch.num_rows() as u64;
     }
     Ok(ColumnSegments {
         element,

@@ -2,12 +2,13 @@
 //! label column, checked once, and the gather of a batch's rows into a
 //! row-major feature matrix.
 
-use arrow::array::{Array, ArrayRef, AsArray, Float32Array};
+use arrow::array::{ArrayRef, AsArray, Float32Array};
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, Float32Type};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
+use crate::memory::device::numeric_values;
 
 /// What the label column holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,39 +34,12 @@ pub struct TrainData {
     pub label_width: usize,
 }
 
-fn numeric(dt: &DataType) -> bool {
-    dt.is_numeric() && dt.is_primitive()
-}
-
 /// The column as `f32` values and its width, or why it cannot be.
 fn as_f32(col: &ArrayRef, name: &str, what: &str) -> Result<(Float32Array, usize)> {
-    if col.null_count() > 0 {
-        return Err(Error::invalid(format!(
-            "{what} column '{name}' has nulls; fill or drop them before training"
-        )));
-    }
-    let (values, width): (ArrayRef, usize) = match col.data_type() {
-        DataType::FixedSizeList(item, n) if numeric(item.data_type()) => {
-            let list = col.as_fixed_size_list();
-            let w = *n as usize;
-            let child = list.values().slice(list.offset() * w, list.len() * w);
-            if child.null_count() > 0 {
-                return Err(Error::invalid(format!(
-                    "{what} column '{name}' has null list items; fill them before training"
-                )));
-            }
-            (child, w)
-        }
-        dt if numeric(dt) => (col.clone(), 1),
-        other => {
-            return Err(Error::invalid(format!(
-                "{what} column '{name}' has type {other}; training needs numeric columns or \
-                 fixed_size_list columns of numbers"
-            )));
-        }
-    };
-    let f = cast(&values, &DataType::Float32)
-        .map_err(|e| Error::invalid(format!("{what} column '{name}': {e}")))?;
+    let column = format!("{what} column '{name}'");
+    let (values, width) = numeric_values(col, &column)?;
+    let f =
+        cast(&values, &DataType::Float32).map_err(|e| Error::invalid(format!("{column}: {e}")))?;
     Ok((f.as_primitive::<Float32Type>().clone(), width))
 }
 
