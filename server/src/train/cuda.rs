@@ -309,6 +309,31 @@ impl Cuda {
         c
     }
 
+    /// The job's rows on this device, copied in chunks so that no rank
+    /// holds a host copy of the whole dataset.
+    fn upload_rows(&mut self, data: &TrainData) -> Option<(CudaSlice<f32>, CudaSlice<f32>)> {
+        const CHUNK: u64 = 65_536;
+        let (n, dim, lw) = (data.rows(), data.dim, data.label_width);
+        let mut x = self.zeros_or_empty(n as usize * dim);
+        let mut y = self.zeros_or_empty(n as usize * lw);
+        let mut at = 0u64;
+        while at < n && self.error.is_none() {
+            let end = (at + CHUNK).min(n);
+            let (hx, hy) = data.gather(at..end);
+            let (a, b) = (at as usize, end as usize);
+            let r = self
+                .stream
+                .memcpy_htod(&hx, &mut x.slice_mut(a * dim..b * dim));
+            self.record(r);
+            let r = self
+                .stream
+                .memcpy_htod(&hy, &mut y.slice_mut(a * lw..b * lw));
+            self.record(r);
+            at = end;
+        }
+        self.error.is_none().then_some((x, y))
+    }
+
     fn host_sum(&mut self, buf: &CudaSlice<f32>) -> f64 {
         let r = self.stream.clone_dtoh(buf);
         self.record(r)
@@ -328,12 +353,7 @@ impl Backend for Cuda {
 
     fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (CudaSlice<f32>, CudaSlice<f32>) {
         if self.resident.is_none() && self.error.is_none() {
-            let (x, y) = data.gather(0..data.rows());
-            let x = self.stream.clone_htod(&x);
-            let y = self.stream.clone_htod(&y);
-            if let (Some(x), Some(y)) = (self.record(x), self.record(y)) {
-                self.resident = Some((x, y));
-            }
+            self.resident = self.upload_rows(data);
         }
         let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
         let ids = self.stream.clone_htod(&ids);
