@@ -472,7 +472,8 @@ impl Job {
         last.epoch = total.saturating_sub(1) / self.steps_per_epoch;
         last.loss = loss;
         last.accuracy = accuracy;
-        last.checkpoint = last.checkpoint.filter(|_| last.step == total);
+        // With a checkpoint hook the last step always writes one and reports
+        // it, so `last.checkpoint` is the final checkpoint (or none).
         last.done = true;
         (hooks.progress)(&last);
         Ok(Some(Outcome {
