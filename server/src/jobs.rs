@@ -91,10 +91,12 @@ impl State {
                 "no CUDA driver on this server: train on cpu ranks instead".into(),
             ));
         }
-        let (_, data) = self.resident(&spec.dataset).await?;
-        let job = tokio::task::spawn_blocking(move || Job::prepare(spec, &data))
+        let (generation, data) = self.resident(&spec.dataset).await?;
+        let placed = self.device_copies(&spec.dataset, generation);
+        let mut job = tokio::task::spawn_blocking(move || Job::prepare(spec, &data))
             .await
             .map_err(|e| Error::Internal(format!("preparing the job panicked: {e}")))??;
+        job.placed = placed;
         let resume = match &job.spec.resume_from {
             Some(url) => {
                 let c = read_checkpoint(url).await?;

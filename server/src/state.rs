@@ -24,7 +24,7 @@ use crate::memory::device::{CudaHost, DevicePlacement, column_segments};
 use crate::memory::spill::Store;
 
 /// Columns of one dataset generation on each device.
-type Placements = BTreeMap<(String, u64), Vec<DevicePlacement>>;
+type Placements = BTreeMap<(String, u64), Vec<Arc<DevicePlacement>>>;
 
 /// What `stats` reports about the tiers.
 #[derive(Debug, Clone, Default)]
@@ -334,7 +334,7 @@ impl State {
             let mut all = self.placements();
             let entry = all.entry((req.dataset.clone(), generation)).or_default();
             entry.retain(|p| !req.devices.contains(&p.device));
-            entry.extend(placed);
+            entry.extend(placed.into_iter().map(Arc::new));
             entry.sort_by_key(|p| p.device);
         }
         self.catalog().describe(&req.dataset)
@@ -349,6 +349,15 @@ impl State {
         }
         all.retain(|_, list| !list.is_empty());
         Ok(summary)
+    }
+
+    /// The device-tier copies of a dataset's generation (shared: a training
+    /// job keeps the ones it reads alive until it ends, even if evicted).
+    pub fn device_copies(&self, dataset: &str, generation: u64) -> Vec<Arc<DevicePlacement>> {
+        self.placements()
+            .get(&(dataset.to_string(), generation))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// `(device, columns, bytes)` of a dataset's placements.

@@ -188,7 +188,8 @@ fn column_segments_are_the_column() {
 }
 
 /// The CUDA backend trains like the CPU backend: after 100 steps of an MLP
-/// with AdamW the parameters agree within 1e-3 (relative); prints the
+/// with AdamW the parameters agree within 1e-3 (relative), with features
+/// uploaded from host memory and taken from the device tier; prints the
 /// throughput and the share of step time spent gathering.
 #[test]
 fn cuda_training_equals_cpu_training() {
@@ -243,8 +244,15 @@ fn cuda_training_equals_cpu_training() {
         resume_from: None,
         max_steps: 100,
     };
-    let run = |devices: Devices| {
-        let job = Job::prepare(spec(devices), &data).expect("valid job");
+    // With `placed`, the feature column comes from the device tier.
+    let run = |devices: Devices, placed: bool| {
+        let mut job = Job::prepare(spec(devices.clone()), &data).expect("valid job");
+        if let (true, Devices::Gpu(ordinals)) = (placed, &devices) {
+            job.placed = ordinals
+                .iter()
+                .map(|&d| Arc::new(host.place(&data, &["vec".to_string()], d).expect("place")))
+                .collect();
+        }
         let last = Mutex::new(Vec::<Progress>::new());
         let progress = |p: &Progress| last.lock().expect("lock").push(p.clone());
         let cancel = AtomicBool::new(false);
@@ -256,13 +264,16 @@ fn cuda_training_equals_cpu_training() {
         let out = job.run(None, &hooks).expect("job runs");
         (out, last.into_inner().expect("lock"))
     };
-    let (cpu, _) = run(Devices::Cpu(1));
+    let (cpu, _) = run(Devices::Cpu(1), false);
     let mut gpus = vec![vec![0u32]];
     if host.device_count() >= 2 {
         gpus.push(vec![0, 1]);
     }
-    for ordinals in gpus {
-        let (gpu_out, reports) = run(Devices::Gpu(ordinals.clone()));
+    for (ordinals, placed) in gpus
+        .into_iter()
+        .flat_map(|o| [(o.clone(), false), (o, true)])
+    {
+        let (gpu_out, reports) = run(Devices::Gpu(ordinals.clone()), placed);
         let diff = cpu
             .params
             .iter()
@@ -278,13 +289,14 @@ fn cuda_training_equals_cpu_training() {
         let stall =
             steady.iter().map(|p| p.data_stall_fraction).sum::<f64>() / steady.len().max(1) as f64;
         println!(
-            "GPUs {ordinals:?}: max relative difference to CPU {diff:.2e}, {sps:.0} samples/s, \
-             {:.1}% of step time gathering",
+            "GPUs {ordinals:?} (features {}): max relative difference to CPU {diff:.2e}, \
+             {sps:.0} samples/s, {:.1}% of step time gathering",
+            if placed { "placed" } else { "from host" },
             stall * 100.0
         );
         assert!(
             diff <= 1e-3,
-            "CUDA differs from CPU by {diff} on {ordinals:?}"
+            "CUDA differs from CPU by {diff} on {ordinals:?} (placed: {placed})"
         );
     }
 }

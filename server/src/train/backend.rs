@@ -24,6 +24,10 @@ pub trait Backend {
         None
     }
 
+    /// Waits until every queued operation has finished (a no-op where
+    /// operations run as they are called).
+    fn sync(&mut self) {}
+
     /// A buffer holding `data`.
     fn upload(&mut self, data: &[f32]) -> Self::Buf;
     /// The contents of `buf`.

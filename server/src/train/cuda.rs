@@ -1,11 +1,11 @@
 //! The CUDA backend: one rank per GPU, each on its own thread with its own
 //! context and stream; GEMMs through cuBLAS, elementwise, gather and loss
-//! kernels compiled at start with NVRTC, gradients averaged with NCCL.
+//! kernels compiled at start with NVRTC, gradients averaged with NCCL in
+//! one all-reduce over one flat buffer.
 //!
 //! The job's rows live on every rank's GPU for the job's lifetime: features
-//! (`rows × dim`) and labels as dense `f32`, uploaded once from the host
-//! arena (page-locked); each step uploads only the batch's row ids and
-//! gathers on the device.
+//! (`rows × dim`) and labels as dense `f32`, uploaded once in 64K-row chunks;
+//! each step uploads only the batch's row ids and gathers on the device.
 //!
 //! Operations cannot fail one by one (the step is written once over
 //! [`Backend`]): the first CUDA error is recorded, later operations become
@@ -28,7 +28,7 @@ use cudarc::nccl::{Comm, Id, ReduceOp};
 use super::backend::Backend;
 use super::data::TrainData;
 use crate::error::{Error, Result};
-use crate::memory::device::driver_present;
+use crate::memory::device::{DeviceColumn, DevicePlacement, driver_present};
 
 /// Launches kernel `$name` over `$n` elements with the given arguments,
 /// unless an error is already recorded.
@@ -123,9 +123,16 @@ extern "C" __global__ void gather(const float* src, const long long* rows, float
     long r = i / width, c = i % width;
     dst[i] = src[rows[r] * width + c];
 }
+extern "C" __global__ void copy_columns(const float* src, float* dst, int rows, int width,
+                                        int dim, int offset) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * width) return;
+    long r = i / width, c = i % width;
+    dst[r * dim + offset + c] = src[i];
+}
 "#;
 
-const NAMES: [&str; 9] = [
+const NAMES: [&str; 10] = [
     "add_row_bias",
     "relu",
     "relu_backward",
@@ -135,11 +142,14 @@ const NAMES: [&str; 9] = [
     "sgd",
     "adamw",
     "gather",
+    "copy_columns",
 ];
 
 /// What the ranks of one GPU job share before they start.
 pub struct Setup {
     ordinals: Vec<u32>,
+    /// The dataset's device-tier copies, by device.
+    placed: Vec<Arc<DevicePlacement>>,
     id: Id,
     ready: Barrier,
     failed: AtomicBool,
@@ -148,7 +158,7 @@ pub struct Setup {
 impl Setup {
     /// A job on GPUs `ordinals`; fails without a driver or with a device
     /// that does not exist.
-    pub fn new(ordinals: &[u32]) -> Result<Self> {
+    pub fn new(ordinals: &[u32], placed: &[Arc<DevicePlacement>]) -> Result<Self> {
         if !driver_present() {
             return Err(Error::FailedPrecondition(
                 "no CUDA driver on this server: train on cpu ranks instead".into(),
@@ -164,6 +174,7 @@ impl Setup {
         let id = Id::new().map_err(|e| Error::Internal(format!("NCCL: {e:?}")))?;
         Ok(Self {
             ordinals: ordinals.to_vec(),
+            placed: placed.to_vec(),
             id,
             ready: Barrier::new(ordinals.len()),
             failed: AtomicBool::new(false),
@@ -174,7 +185,9 @@ impl Setup {
     /// prepares its device first; only when all succeeded do they join the
     /// NCCL communicator (whose creation waits for every rank).
     pub fn rank(&self, rank: u32) -> Result<Cuda> {
-        let prepared = Cuda::prepare(self.ordinals[rank as usize]);
+        let ordinal = self.ordinals[rank as usize];
+        let placed = self.placed.iter().find(|p| p.device == ordinal).cloned();
+        let prepared = Cuda::prepare(ordinal, placed);
         if prepared.is_err() {
             self.failed.store(true, Ordering::Release);
         }
@@ -207,11 +220,15 @@ pub struct Cuda {
     comm: Option<Comm>,
     /// The job's features and labels on this device, uploaded at the first batch.
     resident: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// The dataset's columns in the device tier on this GPU, if placed.
+    placed: Option<Arc<DevicePlacement>>,
+    /// The flat gradient buffer of the all-reduce, kept between steps.
+    flat: Option<CudaSlice<f32>>,
     error: Option<String>,
 }
 
 impl Cuda {
-    fn prepare(ordinal: u32) -> Result<Self> {
+    fn prepare(ordinal: u32, placed: Option<Arc<DevicePlacement>>) -> Result<Self> {
         let ctx = CudaContext::new(ordinal as usize).map_err(cuda)?;
         let stream = ctx.new_stream().map_err(cuda)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
@@ -228,6 +245,8 @@ impl Cuda {
             kernels,
             comm: None,
             resident: None,
+            placed,
+            flat: None,
             error: None,
         })
     }
@@ -309,22 +328,51 @@ impl Cuda {
         c
     }
 
-    /// The job's rows on this device, copied in chunks so that no rank
-    /// holds a host copy of the whole dataset.
+    /// The job's rows on this device. Features come from the device tier
+    /// when every feature column is placed on this GPU as `f32` (a copy on
+    /// the device, nothing crosses the bus); otherwise they, like the
+    /// labels, are copied from host memory in chunks so that no rank holds
+    /// a host copy of the whole dataset.
     fn upload_rows(&mut self, data: &TrainData) -> Option<(CudaSlice<f32>, CudaSlice<f32>)> {
         const CHUNK: u64 = 65_536;
         let (n, dim, lw) = (data.rows(), data.dim, data.label_width);
         let mut x = self.zeros_or_empty(n as usize * dim);
         let mut y = self.zeros_or_empty(n as usize * lw);
+        let placed = self.placed.clone();
+        let columns = placed.as_deref().and_then(|p| placed_features(p, data));
+        if let Some(columns) = &columns {
+            let (rows, dim_i) = (n as i32, dim as i32);
+            let mut offset = 0i32;
+            for col in columns {
+                let width = col.width as i32;
+                launch!(
+                    self,
+                    "copy_columns",
+                    n as usize * col.width,
+                    &col.buffer,
+                    &mut x,
+                    &rows,
+                    &width,
+                    &dim_i,
+                    &offset
+                );
+                offset += width;
+            }
+        }
         let mut at = 0u64;
         while at < n && self.error.is_none() {
             let end = (at + CHUNK).min(n);
-            let (hx, hy) = data.gather(at..end);
             let (a, b) = (at as usize, end as usize);
-            let r = self
-                .stream
-                .memcpy_htod(&hx, &mut x.slice_mut(a * dim..b * dim));
-            self.record(r);
+            let hy = if columns.is_some() {
+                data.gather_labels(at..end)
+            } else {
+                let (hx, hy) = data.gather(at..end);
+                let r = self
+                    .stream
+                    .memcpy_htod(&hx, &mut x.slice_mut(a * dim..b * dim));
+                self.record(r);
+                hy
+            };
             let r = self
                 .stream
                 .memcpy_htod(&hy, &mut y.slice_mut(a * lw..b * lw));
@@ -340,6 +388,25 @@ impl Cuda {
             .map(|v| v.iter().map(|&x| f64::from(x)).sum())
             .unwrap_or(0.0)
     }
+}
+
+/// The placed copy of every feature column of `data`, in order, if each is
+/// on this device as `f32` with the job's rows and width.
+fn placed_features<'a>(
+    placed: &'a DevicePlacement,
+    data: &TrainData,
+) -> Option<Vec<&'a DeviceColumn>> {
+    data.columns
+        .iter()
+        .map(|(name, width)| {
+            placed.columns.iter().find(|c| {
+                &c.name == name
+                    && c.element == arrow::datatypes::DataType::Float32
+                    && c.width == *width
+                    && c.rows == data.rows()
+            })
+        })
+        .collect()
 }
 
 /// Never reached: `null()` and 1-element allocations only fail when the
@@ -386,6 +453,11 @@ impl Backend for Cuda {
 
     fn failure(&mut self) -> Option<String> {
         self.error.clone()
+    }
+
+    fn sync(&mut self) {
+        let r = self.stream.synchronize();
+        self.record(r);
     }
 
     fn upload(&mut self, data: &[f32]) -> CudaSlice<f32> {
@@ -517,10 +589,33 @@ impl Backend for Cuda {
         let Some(comm) = self.comm.take() else {
             return;
         };
-        for b in bufs.iter_mut() {
-            let r = comm.all_reduce_in_place(b, &ReduceOp::Avg);
+        // One all-reduce over one flat buffer: the gradients are copied
+        // into it back to back (device to device), averaged, copied back.
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut flat = match self.flat.take() {
+            Some(f) if f.len() == total => f,
+            _ => self.zeros_or_empty(total),
+        };
+        let mut at = 0;
+        for b in bufs.iter() {
+            let r = self
+                .stream
+                .memcpy_dtod(b, &mut flat.slice_mut(at..at + b.len()));
+            self.record(r);
+            at += b.len();
+        }
+        if self.error.is_none() && total > 0 {
+            let r = comm.all_reduce_in_place(&mut flat, &ReduceOp::Avg);
             self.record(r);
         }
+        let mut at = 0;
+        for b in bufs.iter_mut() {
+            let len = b.len();
+            let r = self.stream.memcpy_dtod(&flat.slice(at..at + len), b);
+            self.record(r);
+            at += len;
+        }
+        self.flat = Some(flat);
         let sums = self.stream.clone_htod(extra);
         if let Some(mut sums) = self.record(sums) {
             let r = comm.all_reduce_in_place(&mut sums, &ReduceOp::Sum);

@@ -28,6 +28,8 @@ pub struct TrainData {
     labels: Vec<(Float32Array, usize)>,
     /// Row offsets of the stored batches (one extra = rows).
     starts: Vec<u64>,
+    /// The feature columns, in order, with their values per row.
+    pub columns: Vec<(String, usize)>,
     /// Features per row.
     pub dim: usize,
     /// Label values per row (1 for classes).
@@ -86,6 +88,7 @@ impl TrainData {
         let mut out = Self {
             features: Vec::new(),
             labels: Vec::new(),
+            columns: Vec::new(),
             starts: vec![0],
             dim: 0,
             label_width: 1,
@@ -98,6 +101,11 @@ impl TrainData {
                 .map(|(&i, name)| as_f32(batch.column(i), name, "feature"))
                 .collect::<Result<Vec<_>>>()?;
             out.dim = cols.iter().map(|(_, w)| w).sum();
+            out.columns = features
+                .iter()
+                .zip(&cols)
+                .map(|(name, (_, w))| (name.clone(), *w))
+                .collect();
             let (labels, width) = as_f32(batch.column(label_idx), label, "label")?;
             if let LabelKind::Classes(classes) = kind
                 && let Some((row, v)) = labels
@@ -135,14 +143,33 @@ impl TrainData {
         let mut x = Vec::new();
         let mut y = Vec::new();
         for row in rows {
-            let b = self.starts.partition_point(|&s| s <= row) - 1;
-            let r = (row - self.starts[b]) as usize;
+            let (b, r) = self.locate(row);
             for (col, w) in &self.features[b] {
                 x.extend_from_slice(&col.values()[r * w..(r + 1) * w]);
             }
-            let (labels, w) = &self.labels[b];
-            y.extend_from_slice(&labels.values()[r * w..(r + 1) * w]);
+            self.push_labels(&mut y, b, r);
         }
         (x, y)
+    }
+
+    /// Labels only (`rows × label_width`) of the given global rows.
+    pub fn gather_labels(&self, rows: impl Iterator<Item = u64>) -> Vec<f32> {
+        let mut y = Vec::new();
+        for row in rows {
+            let (b, r) = self.locate(row);
+            self.push_labels(&mut y, b, r);
+        }
+        y
+    }
+
+    /// The stored batch holding global row `row`, and the row within it.
+    fn locate(&self, row: u64) -> (usize, usize) {
+        let b = self.starts.partition_point(|&s| s <= row) - 1;
+        (b, (row - self.starts[b]) as usize)
+    }
+
+    fn push_labels(&self, y: &mut Vec<f32>, b: usize, r: usize) {
+        let (labels, w) = &self.labels[b];
+        y.extend_from_slice(&labels.values()[r * w..(r + 1) * w]);
     }
 }

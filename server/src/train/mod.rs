@@ -36,6 +36,7 @@ use data::{LabelKind, TrainData};
 use model::{Model, OptState, Optimizer, Task};
 
 use crate::error::{Error, Result};
+use crate::memory::device::DevicePlacement;
 use crate::order::{EpochOrder, ShardOrder, Shares, Shuffle};
 
 /// Where a job runs.
@@ -141,6 +142,10 @@ pub struct Job {
     pub data: Arc<TrainData>,
     /// Steps per epoch.
     pub steps_per_epoch: u64,
+    /// The dataset's copies in the device tier: a GPU rank whose device
+    /// holds every feature column as `f32` builds its rows from them
+    /// instead of uploading them from host memory.
+    pub placed: Vec<Arc<DevicePlacement>>,
 }
 
 /// What a finished job leaves.
@@ -239,6 +244,7 @@ impl Job {
             model,
             data: Arc::new(prepared),
             steps_per_epoch,
+            placed: Vec::new(),
         })
     }
 
@@ -303,7 +309,7 @@ impl Job {
                 self.run_ranks(*n, start, resume, hooks, &make)
             }
             Devices::Gpu(ordinals) => {
-                let setup = cuda::Setup::new(ordinals)?;
+                let setup = cuda::Setup::new(ordinals, &self.placed)?;
                 let make = |rank: u32| setup.rank(rank);
                 self.run_ranks(ordinals.len() as u32, start, resume, hooks, &make)
             }
@@ -374,6 +380,7 @@ impl Job {
         let report_every = (self.steps_per_epoch / 10).max(1);
         let n = self.data.rows();
         let mut order: Option<(u64, ShardOrder)> = None;
+        let mut rows = Vec::with_capacity(per_rank as usize);
         let (mut loss_sum, mut loss_steps, mut stall, mut busy) = (0.0, 0u64, 0.0, 0.0);
         let mut since = Instant::now();
         let mut since_step = start;
@@ -393,12 +400,13 @@ impl Job {
                 return Err(Error::Internal("no sample order".into()));
             };
             let t0 = Instant::now();
-            let (x, y) = self
-                .data
-                .gather(shard.rows(in_epoch * per_rank..(in_epoch + 1) * per_rank));
+            rows.clear();
+            rows.extend(shard.rows(in_epoch * per_rank..(in_epoch + 1) * per_rank));
+            let (x, y) = b.batch(&self.data, &rows);
+            // Wait for the gather, so that the stall is the gather's time
+            // and not only the time to queue it.
+            b.sync();
             let gathered = t0.elapsed().as_secs_f64();
-            let x = b.upload(&x);
-            let y = b.upload(&y);
             let (mut grads, loss, _) =
                 self.model
                     .gradients(&mut b, &params, x, &y, per_rank as usize);
