@@ -100,7 +100,7 @@ pub async fn serve(
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(service)
+        .add_service(service::Edge::new(service, state.clone(), max_message))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     state.shutdown().await;

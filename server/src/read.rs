@@ -2,17 +2,25 @@
 //! dataset into record batches of the plan's size, with only the projected
 //! columns.
 //!
+//! Numeric columns (and `fixed_size_list`s of numbers) without nulls — what
+//! training data is — are gathered by copying each row's bytes, visiting the
+//! source rows in ascending order (the reads stream forward; the writes land
+//! in the small output batch). Other columns go through Arrow's
+//! `interleave`. Both give the same arrays.
+//!
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.
 
 use std::sync::Arc;
 
-use arrow::array::RecordBatch;
-use arrow::compute::interleave_record_batch;
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
+use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::compute::interleave;
+use arrow::datatypes::{DataType, Schema, SchemaRef};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
+use crate::memory::device::{numeric_shape, numeric_values};
 use crate::order::{ReadPlan, ShardOrder};
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
@@ -48,8 +56,8 @@ pub fn project(
 #[derive(Debug)]
 pub struct Shard {
     data: Arc<SealedData>,
-    /// The dataset's batches with only the projected columns.
-    projected: Vec<RecordBatch>,
+    /// How each projected column is gathered.
+    columns: Vec<Column>,
     schema: SchemaRef,
     order: ShardOrder,
     plan: ReadPlan,
@@ -59,19 +67,12 @@ impl Shard {
     /// Rank `rank`'s shard of `plan` over `data`; checks columns and start.
     pub fn new(data: Arc<SealedData>, plan: &ReadPlan, rank: u32) -> Result<Self> {
         let (indices, schema) = project(data.schema(), &plan.columns, &plan.dataset)?;
-        let projected = data
-            .batches()
-            .iter()
-            .map(|b| {
-                b.project(&indices)
-                    .map_err(|e| Error::Internal(format!("projection of a stored batch: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let columns = indices.iter().map(|&i| Column::new(&data, i)).collect();
         let n = data.rows();
         let order = ShardOrder::new(plan.epoch_order(n), plan.shares(n)?, rank)?;
         Ok(Self {
             data,
-            projected,
+            columns,
             schema,
             order,
             plan: plan.clone(),
@@ -96,19 +97,314 @@ impl Shard {
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {
-        let indices: Vec<(usize, usize)> = self
-            .order
-            .rows(samples)
-            .map(|row| self.data.locate(row))
-            .collect();
-        if self.schema.fields().is_empty() {
-            let options =
-                arrow::array::RecordBatchOptions::new().with_row_count(Some(indices.len()));
-            return RecordBatch::try_new_with_options(self.schema.clone(), vec![], &options)
-                .map_err(|e| Error::Internal(format!("empty projection: {e}")));
-        }
-        let sources: Vec<&RecordBatch> = self.projected.iter().collect();
-        interleave_record_batch(&sources, &indices)
+        let picks = Picks::new(&self.data, self.order.rows(samples));
+        let columns = self
+            .columns
+            .iter()
+            .map(|c| c.gather(&picks))
+            .collect::<Result<Vec<_>>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(picks.len));
+        RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
             .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
+    }
+}
+
+/// The stored rows one output batch takes.
+struct Picks {
+    /// `(batch, row within batch)` per output row, in output order.
+    rows: Vec<(usize, usize)>,
+    /// `(batch, row within batch, output row)`, in stored order.
+    sorted: Vec<(u32, u32, u32)>,
+    len: usize,
+}
+
+impl Picks {
+    fn new(data: &SealedData, rows: impl Iterator<Item = u64>) -> Self {
+        let rows: Vec<(usize, usize)> = rows.map(|row| data.locate(row)).collect();
+        let mut sorted: Vec<(u32, u32, u32)> = rows
+            .iter()
+            .enumerate()
+            // A dataset's batch count and rows per batch fit u32 (a batch is
+            // one Flight message), and so does a batch's row count.
+            .map(|(at, &(b, r))| (b as u32, r as u32, at as u32))
+            .collect();
+        if !sorted.is_sorted() {
+            sorted.sort_unstable();
+        }
+        let len = rows.len();
+        Self { rows, sorted, len }
+    }
+}
+
+/// How one projected column is gathered.
+#[derive(Debug)]
+enum Column {
+    /// Fixed-width rows and no nulls in any stored batch: rows are copied as
+    /// bytes.
+    Fixed(FixedColumn),
+    /// Anything else: Arrow's `interleave` over the stored arrays.
+    Other(Vec<ArrayRef>),
+}
+
+#[derive(Debug)]
+struct FixedColumn {
+    data_type: DataType,
+    element: DataType,
+    /// Values per row (1 for a primitive column).
+    width: usize,
+    /// Bytes per row.
+    row_bytes: usize,
+    /// Per stored batch, its rows' bytes (row `r` at `r * row_bytes`).
+    sources: Vec<Buffer>,
+}
+
+impl Column {
+    fn new(data: &SealedData, index: usize) -> Self {
+        let arrays: Vec<ArrayRef> = data
+            .batches()
+            .iter()
+            .map(|b| b.column(index).clone())
+            .collect();
+        let data_type = data.schema().field(index).data_type().clone();
+        let fixed = numeric_shape(&data_type).and_then(|(element, width)| {
+            let elem_bytes = element.primitive_width()?;
+            let sources = arrays
+                .iter()
+                .map(|a| {
+                    let (values, _) = numeric_values(a, "").ok()?;
+                    let values = values.to_data();
+                    let start = values.offset() * elem_bytes;
+                    Some(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some(FixedColumn {
+                data_type: data_type.clone(),
+                element,
+                width,
+                row_bytes: elem_bytes * width,
+                sources,
+            })
+        });
+        match fixed {
+            Some(f) => Self::Fixed(f),
+            None => Self::Other(arrays),
+        }
+    }
+
+    fn gather(&self, picks: &Picks) -> Result<ArrayRef> {
+        let internal =
+            |e: arrow::error::ArrowError| Error::Internal(format!("gathering rows: {e}"));
+        match self {
+            Self::Other(arrays) => {
+                let arrays: Vec<&dyn Array> = arrays.iter().map(|a| a.as_ref()).collect();
+                interleave(&arrays, &picks.rows).map_err(internal)
+            }
+            Self::Fixed(c) => {
+                let mut out = MutableBuffer::from_len_zeroed(picks.len * c.row_bytes);
+                gather_bytes(&c.sources, &picks.sorted, c.row_bytes, out.as_slice_mut());
+                let values = ArrayData::try_new(
+                    c.element.clone(),
+                    picks.len * c.width,
+                    None,
+                    0,
+                    vec![out.into()],
+                    vec![],
+                )
+                .map_err(internal)?;
+                let data = match &c.data_type {
+                    DataType::FixedSizeList(..) => ArrayData::try_new(
+                        c.data_type.clone(),
+                        picks.len,
+                        None,
+                        0,
+                        vec![],
+                        vec![values],
+                    )
+                    .map_err(internal)?,
+                    _ => values,
+                };
+                Ok(make_array(data))
+            }
+        }
+    }
+}
+
+/// Copies row `r` of source `b` to output row `at` for every pick.
+fn gather_bytes(sources: &[Buffer], picks: &[(u32, u32, u32)], row_bytes: usize, out: &mut [u8]) {
+    let sources: Vec<&[u8]> = sources.iter().map(|s| s.as_slice()).collect();
+    match row_bytes {
+        1 => gather_rows::<1>(&sources, picks, out),
+        2 => gather_rows::<2>(&sources, picks, out),
+        4 => gather_rows::<4>(&sources, picks, out),
+        8 => gather_rows::<8>(&sources, picks, out),
+        16 => gather_rows::<16>(&sources, picks, out),
+        n => {
+            for &(b, r, at) in picks {
+                let (r, at) = (r as usize * n, at as usize * n);
+                out[at..at + n].copy_from_slice(&sources[b as usize][r..r + n]);
+            }
+        }
+    }
+}
+
+/// [`gather_bytes`] for rows of `N` bytes: one load and one store per row.
+fn gather_rows<const N: usize>(sources: &[&[u8]], picks: &[(u32, u32, u32)], out: &mut [u8]) {
+    for &(b, r, at) in picks {
+        let (r, at) = (r as usize * N, at as usize * N);
+        let mut row = [0u8; N];
+        row.copy_from_slice(&sources[b as usize][r..r + N]);
+        out[at..at + N].copy_from_slice(&row);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::AttemptKey;
+    use crate::order::{Shuffle, Split};
+    use arrow::array::{
+        FixedSizeListArray, Float32Array, Float64Array, Int16Array, Int64Array, StringArray,
+    };
+    use arrow::compute::interleave_record_batch;
+    use arrow::datatypes::Field;
+
+    fn list(values: ArrayRef, width: i32, nulls: Option<Vec<bool>>) -> ArrayRef {
+        let item = Arc::new(Field::new("item", values.data_type().clone(), true));
+        Arc::new(FixedSizeListArray::new(
+            item,
+            width,
+            values,
+            nulls.map(Into::into),
+        ))
+    }
+
+    /// Batch `i` of `rows` rows starting at `start`: every kind of column the
+    /// gather distinguishes (1, 2, 4, 8, 16 and 20 bytes per row, nulls,
+    /// strings).
+    fn batch(start: usize, rows: usize) -> RecordBatch {
+        let r = start..start + rows;
+        let f = |k: usize| {
+            r.clone()
+                .flat_map(move |v| (0..k).map(move |j| (v * 10 + j) as f32))
+        };
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from_iter_values(r.clone().map(|v| v as i64))),
+            Arc::new(Int16Array::from_iter_values(r.clone().map(|v| v as i16))),
+            Arc::new(Float32Array::from_iter(
+                r.clone().map(|v| (v % 3 != 0).then_some(v as f32)),
+            )),
+            list(Arc::new(Float32Array::from_iter_values(f(3))), 3, None),
+            list(
+                Arc::new(Float64Array::from_iter_values(f(2).map(f64::from))),
+                2,
+                None,
+            ),
+            list(Arc::new(Float32Array::from_iter_values(f(5))), 5, None),
+            list(
+                Arc::new(Float32Array::from_iter_values(f(2))),
+                2,
+                Some(r.clone().map(|v| v % 4 != 1).collect()),
+            ),
+            Arc::new(StringArray::from_iter_values(
+                r.clone().map(|v| format!("s{v}")),
+            )),
+            Arc::new(arrow::array::UInt8Array::from_iter_values(
+                r.map(|v| v as u8),
+            )),
+        ];
+        let fields: Vec<Field> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Field::new(format!("c{i}"), c.data_type().clone(), true))
+            .collect();
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).expect("batch")
+    }
+
+    #[test]
+    fn byte_gather_equals_interleave_for_every_order() {
+        // Uneven batches, one of them a slice with an offset.
+        let batches = vec![
+            batch(0, 700),
+            batch(700, 1300).slice(100, 1000),
+            batch(1700, 1),
+            batch(1701, 2299),
+        ];
+        let data = Arc::new(SealedData::from_batches(
+            batches[0].schema(),
+            vec![AttemptKey {
+                partition: 0,
+                attempt: 0,
+            }],
+            batches.clone(),
+        ));
+        let shape = |name: &str| {
+            let shard =
+                Shard::new(data.clone(), &plan(Shuffle::None, 1, vec![]), 0).expect("shard");
+            let i = data.schema().index_of(name).expect("column");
+            matches!(shard.columns[i], Column::Fixed(_))
+        };
+        // The fixed path takes numbers without nulls, with or without lists.
+        for (name, fixed) in [
+            ("c0", true),
+            ("c1", true),
+            ("c2", false),
+            ("c3", true),
+            ("c4", true),
+            ("c5", true),
+            ("c6", false),
+            ("c7", false),
+            ("c8", true),
+        ] {
+            assert_eq!(shape(name), fixed, "{name}");
+        }
+        for shuffle in [
+            Shuffle::None,
+            Shuffle::Global,
+            Shuffle::Block { block_rows: 64 },
+        ] {
+            for (world, columns) in [
+                (1, vec![]),
+                (3, vec![]),
+                (8, vec!["c5".to_string(), "c0".to_string()]),
+            ] {
+                let plan = plan(shuffle, world, columns);
+                for rank in 0..world {
+                    let shard = Shard::new(data.clone(), &plan, rank).expect("shard");
+                    let (indices, _) =
+                        project(data.schema(), &plan.columns, "d").expect("projection");
+                    let projected: Vec<RecordBatch> = batches
+                        .iter()
+                        .map(|b| b.project(&indices).expect("projection"))
+                        .collect();
+                    let sources: Vec<&RecordBatch> = projected.iter().collect();
+                    for (got, range) in shard.batches().zip(plan.stream_batches(shard.rank_rows()))
+                    {
+                        let picks: Vec<(usize, usize)> =
+                            shard.order.rows(range).map(|r| data.locate(r)).collect();
+                        let want = interleave_record_batch(&sources, &picks).expect("interleave");
+                        assert_eq!(
+                            got.expect("gathered"),
+                            want,
+                            "{shuffle:?} world {world} rank {rank}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn plan(shuffle: Shuffle, world_size: u32, columns: Vec<String>) -> ReadPlan {
+        ReadPlan {
+            dataset: "d".into(),
+            world_size,
+            epoch: 1,
+            seed: 7,
+            shuffle,
+            batch_rows: 333,
+            drop_last: false,
+            columns,
+            start_sample: 0,
+            split: Split { count: 1, index: 0 },
+        }
     }
 }

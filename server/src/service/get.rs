@@ -1,21 +1,19 @@
 //! Reading: `GetFlightInfo` plans one endpoint per rank, `DoGet` streams a
 //! rank's shard, `GetSchema` and `ListFlights` describe datasets.
 
-use std::sync::Arc;
-
 use arrow::ipc::writer::IpcWriteOptions;
-use arrow_flight::encode::FlightDataEncoderBuilder;
-use arrow_flight::error::FlightError;
 use arrow_flight::{
     FlightData, FlightDescriptor, FlightEndpoint, FlightInfo, SchemaAsIpc, SchemaResult, Ticket,
 };
 use flightdeck_protos as pb;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use prost::Message;
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::Stream;
+use super::ipc::{IpcMessage, Messages};
 use crate::catalog::{DatasetState, DatasetSummary};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
@@ -115,20 +113,14 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
     Ok(infos)
 }
 
-fn flight_error_to_status(e: FlightError) -> Status {
-    match e {
-        FlightError::Tonic(status) => *status,
-        FlightError::ExternalError(e) => match e.downcast::<Error>() {
-            Ok(e) => Status::from(*e),
-            Err(e) => Status::internal(e.to_string()),
-        },
-        other => Status::internal(format!("encoding the shard stream failed: {other}")),
-    }
-}
-
-/// `DoGet`: stream a rank's shard. Rows are gathered on a blocking thread
-/// into a small bounded channel, so a slow reader holds back the gather.
-pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
+/// The messages of a rank's shard: the schema, then each batch's IPC
+/// messages as it is gathered. Rows are gathered and encoded on a blocking
+/// thread into a small bounded channel, so a slow reader holds back the
+/// gather; dropping the receiver (the client hung up) stops it.
+pub(super) async fn shard_messages(
+    state: &State,
+    ticket: &Ticket,
+) -> Result<mpsc::Receiver<Result<Vec<IpcMessage>>>> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
     let (generation, data) = state.resident(&t.plan.dataset).await?;
     if generation != t.generation {
@@ -138,23 +130,35 @@ pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<Flig
             t.plan.dataset
         )));
     }
-    let shard = Arc::new(Shard::new(data, &t.plan, t.rank)?);
-    let schema = shard.schema();
-    let (tx, rx) = tokio::sync::mpsc::channel(READ_AHEAD);
+    let shard = Shard::new(data, &t.plan, t.rank)?;
+    let mut messages = Messages::new(&shard.schema())?;
+    let (tx, rx) = mpsc::channel(READ_AHEAD);
+    tx.try_send(Ok(vec![messages.schema()])).map_err(|_| {
+        Error::Internal("the shard channel is full before the first message".into())
+    })?;
     tokio::task::spawn_blocking(move || {
         for batch in shard.batches() {
-            let batch = batch.map_err(|e| FlightError::ExternalError(Box::new(e)));
-            let failed = batch.is_err();
+            let encoded = batch.and_then(|b| messages.batch(&b));
+            let failed = encoded.is_err();
             // The receiver is gone when the client hung up: stop gathering.
-            if tx.blocking_send(batch).is_err() || failed {
+            if tx.blocking_send(encoded).is_err() || failed {
                 break;
             }
         }
     });
-    let stream = FlightDataEncoderBuilder::new()
-        .with_schema(schema)
-        .with_max_flight_data_size(usize::MAX)
-        .build(ReceiverStream::new(rx))
-        .map_err(flight_error_to_status);
+    Ok(rx)
+}
+
+/// `DoGet` through the generated service (the network edge answers it in
+/// `edge.rs` instead): the same messages as `FlightData`.
+pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
+    let rx = shard_messages(state, ticket).await?;
+    let stream = ReceiverStream::new(rx).flat_map(|item| {
+        let items: Vec<std::result::Result<FlightData, Status>> = match item {
+            Ok(messages) => messages.iter().map(|m| Ok(m.to_flight_data())).collect(),
+            Err(e) => vec![Err(Status::from(e))],
+        };
+        futures::stream::iter(items)
+    });
     Ok(stream.boxed())
 }

@@ -3,11 +3,16 @@
 //!
 //! Nothing below this module imports it. Each verb lives in one file:
 //! `put` (DoPut), `get` (GetFlightInfo, GetSchema, DoGet, ListFlights),
-//! `actions` (DoAction, ListActions).
+//! `actions` (DoAction, ListActions); `edge` answers `DoGet` on the wire
+//! with bodies `ipc` encodes without copying.
 
 mod actions;
+mod edge;
 mod get;
+mod ipc;
 mod put;
+
+pub use edge::Edge;
 
 use std::sync::Arc;
 

@@ -1,0 +1,214 @@
+//! The HTTP/2 edge in front of the generated Flight service: `DoGet` is
+//! answered here, every other call goes to tonic's generated server.
+//!
+//! A `DoGet` response is written by hand (see `ipc.rs`): each record batch
+//! leaves as its gRPC framing followed by the gathered Arrow buffers
+//! themselves, which the HTTP/2 layer writes to the socket without copying.
+//! Through the generated service the same batch would be copied twice more:
+//! into the IPC body, then into the protobuf encoder's buffer.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use arrow_flight::Ticket;
+use bytes::{Buf, Bytes, BytesMut};
+use futures::future::BoxFuture;
+use http_body::{Body as HttpBody, Frame};
+use prost::Message;
+use tokio::sync::mpsc;
+use tonic::Status;
+use tonic::body::Body;
+use tonic::codegen::Service;
+use tonic::server::NamedService;
+
+use super::get;
+use super::ipc::IpcMessage;
+use crate::error::Result;
+use crate::state::State;
+
+/// The path of `DoGet`.
+const DO_GET: &str = "/arrow.flight.protocol.FlightService/DoGet";
+/// Largest `DoGet` request (a ticket) read.
+const MAX_TICKET_BYTES: usize = 1 << 20;
+
+/// The generated Flight service `S`, with `DoGet` answered by hand.
+#[derive(Debug, Clone)]
+pub struct Edge<S> {
+    inner: S,
+    state: Arc<State>,
+    max_message: usize,
+}
+
+impl<S> Edge<S> {
+    /// `inner` behind this edge; `DoGet` messages above `max_message` bytes
+    /// are refused like the generated service refuses them.
+    pub fn new(inner: S, state: Arc<State>, max_message: usize) -> Self {
+        Self {
+            inner,
+            state,
+            max_message,
+        }
+    }
+}
+
+impl<S: NamedService> NamedService for Edge<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Edge<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, std::result::Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        if req.uri().path() != DO_GET {
+            let fut = self.inner.call(req);
+            return Box::pin(fut);
+        }
+        let state = self.state.clone();
+        let max_message = self.max_message;
+        Box::pin(async move {
+            Ok(match do_get(&state, req.into_body(), max_message).await {
+                Ok(body) => {
+                    let mut response = http::Response::new(Body::new(body));
+                    response.headers_mut().insert(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/grpc"),
+                    );
+                    response
+                }
+                Err(status) => status.into_http(),
+            })
+        })
+    }
+}
+
+async fn do_get(
+    state: &State,
+    body: Body,
+    max_message: usize,
+) -> std::result::Result<ShardBody, Status> {
+    let ticket = read_ticket(body).await?;
+    let messages = get::shard_messages(state, &ticket).await?;
+    Ok(ShardBody {
+        pending: VecDeque::new(),
+        messages,
+        max_message,
+        done: false,
+    })
+}
+
+/// Reads the request: one uncompressed gRPC message holding a `Ticket`.
+async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
+    let mut buf = BytesMut::new();
+    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        if let Ok(mut data) = frame?.into_data() {
+            if buf.len() + data.remaining() > MAX_TICKET_BYTES {
+                return Err(Status::invalid_argument(format!(
+                    "a DoGet request holds one ticket of at most {MAX_TICKET_BYTES} bytes"
+                )));
+            }
+            while data.has_remaining() {
+                let chunk = data.chunk();
+                buf.extend_from_slice(chunk);
+                let n = chunk.len();
+                data.advance(n);
+            }
+        }
+    }
+    if buf.len() < 5 {
+        return Err(Status::invalid_argument(
+            "the DoGet request holds no ticket; send the ticket of a FlightInfo endpoint",
+        ));
+    }
+    if buf[0] != 0 {
+        return Err(Status::unimplemented(
+            "compressed requests are not supported by this server; send DoGet uncompressed",
+        ));
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if buf.len() != 5 + len {
+        return Err(Status::invalid_argument(
+            "the DoGet request must hold exactly one ticket message",
+        ));
+    }
+    Ticket::decode(&buf[5..])
+        .map_err(|e| Status::invalid_argument(format!("the DoGet ticket does not decode: {e}")))
+}
+
+/// The response body: the shard's messages as gRPC frames, then the status
+/// as trailers. Dropping it (the client hung up) closes the channel, which
+/// stops the gather.
+struct ShardBody {
+    pending: VecDeque<Bytes>,
+    messages: mpsc::Receiver<Result<Vec<IpcMessage>>>,
+    max_message: usize,
+    done: bool,
+}
+
+impl ShardBody {
+    fn trailers(&mut self, status: &Status) -> Frame<Bytes> {
+        self.done = true;
+        let mut trailers = http::HeaderMap::new();
+        if status.add_header(&mut trailers).is_err() {
+            trailers.insert("grpc-status", http::HeaderValue::from_static("13"));
+        }
+        Frame::trailers(trailers)
+    }
+}
+
+impl HttpBody for ShardBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, Status>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(piece) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(piece))));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            let status = match this.messages.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(messages))) => {
+                    let framed: Result<Vec<Vec<Bytes>>> = messages
+                        .iter()
+                        .map(|m| m.to_grpc_frame(this.max_message))
+                        .collect();
+                    match framed {
+                        Ok(framed) => {
+                            this.pending.extend(framed.into_iter().flatten());
+                            continue;
+                        }
+                        Err(e) => Status::from(e),
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => Status::from(e),
+                Poll::Ready(None) => Status::ok(""),
+            };
+            return Poll::Ready(Some(Ok(this.trailers(&status))));
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.pending.is_empty()
+    }
+}
