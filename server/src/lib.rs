@@ -10,7 +10,9 @@
 //!
 //! ```text
 //! main.rs   clap CLI -> ServerConfig (the only place that parses flags)
-//! service   the Flight edge: decode, call the core, encode, map errors to gRPC codes
+//! service   the Flight edge: decode, call the core, encode, map errors to gRPC codes;
+//!           DoGet is written by hand (edge.rs, ipc.rs) so gathered buffers reach
+//!           the socket without being copied into IPC and protobuf buffers
 //!   ├── catalog   datasets, attempts, seal and winners: the commit protocol (pure)
 //!   ├── order     sample order: keyed permutation, equal shares, resume (pure)
 //!   ├── read      gathering a shard's rows into record batches (synchronous)
@@ -18,7 +20,7 @@
 //!       │         persist at seal, device placements (owns the catalog)
 //!       ├── memory    budget, host arena (pinned with CUDA), device tier, spill store
 //!       └── jobs      training jobs: start, progress, checkpoints, cancel
-//!             └── train   the runtime: model, step, CPU backend, checkpoints (no I/O)
+//!             └── train   the runtime: model, step, CPU and CUDA backends, checkpoints
 //! convert   wire (prost) <-> domain types, the one place a malformed message fails
 //! error     the error enum and its mapping to gRPC codes
 //! ```
