@@ -134,22 +134,8 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-fn main() -> ExitCode {
-    // Before any thread allocates.
-    flightdeck_server::memory::arena::tune_allocator();
-    match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime.block_on(async_main()),
-        Err(e) => {
-            eprintln!("flightdeck: cannot start the async runtime: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-async fn async_main() -> ExitCode {
+#[tokio::main]
+async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

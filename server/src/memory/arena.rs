@@ -40,9 +40,6 @@ use crate::error::{Error, Result};
 pub const ALIGN: usize = 64;
 /// Slab size when the budget is large enough for it.
 pub const DEFAULT_SLAB_BYTES: usize = 64 << 20;
-/// Huge page size: heap slabs of at least this size are aligned to it and
-/// asked to be backed by transparent huge pages.
-const HUGE_PAGE: usize = 2 << 20;
 /// Idle slabs kept for reuse after their data went away.
 const MAX_IDLE_SLABS: usize = 2;
 
@@ -81,61 +78,14 @@ unsafe impl Send for SlabMem {}
 // SAFETY: as above; `&SlabMem` only exposes the pointer value.
 unsafe impl Sync for SlabMem {}
 
-/// The layout of a heap slab of `cap` bytes: huge-page aligned when it spans
-/// huge pages.
-fn heap_layout(cap: usize) -> Option<Layout> {
-    let align = if cap >= HUGE_PAGE { HUGE_PAGE } else { ALIGN };
-    Layout::from_size_align(cap, align).ok()
-}
-
-/// Asks the kernel to back `len` bytes at `ptr` with transparent huge pages
-/// (where it is set to `madvise`). Shuffled reads touch rows all over the
-/// cache; with 4 KiB pages nearly every value read misses the TLB. Only a
-/// hint: failure changes nothing but speed.
-#[cfg(target_os = "linux")]
-fn advise_huge_pages(ptr: *mut u8, len: usize) {
-    // SAFETY: `ptr..ptr + len` is one allocation of ours, aligned to the huge
-    // page size; madvise with MADV_HUGEPAGE does not change its contents.
-    unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
-}
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_ptr: *mut u8, _len: usize) {}
-
-/// Keeps freed memory in the process instead of handing it back to the
-/// kernel at once (glibc on Linux; elsewhere nothing). Reads allocate and free
-/// a few MiB per record batch; with glibc's defaults those pages go back to
-/// the kernel and come back zeroed on the next batch, which cost a third of
-/// the server's cycles in an unshuffled read (`clear_page`). Call once, at the
-/// start of `main`, before other threads exist.
-pub fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        /// Free memory at the top of a heap kept before trimming.
-        const TRIM_THRESHOLD: libc::c_int = 256 << 20;
-        /// Allocations from this size up are mapped on their own.
-        const MMAP_THRESHOLD: libc::c_int = 32 << 20;
-        // SAFETY: mallopt only sets allocator parameters; called before
-        // other threads run (see above), as glibc asks.
-        unsafe {
-            libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
-            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
-        }
-    }
-}
-
 impl SlabMem {
     fn allocate(cap: usize, source: &HostMemory) -> Result<Self> {
         let ptr = match source {
             HostMemory::Heap => {
-                let layout = heap_layout(cap)
-                    .ok_or_else(|| Error::Internal(format!("no slab layout of {cap} bytes")))?;
+                let layout = Layout::from_size_align(cap, ALIGN)
+                    .map_err(|e| Error::Internal(format!("slab layout of {cap} bytes: {e}")))?;
                 // SAFETY: `cap` is non-zero (callers round up to at least ALIGN).
-                let ptr = unsafe { std::alloc::alloc(layout) };
-                if !ptr.is_null() && cap >= HUGE_PAGE {
-                    advise_huge_pages(ptr, cap);
-                }
-                NonNull::new(ptr)
+                NonNull::new(unsafe { std::alloc::alloc(layout) })
             }
             HostMemory::Pinned(host) => NonNull::new(host.alloc_pinned(cap)?),
         };
@@ -157,7 +107,7 @@ impl Drop for SlabMem {
     fn drop(&mut self) {
         match &self.source {
             HostMemory::Heap => {
-                if let Some(layout) = heap_layout(self.cap) {
+                if let Ok(layout) = Layout::from_size_align(self.cap, ALIGN) {
                     // SAFETY: allocated in `allocate` with this very layout, and
                     // no buffer points here any more (slabs are dropped only
                     // when the last allocation in them is gone).
