@@ -1,7 +1,8 @@
 //! Memory tiers end to end: datasets spill to the store when the budget is
 //! full and come back byte for byte in every shuffle mode (`memory://` and
 //! `file://` stores); `--persist` survives a restart; dropping returns
-//! memory to the pool; `place` without a CUDA driver answers its code.
+//! memory to the pool, and so does a reader that hangs up; `place` without a
+//! CUDA driver answers its code.
 
 use std::path::PathBuf;
 
@@ -266,6 +267,72 @@ async fn dropping_returns_memory_to_the_pool() {
         again.host_held_bytes <= full.host_held_bytes,
         "{again:?} vs {full:?}"
     );
+    server.stop().await;
+}
+
+/// A reader that hangs up mid-stream stops its gather and lets go of the
+/// dataset: after the drop, the rows' memory is freed only once the hung-up
+/// reader is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_hangs_up_lets_go_of_the_dataset() {
+    use futures::StreamExt;
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 64 << 20,
+        slab_bytes: Some(1 << 20),
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "x").await;
+    let plan = timed(
+        "plan",
+        c.plan(ReadPlan {
+            dataset: "x".into(),
+            world_size: 1,
+            batch_rows: 100,
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("plan");
+    let mut reader = server.client().await;
+    let mut stream = timed(
+        "do_get",
+        reader
+            .flight()
+            .inner_mut()
+            .do_get(arrow_flight::Ticket::new(plan.shards[0].ticket.clone())),
+    )
+    .await
+    .expect("do_get")
+    .into_inner();
+    // The schema and the first of 300 batches; the rest waits on the reader.
+    for _ in 0..2 {
+        timed("message", stream.next())
+            .await
+            .expect("a message")
+            .expect("ok");
+    }
+    c.drop_dataset("x").await.expect("drop");
+    let open = c.stats().await.expect("stats");
+    assert!(
+        open.host_live_bytes > 0,
+        "the open reader still holds the rows: {open:?}"
+    );
+    drop(stream);
+    drop(reader);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let stats = c.stats().await.expect("stats");
+        if stats.host_live_bytes == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hung-up reader still holds the rows after 10 s: {stats:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     server.stop().await;
 }
 
