@@ -238,14 +238,20 @@ async fn a_restart_with_persist_serves_the_same_data() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropping_returns_memory_to_the_pool() {
-    let server = TestServer::start_with(ServerConfig {
+/// A server with a 64 MiB budget in 1 MiB slabs, so memory figures move
+/// slab by slab.
+async fn small_slab_server() -> TestServer {
+    TestServer::start_with(ServerConfig {
         memory_limit: 64 << 20,
         slab_bytes: Some(1 << 20),
         ..test_config()
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_returns_memory_to_the_pool() {
+    let server = small_slab_server().await;
     let mut c = server.client().await;
     write_sealed(&mut c, "x").await;
     write_sealed(&mut c, "y").await;
@@ -276,12 +282,7 @@ async fn dropping_returns_memory_to_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_hangs_up_lets_go_of_the_dataset() {
     use futures::StreamExt;
-    let server = TestServer::start_with(ServerConfig {
-        memory_limit: 64 << 20,
-        slab_bytes: Some(1 << 20),
-        ..test_config()
-    })
-    .await;
+    let server = small_slab_server().await;
     let mut c = server.client().await;
     write_sealed(&mut c, "x").await;
     let plan = timed(

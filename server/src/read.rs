@@ -20,7 +20,7 @@ use arrow::datatypes::{DataType, Schema, SchemaRef};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
-use crate::memory::device::{numeric_shape, numeric_values};
+use crate::memory::device::{ColumnSegments, segments_at};
 use crate::order::{ReadPlan, ShardOrder};
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
@@ -103,7 +103,7 @@ impl Shard {
             .iter()
             .map(|c| c.gather(&picks))
             .collect::<Result<Vec<_>>>()?;
-        let options = RecordBatchOptions::new().with_row_count(Some(picks.len));
+        let options = RecordBatchOptions::new().with_row_count(Some(picks.len()));
         RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
             .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
     }
@@ -115,7 +115,6 @@ struct Picks {
     rows: Vec<(usize, usize)>,
     /// `(batch, row within batch, output row)`, in stored order.
     sorted: Vec<(u32, u32, u32)>,
-    len: usize,
 }
 
 impl Picks {
@@ -131,8 +130,11 @@ impl Picks {
         if !sorted.is_sorted() {
             sorted.sort_unstable();
         }
-        let len = rows.len();
-        Self { rows, sorted, len }
+        Self { rows, sorted }
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
     }
 }
 
@@ -149,45 +151,26 @@ enum Column {
 #[derive(Debug)]
 struct FixedColumn {
     data_type: DataType,
-    element: DataType,
-    /// Values per row (1 for a primitive column).
-    width: usize,
+    /// Per stored batch, its rows' bytes; element type and values per row.
+    segments: ColumnSegments,
     /// Bytes per row.
     row_bytes: usize,
-    /// Per stored batch, its rows' bytes (row `r` at `r * row_bytes`).
-    sources: Vec<Buffer>,
 }
 
 impl Column {
     fn new(data: &SealedData, index: usize) -> Self {
-        let arrays: Vec<ArrayRef> = data
-            .batches()
-            .iter()
-            .map(|b| b.column(index).clone())
-            .collect();
-        let data_type = data.schema().field(index).data_type().clone();
-        let fixed = numeric_shape(&data_type).and_then(|(element, width)| {
-            let elem_bytes = element.primitive_width()?;
-            let sources = arrays
-                .iter()
-                .map(|a| {
-                    let (values, _) = numeric_values(a, "").ok()?;
-                    let values = values.to_data();
-                    let start = values.offset() * elem_bytes;
-                    Some(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
-                })
-                .collect::<Option<Vec<_>>>()?;
-            Some(FixedColumn {
-                data_type: data_type.clone(),
-                element,
-                width,
-                row_bytes: elem_bytes * width,
-                sources,
-            })
-        });
-        match fixed {
-            Some(f) => Self::Fixed(f),
-            None => Self::Other(arrays),
+        match segments_at(data, index) {
+            Ok(segments) => Self::Fixed(FixedColumn {
+                data_type: data.schema().field(index).data_type().clone(),
+                row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
+                segments,
+            }),
+            Err(_) => Self::Other(
+                data.batches()
+                    .iter()
+                    .map(|b| b.column(index).clone())
+                    .collect(),
+            ),
         }
     }
 
@@ -200,11 +183,16 @@ impl Column {
                 interleave(&arrays, &picks.rows).map_err(internal)
             }
             Self::Fixed(c) => {
-                let mut out = MutableBuffer::from_len_zeroed(picks.len * c.row_bytes);
-                gather_bytes(&c.sources, &picks.sorted, c.row_bytes, out.as_slice_mut());
+                let mut out = MutableBuffer::from_len_zeroed(picks.len() * c.row_bytes);
+                gather_bytes(
+                    &c.segments.segments,
+                    &picks.sorted,
+                    c.row_bytes,
+                    out.as_slice_mut(),
+                );
                 let values = ArrayData::try_new(
-                    c.element.clone(),
-                    picks.len * c.width,
+                    c.segments.element.clone(),
+                    picks.len() * c.segments.width,
                     None,
                     0,
                     vec![out.into()],
@@ -214,7 +202,7 @@ impl Column {
                 let data = match &c.data_type {
                     DataType::FixedSizeList(..) => ArrayData::try_new(
                         c.data_type.clone(),
-                        picks.len,
+                        picks.len(),
                         None,
                         0,
                         vec![],

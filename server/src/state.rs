@@ -362,20 +362,16 @@ impl State {
 
     /// `(device, columns, bytes)` of a dataset's placements.
     pub fn placements_of(&self, dataset: &str, generation: u64) -> Vec<(u32, Vec<String>, u64)> {
-        self.placements()
-            .get(&(dataset.to_string(), generation))
-            .map(|list| {
-                list.iter()
-                    .map(|p| {
-                        (
-                            p.device,
-                            p.columns.iter().map(|c| c.name.clone()).collect(),
-                            p.bytes,
-                        )
-                    })
-                    .collect()
+        self.device_copies(dataset, generation)
+            .iter()
+            .map(|p| {
+                (
+                    p.device,
+                    p.columns.iter().map(|c| c.name.clone()).collect(),
+                    p.bytes,
+                )
             })
-            .unwrap_or_default()
+            .collect()
     }
 
     /// Figures of every tier.

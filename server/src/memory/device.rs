@@ -257,7 +257,13 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
             crate::catalog::describe_fields(schema)
         ))
     })?;
-    let column = format!("column '{name}'");
+    segments_at(data, idx)
+}
+
+/// [`column_segments`] of the column at `idx` of the schema.
+pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
+    let schema = data.schema();
+    let column = format!("column '{}'", schema.field(idx).name());
     let (element, width) = numeric_shape(schema.field(idx).data_type()).ok_or_else(|| {
         Error::invalid(format!(
             "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \

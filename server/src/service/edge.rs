@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arrow_flight::Ticket;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use http_body::{Body as HttpBody, Frame};
 use prost::Message;
@@ -115,18 +115,13 @@ async fn do_get(
 async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
     let mut buf = BytesMut::new();
     while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
-        if let Ok(mut data) = frame?.into_data() {
+        if let Ok(data) = frame?.into_data() {
             if buf.len() + data.remaining() > MAX_TICKET_BYTES {
                 return Err(Status::invalid_argument(format!(
                     "a DoGet request holds one ticket of at most {MAX_TICKET_BYTES} bytes"
                 )));
             }
-            while data.has_remaining() {
-                let chunk = data.chunk();
-                buf.extend_from_slice(chunk);
-                let n = chunk.len();
-                data.advance(n);
-            }
+            buf.put(data);
         }
     }
     if buf.len() < 5 {

@@ -146,22 +146,21 @@ impl Model {
     ) -> (Vec<B::Buf>, f64, u64) {
         let acts = self.forward(b, params, x, rows);
         let (mut dz, loss, correct) = self.loss(b, &acts[self.layers()], target, rows);
-        let mut grads: Vec<Option<B::Buf>> = (0..2 * self.layers()).map(|_| None).collect();
+        // Layers from the last to the first; every layer gives [dW, db].
+        let mut back = Vec::with_capacity(self.layers());
         for l in (0..self.layers()).rev() {
             let (i, o) = (self.dims[l], self.dims[l + 1]);
-            grads[2 * l] = Some(b.matmul_tn(&dz, &acts[l], o, i, rows));
-            grads[2 * l + 1] = Some(b.col_sums(&dz, rows, o));
+            back.push([
+                b.matmul_tn(&dz, &acts[l], o, i, rows),
+                b.col_sums(&dz, rows, o),
+            ]);
             if l > 0 {
                 let mut da = b.matmul_nn(&dz, &params[2 * l], rows, i, o);
                 b.relu_backward(&mut da, &acts[l]);
                 dz = da;
             }
         }
-        let grads = grads
-            .into_iter()
-            .enumerate()
-            .map(|(t, g)| g.unwrap_or_else(|| b.zeros(self.tensor_len(t))))
-            .collect();
+        let grads = back.into_iter().rev().flatten().collect();
         (grads, loss, correct)
     }
 
