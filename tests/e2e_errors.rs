@@ -241,6 +241,7 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         dataset: "d".into(),
         partitions: 3,
         attempts: vec![],
+        members: vec![],
     })
     .await
     .expect_err("partition 1 is missing");

@@ -150,6 +150,7 @@ async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
                     attempt: 1,
                 },
             ],
+            members: vec![],
         })
         .await
         .expect("seal");

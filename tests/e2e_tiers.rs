@@ -40,6 +40,7 @@ async fn write_sealed(c: &mut Client, ds: &str) -> u64 {
             dataset: ds.into(),
             partitions: PARTS,
             attempts: vec![],
+            members: vec![],
         }),
     )
     .await

@@ -64,6 +64,7 @@ async fn write_points(
             dataset: name.into(),
             partitions: 4,
             attempts: vec![],
+            members: vec![],
         }),
     )
     .await

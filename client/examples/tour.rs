@@ -59,6 +59,7 @@ async fn main() -> Result<(), ClientError> {
                 partition: 2,
                 attempt: 1,
             }],
+            members: vec![],
         })
         .await?;
     println!(

@@ -53,9 +53,9 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 pub use flightdeck_protos::{
-    DatasetInfo, DatasetState, JobList, JobStatus, OptimizerKind, PartitionAttempt, PutAck,
-    PutPartition, ReadPlan, SealDataset, ServerStats, ShardInfo, Shuffle, Task, TrainJob,
-    TrainProgress, actions,
+    ClusterLayout, DatasetInfo, DatasetState, JobList, JobStatus, Locality, MemberPartitions,
+    OptimizerKind, PartitionAttempt, PutAck, PutPartition, ReadPlan, SealDataset, ServerStats,
+    ShardInfo, Shuffle, Task, TrainJob, TrainProgress, actions,
 };
 
 /// Largest message the client accepts: shards stream whole batches of
@@ -128,6 +128,9 @@ pub struct Shard {
     pub batches: u64,
     /// Opaque ticket for `read_shard`.
     pub ticket: Bytes,
+    /// The member that serves this rank (cluster datasets); `None` = the
+    /// server that planned it.
+    pub location: Option<String>,
 }
 
 /// The answer to [`Client::plan`]: the projected schema and one shard per
@@ -148,11 +151,16 @@ pub struct Plan {
 pub struct Client {
     channel: Channel,
     inner: FlightClient,
+    /// The location this client connected to, when known.
+    uri: Option<String>,
 }
 
 impl Clone for Client {
     fn clone(&self) -> Self {
-        Self::from_channel(self.channel.clone())
+        Self {
+            uri: self.uri.clone(),
+            ..Self::from_channel(self.channel.clone())
+        }
     }
 }
 
@@ -160,6 +168,7 @@ impl Client {
     /// Connects to `uri` (`http://host:port`; `grpc://` and `grpc+tcp://`
     /// are accepted as aliases).
     pub async fn connect(uri: impl AsRef<str>) -> Result<Self> {
+        let given = uri.as_ref().to_string();
         let uri = uri.as_ref();
         let uri = uri
             .strip_prefix("grpc+tcp://")
@@ -173,7 +182,10 @@ impl Client {
             .max_frame_size(Some(1 << 20))
             .connect()
             .await?;
-        Ok(Self::from_channel(channel))
+        Ok(Self {
+            uri: Some(given),
+            ..Self::from_channel(channel)
+        })
     }
 
     /// A client over an existing channel.
@@ -184,6 +196,7 @@ impl Client {
         Self {
             channel,
             inner: FlightClient::new_from_inner(inner),
+            uri: None,
         }
     }
 
@@ -305,6 +318,7 @@ impl Client {
     pub async fn drop_dataset(&mut self, dataset: &str) -> Result<DatasetInfo> {
         let body = flightdeck_protos::DropDataset {
             dataset: dataset.to_string(),
+            member_only: false,
         };
         self.action(actions::DROP, body.encode_to_vec().into())
             .await
@@ -384,13 +398,39 @@ impl Client {
         plan_from_info(info)
     }
 
-    /// Streams one rank's shard.
+    /// Streams one rank's shard, from the member its endpoint names when
+    /// that is another server (cluster datasets).
     pub async fn read_shard(
         &mut self,
         shard: &Shard,
     ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
-        let stream = self.inner.do_get(Ticket::new(shard.ticket.clone())).await?;
+        let ticket = Ticket::new(shard.ticket.clone());
+        let stream = match &shard.location {
+            Some(at) if self.uri.as_deref() != Some(at.as_str()) => {
+                Client::connect(at).await?.inner.do_get(ticket).await?
+            }
+            _ => self.inner.do_get(ticket).await?,
+        };
         Ok(stream.map_err(ClientError::from).boxed())
+    }
+
+    /// Seals a dataset written to several servers: `members` names each
+    /// server's location (its `PutAck.location`) and the winning attempts
+    /// of the partitions it holds. Any server may receive it (it need not
+    /// be a member); it seals every member and hands each the layout.
+    pub async fn seal_cluster(
+        &mut self,
+        dataset: &str,
+        partitions: u32,
+        members: Vec<MemberPartitions>,
+    ) -> Result<DatasetInfo> {
+        self.seal(SealDataset {
+            dataset: dataset.to_string(),
+            partitions,
+            members,
+            ..Default::default()
+        })
+        .await
     }
 
     /// Names of the datasets on the server.
@@ -463,6 +503,7 @@ fn plan_from_info(info: FlightInfo) -> Result<Plan> {
                 rows: meta.rows,
                 batches: meta.batches,
                 ticket: ticket.ticket.clone(),
+                location: e.location.first().map(|l| l.uri.clone()),
             })
         })
         .collect::<Result<Vec<_>>>()?;

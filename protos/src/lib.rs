@@ -32,6 +32,12 @@ pub mod actions {
     pub const TRAIN: &str = "train";
     /// `JobQuery` -> `JobList`: status of training jobs.
     pub const JOB: &str = "job";
+    /// `PrepareMember` -> `MemberPrepared`: seal this member's part of a
+    /// cluster dataset (sent between members).
+    pub const MEMBER_PREPARE: &str = "member_prepare";
+    /// `CommitLayout` -> `DatasetInfo`: adopt a cluster layout (sent between
+    /// members).
+    pub const MEMBER_COMMIT: &str = "member_commit";
 }
 
 /// The proto source, for clients that compile it themselves.

@@ -48,6 +48,10 @@ pub struct ServerConfig {
     pub slab_bytes: Option<usize>,
     /// Use the CUDA driver when one is present (pinned slabs, `place`).
     pub use_cuda: bool,
+    /// The location other members and ranks reach this server at
+    /// (`grpc://host:port`); `None` = `grpc://<bound address>` (the host
+    /// name when bound to all interfaces).
+    pub advertise: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -63,11 +67,28 @@ impl Default for ServerConfig {
             persist: false,
             slab_bytes: None,
             use_cuda: true,
+            advertise: None,
         }
     }
 }
 
 impl ServerConfig {
+    /// The location this server advertises when bound to `bound`.
+    pub fn location(&self, bound: std::net::SocketAddr) -> String {
+        if let Some(a) = &self.advertise {
+            return a.clone();
+        }
+        if bound.ip().is_unspecified() {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "127.0.0.1".to_string());
+            return format!("grpc://{host}:{}", bound.port());
+        }
+        format!("grpc://{bound}")
+    }
+
     /// The spill store URL in effect.
     pub fn spill_url(&self) -> String {
         self.spill_url
@@ -93,6 +114,15 @@ impl ServerConfig {
         }
         if self.slab_bytes.is_some_and(|b| b < 4096) {
             return Err(Error::invalid("--slab-size must be at least 4KiB"));
+        }
+        if let Some(a) = &self.advertise
+            && !["grpc://", "grpc+tcp://", "http://"]
+                .iter()
+                .any(|p| a.starts_with(p) && a.len() > p.len())
+        {
+            return Err(Error::invalid(format!(
+                "--advertise '{a}' is not a location; give grpc://HOST:PORT"
+            )));
         }
         Ok(())
     }

@@ -13,10 +13,16 @@ use bytes::Bytes;
 use flightdeck_protos as pb;
 use prost::Message;
 
-use crate::catalog::{AttemptKey, DatasetState, DatasetSummary, SealRequest};
+use crate::catalog::{
+    AttemptKey, ClusterState, DatasetState, DatasetSummary, PartitionSummary, SealRequest,
+};
+use crate::cluster::{Layout, Member};
 use crate::config::{MAX_BATCH_ROWS, MAX_WORLD_SIZE, ServerConfig};
 use crate::error::{Error, Result};
-use crate::order::{ReadPlan, Shuffle, Split};
+use crate::order::{Locality, ReadPlan, Shuffle, Split};
+
+/// Longest accepted member location, in bytes.
+pub const MAX_LOCATION: usize = 1024;
 
 /// Longest accepted dataset name, in bytes.
 pub const MAX_DATASET_NAME: usize = 256;
@@ -169,6 +175,22 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
             "column '{dup}' is requested more than once"
         )));
     }
+    let locality = match pb::Locality::try_from(p.locality) {
+        Ok(pb::Locality::Global) => Locality::Global,
+        Ok(pb::Locality::Node) => Locality::Node,
+        Err(_) => {
+            return Err(Error::invalid(format!(
+                "unknown locality {}; use LOCALITY_GLOBAL or LOCALITY_NODE",
+                p.locality
+            )));
+        }
+    };
+    if p.nodes.len() > MAX_WORLD_SIZE as usize || p.nodes.iter().any(|n| n.len() > MAX_LOCATION) {
+        return Err(Error::invalid(format!(
+            "the plan's node list is too long: at most {MAX_WORLD_SIZE} locations of at most \
+             {MAX_LOCATION} bytes"
+        )));
+    }
     Ok(ReadPlan {
         dataset,
         world_size: p.world_size,
@@ -184,6 +206,10 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
         columns: p.columns.clone(),
         start_sample: p.start_sample,
         split,
+        locality,
+        ranks_per_node: p.ranks_per_node,
+        nodes: p.nodes.clone(),
+        resume_world_size: p.resume_world_size,
     })
 }
 
@@ -211,6 +237,14 @@ pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
         block_rows,
         split_count: plan.split.count,
         split_index: plan.split.index,
+        locality: match plan.locality {
+            Locality::Global => pb::Locality::Global,
+            Locality::Node => pb::Locality::Node,
+        }
+        .into(),
+        ranks_per_node: plan.ranks_per_node,
+        nodes: plan.nodes.clone(),
+        resume_world_size: plan.resume_world_size,
     }
 }
 
@@ -223,6 +257,10 @@ pub struct ShardTicket {
     pub rank: u32,
     /// Generation of the dataset the plan was made for.
     pub generation: u64,
+    /// Id of the cluster layout the plan was made for; 0 = none.
+    pub layout: u64,
+    /// A request between members: only member `peer`'s rows.
+    pub peer: Option<u32>,
 }
 
 /// Encodes a ticket.
@@ -231,6 +269,8 @@ pub fn encode_ticket(t: &ShardTicket) -> Bytes {
         plan: Some(read_plan_to_proto(&t.plan)),
         rank: t.rank,
         generation: t.generation,
+        layout: t.layout,
+        peer: t.peer,
     }
     .encode_to_vec()
     .into()
@@ -255,6 +295,8 @@ pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket>
         plan,
         rank: t.rank,
         generation: t.generation,
+        layout: t.layout,
+        peer: t.peer,
     })
 }
 
@@ -270,24 +312,176 @@ pub fn put_commit(app_metadata: &[u8]) -> Result<pb::PutCommit> {
 /// A seal request from its wire form.
 pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
     let s: pb::SealDataset = decode(body, "body of action 'seal'", "SealDataset")?;
+    let dataset = dataset_name(&s.dataset)?;
+    if !s.members.is_empty() && !s.attempts.is_empty() {
+        return Err(Error::invalid(format!(
+            "seal of dataset '{dataset}' names both attempts and members; name each member's \
+             winning attempts in its entry of 'members'"
+        )));
+    }
+    let members = s
+        .members
+        .iter()
+        .map(|m| {
+            if m.location.is_empty() || m.location.len() > MAX_LOCATION {
+                return Err(Error::invalid(format!(
+                    "seal of dataset '{dataset}' names a member without a location (or one \
+                     longer than {MAX_LOCATION} bytes); use each writer's PutAck.location"
+                )));
+            }
+            Ok((m.location.clone(), attempt_keys(&m.partitions)))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(SealRequest {
-        dataset: dataset_name(&s.dataset)?,
+        dataset,
         partitions: s.partitions,
-        winners: s
-            .attempts
-            .iter()
-            .map(|a| AttemptKey {
-                partition: a.partition,
-                attempt: a.attempt,
-            })
-            .collect(),
+        winners: attempt_keys(&s.attempts),
+        members,
     })
 }
 
-/// The dataset named by a `drop` body.
-pub fn drop_request(body: &[u8]) -> Result<String> {
+fn attempt_keys(attempts: &[pb::PartitionAttempt]) -> Vec<AttemptKey> {
+    attempts
+        .iter()
+        .map(|a| AttemptKey {
+            partition: a.partition,
+            attempt: a.attempt,
+        })
+        .collect()
+}
+
+fn partition_infos(parts: &[PartitionSummary]) -> Vec<pb::PartitionInfo> {
+    parts
+        .iter()
+        .map(|p| pb::PartitionInfo {
+            partition: p.key.partition,
+            attempt: p.key.attempt,
+            rows: p.rows,
+            bytes: p.bytes,
+            committed_attempts: p.committed_attempts,
+        })
+        .collect()
+}
+
+fn partition_summaries(parts: &[pb::PartitionInfo]) -> Vec<PartitionSummary> {
+    parts
+        .iter()
+        .map(|p| PartitionSummary {
+            key: AttemptKey {
+                partition: p.partition,
+                attempt: p.attempt,
+            },
+            rows: p.rows,
+            bytes: p.bytes,
+            committed_attempts: p.committed_attempts,
+        })
+        .collect()
+}
+
+/// The body of `member_prepare`: the dataset and this member's winners.
+pub fn prepare_request(body: &[u8]) -> Result<(String, Vec<AttemptKey>)> {
+    let p: pb::PrepareMember = decode(body, "body of action 'member_prepare'", "PrepareMember")?;
+    Ok((dataset_name(&p.dataset)?, attempt_keys(&p.partitions)))
+}
+
+/// The body of `member_prepare` for `winners` of `dataset`.
+pub fn prepare_body(dataset: &str, winners: &[AttemptKey]) -> pb::PrepareMember {
+    pb::PrepareMember {
+        dataset: dataset.to_string(),
+        partitions: winners
+            .iter()
+            .map(|k| pb::PartitionAttempt {
+                partition: k.partition,
+                attempt: k.attempt,
+            })
+            .collect(),
+    }
+}
+
+/// The reply of `member_prepare`: this member's part and its fixed columns.
+pub fn member_prepared(s: &DatasetSummary, fixed: Vec<bool>) -> Result<pb::MemberPrepared> {
+    Ok(pb::MemberPrepared {
+        generation: s.generation,
+        schema: schema_to_ipc(&s.schema)?,
+        partitions: partition_infos(&s.partitions),
+        fixed_columns: fixed,
+    })
+}
+
+/// A member as a prepare reply describes it.
+pub fn member_from_prepared(location: &str, p: &pb::MemberPrepared) -> Member {
+    Member {
+        location: location.to_string(),
+        generation: p.generation,
+        partitions: partition_summaries(&p.partitions),
+    }
+}
+
+/// The schema of an IPC schema message.
+pub fn schema_from_ipc(bytes: &[u8], what: &str) -> Result<Schema> {
+    Schema::try_from(IpcMessage(Bytes::copy_from_slice(bytes)))
+        .map_err(|e| Error::invalid(format!("{what} carries no valid Arrow schema: {e}")))
+}
+
+/// The wire form of a layout, with the dataset's schema.
+pub fn layout_to_proto(layout: &Layout, schema: &Schema) -> Result<pb::ClusterLayout> {
+    Ok(pb::ClusterLayout {
+        id: layout.id,
+        members: layout
+            .members
+            .iter()
+            .map(|m| pb::ClusterMember {
+                location: m.location.clone(),
+                generation: m.generation,
+                partitions: partition_infos(&m.partitions),
+                rows: m.rows(),
+            })
+            .collect(),
+        schema: schema_to_ipc(schema)?,
+        fixed_columns: layout.fixed.clone(),
+    })
+}
+
+/// A layout from its wire form; its id must match its content.
+pub fn layout_from_proto(l: &pb::ClusterLayout) -> Result<Layout> {
+    let members = l
+        .members
+        .iter()
+        .map(|m| Member {
+            location: m.location.clone(),
+            generation: m.generation,
+            partitions: partition_summaries(&m.partitions),
+        })
+        .collect();
+    let layout = Layout::new(members, l.fixed_columns.clone())?;
+    if layout.id != l.id {
+        return Err(Error::invalid(format!(
+            "cluster layout {:016x} does not match its content ({:016x}); seal the cluster again",
+            l.id, layout.id
+        )));
+    }
+    Ok(layout)
+}
+
+/// The body of `member_commit`: dataset, layout and this member's index.
+pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize)> {
+    let c: pb::CommitLayout = decode(body, "body of action 'member_commit'", "CommitLayout")?;
+    let layout = c
+        .layout
+        .as_ref()
+        .ok_or_else(|| Error::invalid("member_commit carries no layout"))?;
+    Ok((
+        dataset_name(&c.dataset)?,
+        layout_from_proto(layout)?,
+        c.member as usize,
+    ))
+}
+
+/// The dataset named by a `drop` body, and whether only this member's part
+/// is to go.
+pub fn drop_request(body: &[u8]) -> Result<(String, bool)> {
     let d: pb::DropDataset = decode(body, "body of action 'drop'", "DropDataset")?;
-    dataset_name(&d.dataset)
+    Ok((dataset_name(&d.dataset)?, d.member_only))
 }
 
 /// The dataset named by a `describe` body.
@@ -305,8 +499,26 @@ pub fn schema_to_ipc(schema: &Schema) -> Result<Bytes> {
     Ok(bytes)
 }
 
-/// The wire form of a dataset summary.
+/// The wire form of a dataset summary; a cluster member describes the whole
+/// dataset (rows and partitions of every member) with its layout.
 pub fn dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
+    let mut info = local_dataset_info(s)?;
+    if let Some(ClusterState::Member { layout, .. }) = &s.cluster {
+        let mut all: Vec<PartitionSummary> = layout
+            .members
+            .iter()
+            .flat_map(|m| m.partitions.iter().cloned())
+            .collect();
+        all.sort_by_key(|p| p.key.partition);
+        info.rows = layout.rows();
+        info.committed_partitions = all.len() as u32;
+        info.partitions = partition_infos(&all);
+        info.layout = Some(layout_to_proto(layout, &s.schema)?);
+    }
+    Ok(info)
+}
+
+fn local_dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
     Ok(pb::DatasetInfo {
         dataset: s.name.clone(),
         state: match s.state {
@@ -318,21 +530,12 @@ pub fn dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
         bytes: s.bytes,
         committed_partitions: s.partitions.len() as u32,
         schema: schema_to_ipc(&s.schema)?,
-        partitions: s
-            .partitions
-            .iter()
-            .map(|p| pb::PartitionInfo {
-                partition: p.key.partition,
-                attempt: p.key.attempt,
-                rows: p.rows,
-                bytes: p.bytes,
-                committed_attempts: p.committed_attempts,
-            })
-            .collect(),
+        partitions: partition_infos(&s.partitions),
         generation: s.generation,
         spilled: !s.resident,
         persisted: s.stored.as_ref().is_some_and(|st| st.persisted),
         placements: Vec::new(),
+        layout: None,
     })
 }
 
@@ -579,6 +782,8 @@ mod tests {
             plan,
             rank: 1,
             generation: 9,
+            layout: 0x1234,
+            peer: Some(2),
         };
         assert_eq!(
             decode_ticket(&encode_ticket(&t), &config).expect("valid"),

@@ -91,6 +91,19 @@ impl State {
                 "no CUDA driver on this server: train on cpu ranks instead".into(),
             ));
         }
+        self.readable(&spec.dataset)?;
+        if let Some(crate::catalog::ClusterState::Member { layout, .. }) =
+            self.catalog().describe(&spec.dataset)?.cluster
+            && layout.members.len() > 1
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{}' is spread over {} members; the embedded trainer trains on a \
+                 dataset one server holds whole: read it with DoGet (FlightDeckIterableDataset) \
+                 on every node instead",
+                spec.dataset,
+                layout.members.len()
+            )));
+        }
         let (generation, data) = self.resident(&spec.dataset).await?;
         let placed = self.device_copies(&spec.dataset, generation);
         let mut job = tokio::task::spawn_blocking(move || Job::prepare(spec, &data))

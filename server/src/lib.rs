@@ -14,6 +14,8 @@
 //!           DoGet is written by hand (edge.rs, ipc.rs) so gathered buffers reach
 //!           the socket without being copied into IPC and protobuf buffers
 //!   ├── catalog   datasets, attempts, seal and winners: the commit protocol (pure)
+//!   ├── cluster   many members, one dataset: layout, row space, NODE assignment (pure);
+//!   │             peer.rs: sealing members and fetching rows from them
 //!   ├── order     sample order: keyed permutation, equal shares, resume (pure)
 //!   ├── read      gathering a shard's rows into record batches (synchronous)
 //!   └── state     tier policy: arena copies, spill on pressure, restore on read,
@@ -32,6 +34,7 @@
 //! (port 0 for a free port).
 
 pub mod catalog;
+pub mod cluster;
 pub mod config;
 pub mod convert;
 pub mod error;
@@ -84,10 +87,14 @@ pub async fn serve(
 ) -> std::result::Result<(), ServeError> {
     config.validate()?;
     let max_message = config.max_message_bytes;
-    if let Ok(addr) = listener.local_addr() {
-        info!(%addr, memory_limit = config.memory_limit, "flightdeck serving");
-    }
-    let state = std::sync::Arc::new(state::State::open(config).await?);
+    let bound = listener.local_addr().map_err(|e| {
+        Error::Unavailable(format!(
+            "cannot read the address the server is bound to: {e}"
+        ))
+    })?;
+    let location = config.location(bound);
+    info!(addr = %bound, %location, memory_limit = config.memory_limit, "flightdeck serving");
+    let state = std::sync::Arc::new(state::State::open(config, location).await?);
     let service = FlightServiceServer::new(FlightdeckService::new(state.clone()))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);

@@ -66,6 +66,11 @@ struct ServeArgs {
     /// Do not use a CUDA driver even if one is present (heap slabs, no `place`).
     #[arg(long)]
     no_cuda: bool,
+    /// The location other members and training ranks reach this server at,
+    /// e.g. grpc://node-7.cluster:50051 (default: grpc://<listen address>,
+    /// the host name when listening on 0.0.0.0).
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 impl ServeArgs {
@@ -83,6 +88,7 @@ impl ServeArgs {
                 .slab_size
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             use_cuda: !self.no_cuda,
+            advertise: self.advertise,
             ..defaults
         }
     }

@@ -14,13 +14,13 @@
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
-use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::buffer::MutableBuffer;
 use arrow::compute::interleave;
 use arrow::datatypes::{DataType, Schema, SchemaRef};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
-use crate::memory::device::{ColumnSegments, segments_at};
+use crate::memory::device::{ColumnSegments, segments_at, value_bytes};
 use crate::order::{ReadPlan, ShardOrder};
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
@@ -52,13 +52,77 @@ pub fn project(
     Ok((indices, Arc::new(projected)))
 }
 
-/// One rank's shard of one epoch, ready to stream.
+/// Gathers rows of a sealed dataset — and rows fetched from other members —
+/// into record batches of the projected columns.
 #[derive(Debug)]
-pub struct Shard {
+pub struct Gather {
     data: Arc<SealedData>,
     /// How each projected column is gathered.
     columns: Vec<Column>,
     schema: SchemaRef,
+}
+
+impl Gather {
+    /// Gathers `columns` (empty = all) of `data`. `fixed`, per column of the
+    /// schema, forces the choice of byte gather (a cluster decides it over
+    /// every member, so each member gathers as one server would); `None`
+    /// decides from `data`.
+    pub fn new(
+        data: Arc<SealedData>,
+        columns: &[String],
+        dataset: &str,
+        fixed: Option<&[bool]>,
+    ) -> Result<Self> {
+        let (indices, schema) = project(data.schema(), columns, dataset)?;
+        let columns = indices
+            .iter()
+            .map(|&i| Column::new(&data, i, fixed.and_then(|f| f.get(i).copied())))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            data,
+            columns,
+            schema,
+        })
+    }
+
+    /// The projected schema every batch has.
+    pub fn schema(&self) -> SchemaRef {
+        self.schema.clone()
+    }
+
+    /// The local rows.
+    pub fn data(&self) -> &SealedData {
+        &self.data
+    }
+
+    /// Whether each column of the dataset's schema is gathered as bytes
+    /// here (fixed-width values without nulls in every stored batch).
+    pub fn fixed_columns(data: &SealedData) -> Vec<bool> {
+        (0..data.schema().fields().len())
+            .map(|i| segments_at(data, i).is_ok())
+            .collect()
+    }
+
+    /// One batch of the picked rows. A pick's batch index past the local
+    /// batches names `extra[index - local batches]`, a batch of the
+    /// projected columns.
+    pub fn batch(&self, picks: &Picks, extra: &[RecordBatch]) -> Result<RecordBatch> {
+        let columns = self
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(j, c)| c.gather(picks, extra, j))
+            .collect::<Result<Vec<_>>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(picks.len()));
+        RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
+            .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
+    }
+}
+
+/// One rank's shard of one epoch, ready to stream.
+#[derive(Debug)]
+pub struct Shard {
+    gather: Gather,
     order: ShardOrder,
     plan: ReadPlan,
 }
@@ -66,14 +130,11 @@ pub struct Shard {
 impl Shard {
     /// Rank `rank`'s shard of `plan` over `data`; checks columns and start.
     pub fn new(data: Arc<SealedData>, plan: &ReadPlan, rank: u32) -> Result<Self> {
-        let (indices, schema) = project(data.schema(), &plan.columns, &plan.dataset)?;
-        let columns = indices.iter().map(|&i| Column::new(&data, i)).collect();
-        let n = data.rows();
+        let gather = Gather::new(data, &plan.columns, &plan.dataset, None)?;
+        let n = gather.data.rows();
         let order = ShardOrder::new(plan.epoch_order(n), plan.shares(n)?, rank)?;
         Ok(Self {
-            data,
-            columns,
-            schema,
+            gather,
             order,
             plan: plan.clone(),
         })
@@ -81,7 +142,7 @@ impl Shard {
 
     /// The projected schema every batch has.
     pub fn schema(&self) -> SchemaRef {
-        self.schema.clone()
+        self.gather.schema()
     }
 
     /// Rows of the rank's whole share (before any split).
@@ -97,20 +158,20 @@ impl Shard {
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {
-        let picks = Picks::new(&self.data, self.order.rows(samples));
-        let columns = self
-            .columns
-            .iter()
-            .map(|c| c.gather(&picks))
-            .collect::<Result<Vec<_>>>()?;
-        let options = RecordBatchOptions::new().with_row_count(Some(picks.len()));
-        RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
-            .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
+        let data = &self.gather.data;
+        let picks = Picks::new(
+            self.order
+                .rows(samples)
+                .map(|row| data.locate(row))
+                .collect(),
+        );
+        self.gather.batch(&picks, &[])
     }
 }
 
 /// The stored rows one output batch takes.
-struct Picks {
+#[derive(Debug)]
+pub struct Picks {
     /// `(batch, row within batch)` per output row, in output order.
     rows: Vec<(usize, usize)>,
     /// `(batch, row within batch, output row)`, in stored order.
@@ -118,8 +179,8 @@ struct Picks {
 }
 
 impl Picks {
-    fn new(data: &SealedData, rows: impl Iterator<Item = u64>) -> Self {
-        let rows: Vec<(usize, usize)> = rows.map(|row| data.locate(row)).collect();
+    /// Picks of `(batch, row within batch)`, one per output row in order.
+    pub fn new(rows: Vec<(usize, usize)>) -> Self {
         let mut sorted: Vec<(u32, u32, u32)> = rows
             .iter()
             .enumerate()
@@ -133,8 +194,14 @@ impl Picks {
         Self { rows, sorted }
     }
 
-    fn len(&self) -> usize {
+    /// Output rows.
+    pub fn len(&self) -> usize {
         self.rows.len()
+    }
+
+    /// Whether no row is picked.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
     }
 }
 
@@ -158,38 +225,54 @@ struct FixedColumn {
 }
 
 impl Column {
-    fn new(data: &SealedData, index: usize) -> Self {
-        match segments_at(data, index) {
-            Ok(segments) => Self::Fixed(FixedColumn {
-                data_type: data.schema().field(index).data_type().clone(),
-                row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
-                segments,
-            }),
-            Err(_) => Self::Other(
+    fn new(data: &SealedData, index: usize, fixed: Option<bool>) -> Result<Self> {
+        let other = || {
+            Self::Other(
                 data.batches()
                     .iter()
                     .map(|b| b.column(index).clone())
                     .collect(),
-            ),
+            )
+        };
+        match (segments_at(data, index), fixed) {
+            (Ok(segments), None | Some(true)) => Ok(Self::Fixed(FixedColumn {
+                data_type: data.schema().field(index).data_type().clone(),
+                row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
+                segments,
+            })),
+            (Err(e), Some(true)) => Err(Error::Internal(format!(
+                "the cluster layout says column {index} has no nulls, but here: {e}"
+            ))),
+            (_, _) => Ok(other()),
         }
     }
 
-    fn gather(&self, picks: &Picks) -> Result<ArrayRef> {
+    fn gather(&self, picks: &Picks, extra: &[RecordBatch], j: usize) -> Result<ArrayRef> {
         let internal =
             |e: arrow::error::ArrowError| Error::Internal(format!("gathering rows: {e}"));
         match self {
             Self::Other(arrays) => {
-                let arrays: Vec<&dyn Array> = arrays.iter().map(|a| a.as_ref()).collect();
+                let arrays: Vec<&dyn Array> = arrays
+                    .iter()
+                    .chain(extra.iter().map(|b| b.column(j)))
+                    .map(|a| a.as_ref())
+                    .collect();
                 interleave(&arrays, &picks.rows).map_err(internal)
             }
             Self::Fixed(c) => {
+                let extra_segments = extra
+                    .iter()
+                    .map(|b| value_bytes(b.column(j), "a column fetched from a peer"))
+                    .collect::<Result<Vec<_>>>()?;
+                let sources: Vec<&[u8]> = c
+                    .segments
+                    .segments
+                    .iter()
+                    .chain(&extra_segments)
+                    .map(|s| s.as_slice())
+                    .collect();
                 let mut out = MutableBuffer::from_len_zeroed(picks.len() * c.row_bytes);
-                gather_bytes(
-                    &c.segments.segments,
-                    &picks.sorted,
-                    c.row_bytes,
-                    out.as_slice_mut(),
-                );
+                gather_bytes(&sources, &picks.sorted, c.row_bytes, out.as_slice_mut());
                 let values = ArrayData::try_new(
                     c.segments.element.clone(),
                     picks.len() * c.segments.width,
@@ -218,14 +301,13 @@ impl Column {
 }
 
 /// Copies row `r` of source `b` to output row `at` for every pick.
-fn gather_bytes(sources: &[Buffer], picks: &[(u32, u32, u32)], row_bytes: usize, out: &mut [u8]) {
-    let sources: Vec<&[u8]> = sources.iter().map(|s| s.as_slice()).collect();
+fn gather_bytes(sources: &[&[u8]], picks: &[(u32, u32, u32)], row_bytes: usize, out: &mut [u8]) {
     match row_bytes {
-        1 => gather_rows::<1>(&sources, picks, out),
-        2 => gather_rows::<2>(&sources, picks, out),
-        4 => gather_rows::<4>(&sources, picks, out),
-        8 => gather_rows::<8>(&sources, picks, out),
-        16 => gather_rows::<16>(&sources, picks, out),
+        1 => gather_rows::<1>(sources, picks, out),
+        2 => gather_rows::<2>(sources, picks, out),
+        4 => gather_rows::<4>(sources, picks, out),
+        8 => gather_rows::<8>(sources, picks, out),
+        16 => gather_rows::<16>(sources, picks, out),
         n => {
             for &(b, r, at) in picks {
                 let (r, at) = (r as usize * n, at as usize * n);
@@ -329,7 +411,7 @@ mod tests {
             let shard =
                 Shard::new(data.clone(), &plan(Shuffle::None, 1, vec![]), 0).expect("shard");
             let i = data.schema().index_of(name).expect("column");
-            matches!(shard.columns[i], Column::Fixed(_))
+            matches!(shard.gather.columns[i], Column::Fixed(_))
         };
         // The fixed path takes numbers without nulls, with or without lists.
         for (name, fixed) in [
@@ -393,6 +475,10 @@ mod tests {
             columns,
             start_sample: 0,
             split: Split { count: 1, index: 0 },
+            locality: Default::default(),
+            ranks_per_node: 0,
+            nodes: vec![],
+            resume_world_size: 0,
         }
     }
 }

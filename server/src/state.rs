@@ -14,9 +14,15 @@ use arrow::array::RecordBatch;
 use futures::TryStreamExt;
 use tracing::{info, warn};
 
-use crate::catalog::{Catalog, DatasetSummary, SealRequest, SealedData, SealedView};
+use flightdeck_protos::{self as pb, actions};
+
+use crate::catalog::{
+    Catalog, ClusterState, DatasetSummary, SealRequest, SealedData, SealedView, same_fields,
+};
+use crate::cluster::peer::Peers;
+use crate::cluster::{Layout, Member};
 use crate::config::ServerConfig;
-use crate::convert::PlaceRequest;
+use crate::convert::{self, PlaceRequest};
 use crate::error::{Error, Result};
 use crate::memory::Budget;
 use crate::memory::arena::{Arena, ArenaStats, HostMemory, slab_bytes_for};
@@ -49,6 +55,39 @@ pub struct TierStats {
     pub cuda_devices: u32,
 }
 
+/// The error for reading a dataset whose cluster seal is unfinished here.
+pub fn unfinished_seal(name: &str) -> Error {
+    Error::FailedPrecondition(format!(
+        "dataset '{name}' is being sealed across members and this member has not adopted its \
+         layout yet; send the seal again to finish it"
+    ))
+}
+
+/// Rows and IPC body bytes streamed by this server, for `stats`.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    /// To ranks reading from this server.
+    pub rows_served: AtomicU64,
+    /// Bytes of those.
+    pub bytes_served: AtomicU64,
+    /// To other members (rows they fetch for their ranks).
+    pub rows_to_peers: AtomicU64,
+    /// Bytes of those.
+    pub bytes_to_peers: AtomicU64,
+    /// From other members, for this server's ranks.
+    pub rows_from_peers: AtomicU64,
+    /// Bytes of those.
+    pub bytes_from_peers: AtomicU64,
+}
+
+impl Traffic {
+    /// Adds `rows` and `bytes` to a pair of counters.
+    pub fn add(rows_counter: &AtomicU64, bytes_counter: &AtomicU64, rows: u64, bytes: u64) {
+        rows_counter.fetch_add(rows, Ordering::Relaxed);
+        bytes_counter.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
 /// State shared by all requests of one server.
 #[derive(Debug)]
 pub struct State {
@@ -69,12 +108,19 @@ pub struct State {
     pub(crate) jobs: crate::jobs::Jobs,
     /// The configuration the server runs with.
     pub config: ServerConfig,
+    /// Where other members and ranks reach this server (`--advertise`).
+    pub location: String,
+    /// Connections to other members.
+    pub peers: Arc<Peers>,
+    /// What this server streamed.
+    pub traffic: Arc<Traffic>,
 }
 
 impl State {
-    /// State for `config`: opens the store, probes the CUDA driver, and with
-    /// `persist` reloads the datasets an earlier run sealed.
-    pub async fn open(config: ServerConfig) -> Result<Self> {
+    /// State for `config`, reachable at `location`: opens the store, probes
+    /// the CUDA driver, and with `persist` reloads the datasets an earlier
+    /// run sealed.
+    pub async fn open(config: ServerConfig, location: String) -> Result<Self> {
         let store = Store::open(&config.spill_url())?;
         let cuda = if config.use_cuda {
             CudaHost::probe()
@@ -115,6 +161,9 @@ impl State {
             restores: AtomicU64::new(0),
             jobs: crate::jobs::Jobs::default(),
             config,
+            location,
+            peers: Arc::new(Peers::default()),
+            traffic: Arc::new(Traffic::default()),
         })
     }
 
@@ -209,6 +258,14 @@ impl State {
         }
     }
 
+    /// Refuses to read a dataset whose cluster seal is unfinished here.
+    pub fn readable(&self, name: &str) -> Result<()> {
+        match self.catalog().describe(name)?.cluster {
+            Some(ClusterState::Pending) => Err(unfinished_seal(name)),
+            _ => Ok(()),
+        }
+    }
+
     /// The rows of sealed dataset `name`, brought back from the store when
     /// spilled; marks it read.
     pub async fn resident(&self, name: &str) -> Result<(u64, Arc<SealedData>)> {
@@ -252,9 +309,20 @@ impl State {
     }
 
     /// Seals a dataset; with `persist`, writes it to the store before
-    /// answering, so a restart keeps it.
-    pub async fn seal(&self, req: &SealRequest) -> Result<DatasetSummary> {
+    /// answering, so a restart keeps it. A seal naming members seals the
+    /// dataset across them ([`State::seal_cluster`]).
+    pub async fn seal(&self, req: &SealRequest) -> Result<pb::DatasetInfo> {
+        if !req.members.is_empty() {
+            return self.seal_cluster(req).await;
+        }
         let (summary, freed) = self.catalog().seal(req)?;
+        self.sealed(summary, freed)
+            .await
+            .and_then(|s| convert::dataset_info(&s))
+    }
+
+    /// After a local seal: logs it and, with `persist`, writes the dataset.
+    async fn sealed(&self, summary: DatasetSummary, freed: u64) -> Result<DatasetSummary> {
         info!(
             dataset = %summary.name,
             partitions = summary.partitions.len(),
@@ -263,13 +331,18 @@ impl State {
             freed,
             "sealed dataset"
         );
-        if !self.config.persist {
+        if !self.config.persist || summary.stored.is_some() {
             return Ok(summary);
         }
         let (generation, data) = self.catalog().sealed(&summary.name)?;
         let stored = self
             .store
-            .write(&summary.name, generation, &data, Some(&summary.partitions))
+            .write(
+                &summary.name,
+                generation,
+                &data,
+                Some((&summary.partitions, summary.cluster.as_ref())),
+            )
             .await
             .map_err(|e| {
                 Error::Unavailable(format!(
@@ -282,8 +355,199 @@ impl State {
         self.catalog().describe(&summary.name)
     }
 
-    /// Drops a dataset: its memory, its device copies and its store files.
-    pub async fn drop_dataset(&self, name: &str) -> Result<DatasetSummary> {
+    /// Seals this member's part of a cluster dataset (action
+    /// `member_prepare`); it stays unreadable until `member_commit`.
+    pub async fn prepare_member(
+        &self,
+        dataset: &str,
+        winners: &[crate::catalog::AttemptKey],
+    ) -> Result<pb::MemberPrepared> {
+        let (summary, freed) = self.catalog().prepare_member(dataset, winners)?;
+        let summary = self.sealed(summary, freed).await?;
+        let (_, data) = self.resident(dataset).await?;
+        convert::member_prepared(&summary, crate::read::Gather::fixed_columns(&data))
+    }
+
+    /// Adopts a cluster layout (action `member_commit`); with `persist`, the
+    /// manifest records it, so a restarted member serves the same tickets.
+    pub async fn commit_layout(
+        &self,
+        dataset: &str,
+        layout: Layout,
+        index: usize,
+    ) -> Result<DatasetSummary> {
+        let summary = self
+            .catalog()
+            .commit_layout(dataset, Arc::new(layout), index)?;
+        if let Some(stored) = summary.stored.as_ref().filter(|s| s.persisted) {
+            self.store
+                .write_manifest(
+                    stored,
+                    dataset,
+                    summary.generation,
+                    &summary.schema,
+                    &summary.partitions,
+                    summary.cluster.as_ref(),
+                )
+                .await?;
+        }
+        info!(dataset = %dataset, member = index, "joined cluster layout");
+        Ok(summary)
+    }
+
+    /// Seals a dataset across members: each seals its part (`member_prepare`,
+    /// in parallel), then every member adopts the whole layout
+    /// (`member_commit`). Until every member has adopted it no plan is
+    /// served; sending the same seal again completes a half-done one.
+    async fn seal_cluster(&self, req: &SealRequest) -> Result<pb::DatasetInfo> {
+        let name = req.dataset.as_str();
+        let members: Vec<&(String, Vec<crate::catalog::AttemptKey>)> =
+            req.members.iter().filter(|(_, w)| !w.is_empty()).collect();
+        let mut held: BTreeMap<u32, &str> = BTreeMap::new();
+        for (location, winners) in &members {
+            for k in winners {
+                if let Some(other) = held.insert(k.partition, location) {
+                    return Err(Error::invalid(format!(
+                        "seal of dataset '{name}' names partition {} on two members ({other} \
+                         and {location}); name one winner per partition",
+                        k.partition
+                    )));
+                }
+            }
+        }
+        if req.partitions > 0 {
+            let missing: Vec<u32> = (0..req.partitions)
+                .filter(|p| !held.contains_key(p))
+                .collect();
+            if !missing.is_empty() {
+                return Err(Error::MissingPartitions {
+                    dataset: name.to_string(),
+                    expected: req.partitions,
+                    missing,
+                });
+            }
+            if let Some((p, _)) = held.range(req.partitions..).next() {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot seal dataset '{name}' with {} partitions: the layout also names \
+                     partition {p}",
+                    req.partitions
+                )));
+            }
+        }
+        let prepared = futures::future::join_all(members.iter().map(|(location, winners)| {
+            self.peers.action::<pb::MemberPrepared>(
+                location,
+                name,
+                actions::MEMBER_PREPARE,
+                convert::prepare_body(name, winners),
+            )
+        }))
+        .await;
+        let mut parts = Vec::with_capacity(members.len());
+        let mut failed = Vec::new();
+        for ((location, _), p) in members.iter().zip(prepared) {
+            match p {
+                Ok(p) => parts.push((location.as_str(), p)),
+                Err(e) => failed.push(e),
+            }
+        }
+        if let Some(first) = failed.into_iter().next() {
+            return Err(first);
+        }
+        let Some((first_location, first)) = parts.first() else {
+            return Err(Error::invalid(format!(
+                "seal of dataset '{name}' names no member holding a partition"
+            )));
+        };
+        let schema = convert::schema_from_ipc(&first.schema, "a member's prepare reply")?;
+        let mut fixed = first.fixed_columns.clone();
+        for (location, p) in &parts[1..] {
+            let other = convert::schema_from_ipc(&p.schema, "a member's prepare reply")?;
+            if !same_fields(&schema, &other) {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot seal dataset '{name}': members {first_location} and {location} hold \
+                     different schemas ({} and {}); drop the dataset and write it again",
+                    crate::catalog::describe_fields(&schema),
+                    crate::catalog::describe_fields(&other)
+                )));
+            }
+            for (f, o) in fixed.iter_mut().zip(&p.fixed_columns) {
+                *f &= *o;
+            }
+        }
+        let members: Vec<Member> = parts
+            .iter()
+            .map(|(location, p)| convert::member_from_prepared(location, p))
+            .collect();
+        let layout = Layout::new(members, fixed)?;
+        let wire = convert::layout_to_proto(&layout, &schema)?;
+        let committed =
+            futures::future::join_all(layout.members.iter().enumerate().map(|(i, m)| {
+                self.peers.action::<pb::DatasetInfo>(
+                    &m.location,
+                    name,
+                    actions::MEMBER_COMMIT,
+                    pb::CommitLayout {
+                        dataset: name.to_string(),
+                        layout: Some(wire.clone()),
+                        member: i as u32,
+                    },
+                )
+            }))
+            .await;
+        let mut info = None;
+        for c in committed {
+            let c = c?;
+            info.get_or_insert(c);
+        }
+        info!(
+            dataset = %name,
+            members = layout.members.len(),
+            rows = layout.rows(),
+            layout = format!("{:016x}", layout.id),
+            "sealed dataset across members"
+        );
+        info.ok_or_else(|| Error::Internal("a cluster seal committed no member".into()))
+    }
+
+    /// Checks that every other member of `layout` holds it; a member that
+    /// is down is `UNAVAILABLE`, one that dropped the dataset or holds
+    /// another layout is `FAILED_PRECONDITION`.
+    pub async fn check_members(&self, dataset: &str, layout: &Layout, index: usize) -> Result<()> {
+        let others = layout
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != index);
+        let replies = futures::future::join_all(others.map(|(_, m)| async move {
+            let info: pb::DatasetInfo = self
+                .peers
+                .action(
+                    &m.location,
+                    dataset,
+                    actions::DESCRIBE,
+                    pb::DescribeDataset {
+                        dataset: dataset.to_string(),
+                    },
+                )
+                .await?;
+            match info.layout {
+                Some(l) if l.id == layout.id => Ok(()),
+                _ => Err(Error::FailedPrecondition(format!(
+                    "member {} does not hold the layout of dataset '{dataset}' that this member \
+                     holds (it was dropped or written again there, or its seal is unfinished); \
+                     seal the cluster again, or drop the dataset and write it again",
+                    m.location
+                ))),
+            }
+        }))
+        .await;
+        replies.into_iter().collect()
+    }
+
+    /// Drops a dataset: its memory, its device copies and its store files;
+    /// a cluster dataset also on every other member, unless `member_only`.
+    pub async fn drop_dataset(&self, name: &str, member_only: bool) -> Result<DatasetSummary> {
         let (summary, freed) = self.catalog().drop_dataset(name)?;
         self.placements()
             .retain(|(n, g), _| !(n == name && *g == summary.generation));
@@ -291,7 +555,47 @@ impl State {
             self.delete_quietly(stored).await;
         }
         info!(dataset = %name, rows = summary.rows, freed, "dropped dataset");
-        Ok(summary)
+        let Some(ClusterState::Member { layout, index }) = &summary.cluster else {
+            return Ok(summary);
+        };
+        if member_only {
+            return Ok(summary);
+        }
+        let others = layout
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i != index);
+        let replies = futures::future::join_all(others.map(|(_, m)| async move {
+            let reply = self
+                .peers
+                .action::<pb::DatasetInfo>(
+                    &m.location,
+                    name,
+                    actions::DROP,
+                    pb::DropDataset {
+                        dataset: name.to_string(),
+                        member_only: true,
+                    },
+                )
+                .await;
+            match reply {
+                // Dropped there already.
+                Err(Error::FailedPrecondition(msg)) if msg.contains("no longer holds") => Ok(()),
+                Err(e) => Err(format!("{}: {e}", m.location)),
+                Ok(_) => Ok(()),
+            }
+        }))
+        .await;
+        let failed: Vec<String> = replies.into_iter().filter_map(|r| r.err()).collect();
+        if failed.is_empty() {
+            return Ok(summary);
+        }
+        Err(Error::Unavailable(format!(
+            "dataset '{name}' is dropped here, but not on every member: {}; drop it there once \
+             they are back",
+            failed.join("; ")
+        )))
     }
 
     /// Copies columns of a sealed dataset to GPUs (replacing earlier copies

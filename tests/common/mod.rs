@@ -382,3 +382,135 @@ pub fn layout(sizes: &[i64]) -> Vec<std::ops::Range<i64>> {
         })
         .collect()
 }
+
+/// The `flightdeck` binary the process-based tests start:
+/// `FLIGHTDECK_BIN`, else `target/debug/flightdeck` of this workspace.
+pub fn server_binary() -> std::path::PathBuf {
+    let path = std::env::var_os("FLIGHTDECK_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/flightdeck")
+        });
+    assert!(
+        path.exists(),
+        "server binary {} not found: run `cargo build --bin flightdeck` first (scripts/test.sh \
+         does)",
+        path.display()
+    );
+    path
+}
+
+/// A `flightdeck serve` child process: one member of a cluster. Its log
+/// is kept in a file; it is killed when dropped, so a failing assertion
+/// never leaves servers behind.
+pub struct MemberProcess {
+    child: std::process::Child,
+    addr: SocketAddr,
+    /// Its stderr.
+    pub log: std::path::PathBuf,
+    args: Vec<String>,
+}
+
+impl MemberProcess {
+    /// Starts a member on `listen` (e.g. `127.0.0.1:0`) with extra flags.
+    pub fn start(listen: &str, extra: &[&str]) -> Self {
+        use std::io::BufRead;
+        let log = temp_dir("member").join("stderr.log");
+        let mut args = vec!["serve".to_string(), "--listen".into(), listen.into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        if !extra.contains(&"--spill-url") {
+            args.extend(["--spill-url".into(), "memory://".into()]);
+        }
+        if !extra.contains(&"--memory-limit") {
+            args.extend(["--memory-limit".into(), "1GiB".into()]);
+        }
+        let mut child = std::process::Command::new(server_binary())
+            .args(&args)
+            .arg("--no-cuda")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start flightdeck");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Some(addr) = line.strip_prefix("flightdeck listening on ") {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        let addr = match rx.recv_timeout(STEP_TIMEOUT) {
+            Ok(a) => a.parse().expect("address"),
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "member did not start: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+        };
+        Self {
+            child,
+            addr,
+            log,
+            args,
+        }
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its location, as it advertises itself (`grpc://127.0.0.1:<port>`).
+    pub fn location(&self) -> String {
+        format!("grpc://{}", self.addr)
+    }
+
+    /// A client on a new connection.
+    pub async fn client(&self) -> Client {
+        timed("connect", Client::connect(self.location()))
+            .await
+            .expect("connect to a member")
+    }
+
+    /// Kills it at once (SIGKILL), as a node failure would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same address with the same flags.
+    pub fn restart(&mut self) {
+        self.kill();
+        let listen = self.addr.to_string();
+        let extra: Vec<&str> = self.args[3..].iter().map(String::as_str).collect();
+        // The port may linger briefly after the kill.
+        let deadline = std::time::Instant::now() + STEP_TIMEOUT;
+        loop {
+            if std::net::TcpListener::bind(self.addr).is_ok() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "port {listen} stays taken"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        *self = Self::start(&listen, &extra);
+    }
+}
+
+impl Drop for MemberProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("log of member {}: {}", self.addr, self.log.display());
+        }
+    }
+}

@@ -197,6 +197,9 @@ MESSAGES: dict[str, type[Message]] = {}
 # enum Shuffle
 SHUFFLE_NONE, SHUFFLE_GLOBAL, SHUFFLE_BLOCK = 0, 1, 2
 SHUFFLE = {"SHUFFLE_NONE": 0, "SHUFFLE_GLOBAL": 1, "SHUFFLE_BLOCK": 2}
+# enum Locality
+LOCALITY_GLOBAL, LOCALITY_NODE = 0, 1
+LOCALITY = {"LOCALITY_GLOBAL": 0, "LOCALITY_NODE": 1}
 # enum DatasetState
 DATASET_STATE_UNSPECIFIED, DATASET_STATE_OPEN, DATASET_STATE_SEALED = 0, 1, 2
 DATASET_STATE = {"DATASET_STATE_UNSPECIFIED": 0, "DATASET_STATE_OPEN": 1, "DATASET_STATE_SEALED": 2}
@@ -208,6 +211,7 @@ OPTIMIZER_ADAMW, OPTIMIZER_SGD = 0, 1
 OPTIMIZER_KIND = {"OPTIMIZER_ADAMW": 0, "OPTIMIZER_SGD": 1}
 ENUMS = {
     "Shuffle": SHUFFLE,
+    "Locality": LOCALITY,
     "DatasetState": DATASET_STATE,
     "Task": TASK,
     "OptimizerKind": OPTIMIZER_KIND,
@@ -228,6 +232,7 @@ PutAck = _message(
     Field("attempt", 3, "uint32"),
     Field("rows", 4, "uint64"),
     Field("bytes", 5, "uint64"),
+    Field("location", 6, "string"),
 )
 ReadPlan = _message(
     "ReadPlan",
@@ -243,6 +248,10 @@ ReadPlan = _message(
     Field("block_rows", 10, "uint32"),
     Field("split_count", 11, "uint32"),
     Field("split_index", 12, "uint32"),
+    Field("locality", 13, "enum", message="Locality"),
+    Field("ranks_per_node", 14, "uint32"),
+    Field("nodes", 15, "string", repeated=True),
+    Field("resume_world_size", 16, "uint32"),
 )
 ShardInfo = _message(
     "ShardInfo",
@@ -255,6 +264,8 @@ ShardTicket = _message(
     Field("plan", 1, "message", message="ReadPlan"),
     Field("rank", 2, "uint32"),
     Field("generation", 3, "uint64"),
+    Field("layout", 4, "uint64"),
+    Field("peer", 5, "uint32", optional=True),
 )
 PartitionAttempt = _message(
     "PartitionAttempt", Field("partition", 1, "uint32"), Field("attempt", 2, "uint32")
@@ -264,8 +275,48 @@ SealDataset = _message(
     Field("dataset", 1, "string"),
     Field("partitions", 2, "uint32"),
     Field("attempts", 3, "message", repeated=True, message="PartitionAttempt"),
+    Field("members", 4, "message", repeated=True, message="MemberPartitions"),
 )
-DropDataset = _message("DropDataset", Field("dataset", 1, "string"))
+MemberPartitions = _message(
+    "MemberPartitions",
+    Field("location", 1, "string"),
+    Field("partitions", 2, "message", repeated=True, message="PartitionAttempt"),
+)
+PrepareMember = _message(
+    "PrepareMember",
+    Field("dataset", 1, "string"),
+    Field("partitions", 2, "message", repeated=True, message="PartitionAttempt"),
+)
+MemberPrepared = _message(
+    "MemberPrepared",
+    Field("generation", 1, "uint64"),
+    Field("schema", 2, "bytes"),
+    Field("partitions", 3, "message", repeated=True, message="PartitionInfo"),
+    Field("fixed_columns", 4, "bool", repeated=True),
+)
+ClusterMember = _message(
+    "ClusterMember",
+    Field("location", 1, "string"),
+    Field("generation", 2, "uint64"),
+    Field("partitions", 3, "message", repeated=True, message="PartitionInfo"),
+    Field("rows", 4, "uint64"),
+)
+ClusterLayout = _message(
+    "ClusterLayout",
+    Field("id", 1, "uint64"),
+    Field("members", 2, "message", repeated=True, message="ClusterMember"),
+    Field("schema", 3, "bytes"),
+    Field("fixed_columns", 4, "bool", repeated=True),
+)
+CommitLayout = _message(
+    "CommitLayout",
+    Field("dataset", 1, "string"),
+    Field("layout", 2, "message", message="ClusterLayout"),
+    Field("member", 3, "uint32"),
+)
+DropDataset = _message(
+    "DropDataset", Field("dataset", 1, "string"), Field("member_only", 2, "bool")
+)
 DescribeDataset = _message("DescribeDataset", Field("dataset", 1, "string"))
 PartitionInfo = _message(
     "PartitionInfo",
@@ -288,6 +339,7 @@ DatasetInfo = _message(
     Field("spilled", 9, "bool"),
     Field("persisted", 10, "bool"),
     Field("placements", 11, "message", repeated=True, message="DevicePlacement"),
+    Field("layout", 12, "message", message="ClusterLayout"),
 )
 DevicePlacement = _message(
     "DevicePlacement",
@@ -325,6 +377,13 @@ ServerStats = _message(
     Field("spill_url", 15, "string"),
     Field("persist", 16, "bool"),
     Field("cuda_devices", 17, "uint32"),
+    Field("location", 18, "string"),
+    Field("rows_served", 19, "uint64"),
+    Field("bytes_served", 20, "uint64"),
+    Field("rows_served_to_peers", 21, "uint64"),
+    Field("bytes_served_to_peers", 22, "uint64"),
+    Field("rows_fetched_from_peers", 23, "uint64"),
+    Field("bytes_fetched_from_peers", 24, "uint64"),
 )
 TrainJob = _message(
     "TrainJob",

@@ -40,9 +40,11 @@ Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordB
 
 def normalize_uri(uri: str) -> str:
     """`grpc://host:port` for `host:port`, `grpc://…`, `grpc+tcp://…`, or
-    `local` / `local:PORT` (the server on this host, over loopback)."""
+    `local` / `local:PORT`: this node's server — `FLIGHTDECK_URI` where it
+    is set (as a DaemonSet's pod template sets it on every executor and
+    training pod), else loopback."""
     if uri == "local":
-        return f"grpc://127.0.0.1:{DEFAULT_PORT}"
+        return normalize_uri(os.environ.get("FLIGHTDECK_URI") or f"127.0.0.1:{DEFAULT_PORT}")
     if uri.startswith("local:"):
         return f"grpc://127.0.0.1:{uri.split(':', 1)[1]}"
     if "://" not in uri:
@@ -64,6 +66,9 @@ class Shard:
     batches: int
     #: Opaque ticket for :meth:`Client.read_shard`.
     ticket: bytes
+    #: The member serving this rank (datasets sealed across servers); None:
+    #: the server that made the plan.
+    location: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,16 @@ def shuffle_mode(shuffle: str | int) -> int:
         raise InvalidArgument(
             f"unknown shuffle {shuffle!r}: use 'none', 'global' or 'block'"
         ) from None
+
+
+def locality_mode(locality: str | int) -> int:
+    """`"global"` or `"node"` (or the proto enum value)."""
+    if isinstance(locality, int):
+        return locality
+    try:
+        return wire.LOCALITY["LOCALITY_" + locality.upper()]
+    except KeyError:
+        raise InvalidArgument(f"unknown locality {locality!r}: use 'global' or 'node'") from None
 
 
 def dataset_schema(info: wire.Message) -> pa.Schema | None:
@@ -145,9 +160,15 @@ class Client:
         _CONNECTED_PIDS.add(os.getpid())
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
+        self._timeout, self._headers = timeout, headers
+        # Connections to other members, for shards they serve.
+        self._members: dict[str, Client] = {}
 
     def close(self) -> None:
-        """Closes the connection."""
+        """Closes the connection (and those opened to other members)."""
+        for member in self._members.values():
+            member.close()
+        self._members.clear()
         self._flight.close()
 
     def __enter__(self) -> Client:
@@ -235,8 +256,35 @@ class Client:
         )
         return self._action("seal", body, wire.DatasetInfo)
 
+    def seal_cluster(
+        self,
+        dataset: str,
+        members: Mapping[str, Mapping[int, int]],
+        partitions: int = 0,
+    ) -> wire.Message:
+        """Seals a dataset written to several servers. `members` maps each
+        server's location (its `PutAck.location`) to the winning attempt of
+        each partition it holds; this server (any, member or not) seals every
+        member and hands each the whole layout. Sealing again with the same
+        layout is a no-op, so a seal cut short can simply be sent again."""
+        body = wire.SealDataset(
+            dataset=dataset,
+            partitions=partitions,
+            members=[
+                wire.MemberPartitions(
+                    location=location,
+                    partitions=[
+                        wire.PartitionAttempt(partition=p, attempt=a) for p, a in sorted(parts.items())
+                    ],
+                )
+                for location, parts in sorted(members.items())
+            ],
+        )
+        return self._action("seal", body, wire.DatasetInfo)
+
     def drop(self, dataset: str) -> wire.Message:
-        """Drops `dataset` and frees its memory; returns what it was."""
+        """Drops `dataset` and frees its memory (on every member, for a
+        dataset sealed across servers); returns what it was."""
         return self._action("drop", wire.DropDataset(dataset=dataset), wire.DatasetInfo)
 
     def describe(self, dataset: str) -> wire.Message:
@@ -326,8 +374,13 @@ class Client:
 
     def stats(self) -> wire.Message:
         """Memory per tier (host arena, devices, spills) and limit, datasets,
-        rows, bytes."""
+        rows, bytes; rows served to ranks, to and from other members."""
         return self._action("stats", None, wire.ServerStats)
+
+    @property
+    def location(self) -> str:
+        """Where other members and ranks reach this server (its `--advertise`)."""
+        return self.stats().location
 
     def list_datasets(self) -> list[str]:
         """Names of the datasets on the server."""
@@ -351,8 +404,19 @@ class Client:
         block_rows: int = 0,
         split_count: int = 0,
         split_index: int = 0,
+        locality: str | int = "global",
+        ranks_per_node: int = 0,
+        nodes: Sequence[str] = (),
+        resume_world_size: int = 0,
     ) -> Plan:
-        """Plans one epoch of a sealed dataset for `world_size` ranks."""
+        """Plans one epoch of a sealed dataset for `world_size` ranks.
+
+        On a dataset sealed across servers, `locality="global"` gives the
+        order of one server holding everything; `"node"` has each rank read
+        its own node's rows. Rank r runs on node r // `ranks_per_node`
+        (torchrun's convention; 0 = ranks spread over the members), and
+        `nodes` names each node's server (default: the members in layout
+        order). Each shard's `location` is the member that serves it."""
         cmd = wire.ReadPlan(
             dataset=dataset,
             world_size=world_size,
@@ -366,18 +430,34 @@ class Client:
             block_rows=block_rows,
             split_count=split_count,
             split_index=split_index,
+            locality=locality_mode(locality),
+            ranks_per_node=ranks_per_node,
+            nodes=list(nodes),
+            resume_world_size=resume_world_size,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))
         shards = []
         for endpoint in info.endpoints:
             meta = wire.ShardInfo.decode(endpoint.app_metadata)
-            shards.append(Shard(meta.rank, meta.rows, meta.batches, endpoint.ticket.ticket))
+            location = endpoint.locations[0].uri.decode() if endpoint.locations else None
+            shards.append(Shard(meta.rank, meta.rows, meta.batches, endpoint.ticket.ticket, location))
         return Plan(info.schema, shards)
 
+    def _serving(self, shard: Shard) -> Client:
+        """The client for the member that serves `shard`."""
+        if shard.location is None or normalize_uri(shard.location) == self.uri:
+            return self
+        if shard.location not in self._members:
+            self._members[shard.location] = Client(
+                shard.location, timeout=self._timeout, headers=self._headers
+            )
+        return self._members[shard.location]
+
     def _do_get(self, shard: Shard) -> flight.FlightStreamReader:
+        member = self._serving(shard)
         return translate(
-            lambda: self._flight.do_get(flight.Ticket(shard.ticket), options=self._options)
+            lambda: member._flight.do_get(flight.Ticket(shard.ticket), options=member._options)
         )
 
     def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
@@ -399,5 +479,5 @@ def connect(
     uri: str, *, timeout: float | None = None, headers: Mapping[str, str] | None = None
 ) -> Client:
     """Connects to a flightdeck server: `host:port`, `grpc://host:port`, or
-    `local` for the server on this host."""
+    `local` for this node's server (`FLIGHTDECK_URI`, else loopback)."""
     return Client(uri, timeout=timeout, headers=headers)

@@ -3,12 +3,21 @@ epoch, resumable mid-epoch — also with a different world size."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
-from .client import Client, connect, shuffle_mode
+from .client import Client, connect, locality_mode, shuffle_mode
 from .errors import InvalidArgument
+
+
+def env_ranks_per_node() -> int:
+    """torchrun's `LOCAL_WORLD_SIZE` (ranks per node), or 0 where unset."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return 0
 
 
 class ShardedDataset:
@@ -19,6 +28,14 @@ class ShardedDataset:
     :meth:`set_epoch` before each epoch for a new order. :meth:`state_dict`
     records the epoch and the global samples consumed; a job that loads it —
     with any world size — reads exactly the samples not yet seen.
+
+    On a dataset sealed across several servers, each rank reads from the
+    member its plan names (its own node's, by torchrun's convention: rank r
+    runs on node r // `ranks_per_node`, default `LOCAL_WORLD_SIZE`).
+    `locality="node"` reads each node's own rows (shuffled within the node)
+    plus the least transfer that keeps counts equal; such an epoch resumes
+    only at the world size it started with. `nodes` names each node's
+    server, in node order (see `FlightDeckIterableDataset`, which fills it).
     """
 
     def __init__(
@@ -35,12 +52,16 @@ class ShardedDataset:
         columns: Sequence[str] | None = None,
         block_rows: int = 0,
         timeout: float | None = None,
+        locality: str = "global",
+        ranks_per_node: int | None = None,
+        nodes: Sequence[str] | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
         if batch_rows < 1:
             raise InvalidArgument("batch_rows must be at least 1")
         shuffle_mode(shuffle)  # validate early
+        locality_mode(locality)
         self._client = uri if isinstance(uri, Client) else None
         self.uri = uri.uri if isinstance(uri, Client) else uri
         self.timeout = timeout
@@ -53,7 +74,12 @@ class ShardedDataset:
         self.drop_last = drop_last
         self.columns = list(columns) if columns else None
         self.block_rows = block_rows
+        self.locality = locality
+        self.ranks_per_node = env_ranks_per_node() if ranks_per_node is None else ranks_per_node
+        self.nodes = list(nodes) if nodes else []
         self.epoch = 0
+        # The world size `_start_sample` was consumed at (a loaded state's).
+        self._resume_world_size = 0
         # Global samples of this epoch consumed before this iteration started
         # (from load_state_dict), and this rank's samples handed out since.
         self._start_sample = 0
@@ -89,6 +115,10 @@ class ShardedDataset:
             block_rows=self.block_rows,
             split_count=split_count,
             split_index=split_index,
+            locality=self.locality,
+            ranks_per_node=self.ranks_per_node,
+            nodes=self.nodes,
+            resume_world_size=self._resume_world_size if self._start_sample else 0,
         )
 
     @property
@@ -106,6 +136,7 @@ class ShardedDataset:
         if epoch != self.epoch:
             self.epoch = epoch
             self._start_sample = 0
+            self._resume_world_size = 0
         self._yielded = 0
 
     def samples_consumed(self, batches: int | None = None) -> int:
@@ -115,15 +146,25 @@ class ShardedDataset:
         return min(self._start_sample + rows * self.world_size, self.num_rows)
 
     def state_dict(self, batches: int | None = None) -> dict[str, int]:
-        """Where this epoch stands: `{"epoch", "start_sample"}`. `batches`
-        overrides how many batches each rank consumed (for loaders that
-        prefetch)."""
-        return {"epoch": self.epoch, "start_sample": self.samples_consumed(batches)}
+        """Where this epoch stands: `{"epoch", "start_sample", "world_size"}`.
+        `batches` overrides how many batches each rank consumed (for loaders
+        that prefetch)."""
+        consumed = self.samples_consumed(batches)
+        # Samples consumed before this iteration were taken at the loaded
+        # state's world size; a NODE epoch resumes only at one size.
+        world = self._resume_world_size if consumed == self._start_sample and consumed else 0
+        return {
+            "epoch": self.epoch,
+            "start_sample": consumed,
+            "world_size": world or self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resumes from :meth:`state_dict`, possibly saved at another world size."""
+        """Resumes from :meth:`state_dict`, possibly saved at another world
+        size (a `locality="node"` epoch: only at the same one)."""
         self.epoch = int(state["epoch"])
         self._start_sample = int(state["start_sample"])
+        self._resume_world_size = int(state.get("world_size", 0))
         self._yielded = 0
 
     # Iteration

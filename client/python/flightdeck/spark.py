@@ -11,11 +11,18 @@
 
 Each task streams its partition as attempt `TaskContext.attemptNumber()` of
 partition `TaskContext.partitionId()`; the task's commit message names the
-attempt; the driver's `commit` seals the dataset with exactly the winning
-attempts and the partition count, so retried and speculative tasks never
-duplicate rows. `abort` drops what the job wrote. `overwrite` replaces an
-existing dataset; `append` to an existing dataset fails, since a sealed
-dataset is immutable.
+attempt and the server that holds it; the driver's `commit` seals the
+dataset with exactly the winning attempts and the partition count, so
+retried and speculative tasks never duplicate rows. `abort` drops what the
+job wrote. `overwrite` replaces an existing dataset; `append` to an existing
+dataset fails, since a sealed dataset is immutable.
+
+Many nodes: with `uri` `local` (the default) each executor writes to its own
+node's server (`FLIGHTDECK_URI`, else loopback); `uris` (comma-separated)
+sends partition `p` to `uris[p % len(uris)]` instead, for clusters without a
+server beside every executor. When the partitions landed on several servers,
+the driver seals them as one dataset (`Client.seal_cluster`) through the
+first of them.
 
 Spark ML vectors (`VectorUDT`) are structs on the wire: convert them first
 with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
@@ -35,16 +42,32 @@ from .client import connect
 from .errors import FlightDeckError, InvalidArgument, NotFound
 
 
-def prepare_dataset(uri: str, dataset: str, overwrite: bool) -> None:
-    """Driver-side check before a write: drop for overwrite, refuse append
-    to an existing dataset."""
+def parse_uris(value: str | list[str] | None) -> list[str]:
+    """The `uris` option: a list, or one comma-separated string."""
+    if not value:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [u.strip() for u in items if u.strip()]
+
+
+def prepare_dataset(uri: str, dataset: str, overwrite: bool, uris: list[str] = ()) -> None:
+    """Driver-side check before a write, on `uri` and every one of `uris`:
+    drop for overwrite, refuse append to an existing dataset."""
+    for target in list(dict.fromkeys(uris)) or [uri]:
+        _prepare_one(target, dataset, overwrite)
+
+
+def _prepare_one(uri: str, dataset: str, overwrite: bool) -> None:
     client = connect(uri)
     try:
         info = client.describe(dataset)
     except NotFound:
         return
     if overwrite:
-        client.drop(dataset)
+        try:
+            client.drop(dataset)
+        except NotFound:  # dropped by another member's cascade meanwhile
+            pass
         return
     state = "sealed" if info.state == 2 else "being written"
     raise FlightDeckError(
@@ -55,36 +78,61 @@ def prepare_dataset(uri: str, dataset: str, overwrite: bool) -> None:
     )
 
 
+def target_uri(uri: str, uris: list[str], partition: int) -> str:
+    """Where partition `partition` is written: `uris[p % len(uris)]`, else
+    `uri` (`local`: this node's server)."""
+    return uris[partition % len(uris)] if uris else uri
+
+
 def _put_task_partition(
-    uri: str, dataset: str, batches: Iterator[pa.RecordBatch], schema: pa.Schema | None
-) -> tuple[int, int, int]:
+    uri: str,
+    dataset: str,
+    batches: Iterator[pa.RecordBatch],
+    schema: pa.Schema | None,
+    uris: list[str] = (),
+) -> tuple[int, int, int, str]:
     ctx = TaskContext.get()
     if ctx is None:
         raise RuntimeError("flightdeck's Spark writer must run inside a Spark task")
     partition, attempt = ctx.partitionId(), ctx.attemptNumber()
-    with connect(uri) as client:
+    target = target_uri(uri, list(uris), partition)
+    with connect(target) as client:
         ack = client.put_partition(dataset, partition, batches, attempt, schema=schema)
-    return partition, attempt, ack.rows
+        # The server's own name for itself: what other members reach it at.
+        location = ack.location or client.uri
+    return partition, attempt, ack.rows, location
 
 
-def seal_winners(uri: str, dataset: str, partitions: int, winners: dict[int, int]) -> None:
-    """Seals `dataset` naming the winning attempt of every partition."""
+def seal_winners(
+    uri: str, dataset: str, partitions: int, winners: dict[int, tuple[int, str]]
+) -> None:
+    """Seals `dataset` naming the winning attempt of every partition and the
+    server that holds it: one server's seal when all are on one, else a
+    cluster seal through the first of them."""
     missing = sorted(set(range(partitions)) - set(winners))
     if missing:
         raise FlightDeckError(
             f"no committed task for partitions {missing} of dataset '{dataset}'", "INTERNAL"
         )
-    with connect(uri) as client:
-        client.seal(dataset, partitions=partitions, attempts=winners)
+    members: dict[str, dict[int, int]] = {}
+    for p, (attempt, location) in sorted(winners.items()):
+        members.setdefault(location or uri, {})[p] = attempt
+    first = next(iter(members))
+    with connect(first) as client:
+        if len(members) == 1:
+            client.seal(dataset, partitions=partitions, attempts=members[first])
+        else:
+            client.seal_cluster(dataset, members, partitions=partitions)
 
 
-def drop_quietly(uri: str, dataset: str) -> None:
-    """Drops what a failed job wrote, if anything."""
-    try:
-        with connect(uri) as client:
-            client.drop(dataset)
-    except NotFound:
-        pass
+def drop_quietly(uris: list[str], dataset: str) -> None:
+    """Drops what a failed job wrote, if anything, on every server named."""
+    for uri in dict.fromkeys(uris):
+        try:
+            with connect(uri) as client:
+                client.drop(dataset)
+        except FlightDeckError:
+            pass
 
 
 def _arrow_schema(schema) -> pa.Schema | None:
@@ -101,39 +149,44 @@ try:  # Spark 4: Python data sources
 
     @dataclass
     class FlightDeckCommitMessage(WriterCommitMessage):
-        """What a task tells the driver: which attempt holds its partition."""
+        """What a task tells the driver: which attempt holds its partition,
+        and on which server (its advertised location)."""
 
         partition: int
         attempt: int
         rows: int
+        location: str = ""
 
     class FlightDeckWriter(DataSourceArrowWriter):
         """Streams each task's partition; seals on commit, drops on abort."""
 
         def __init__(self, options: dict, schema, overwrite: bool) -> None:
             self.uri = options.get("uri", "local")
+            self.uris = parse_uris(options.get("uris"))
             self.dataset = options.get("dataset")
             if not self.dataset:
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.schema = _arrow_schema(schema)
             # Runs on the driver, before any task.
-            prepare_dataset(self.uri, self.dataset, overwrite)
+            prepare_dataset(self.uri, self.dataset, overwrite, self.uris)
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
-            partition, attempt, rows = _put_task_partition(
-                self.uri, self.dataset, iterator, self.schema
+            partition, attempt, rows, location = _put_task_partition(
+                self.uri, self.dataset, iterator, self.schema, self.uris
             )
-            return FlightDeckCommitMessage(partition, attempt, rows)
+            return FlightDeckCommitMessage(partition, attempt, rows, location)
 
         def commit(self, messages) -> None:
-            winners = {m.partition: m.attempt for m in messages}
+            winners = {m.partition: (m.attempt, m.location) for m in messages}
             seal_winners(self.uri, self.dataset, len(messages), winners)
 
         def abort(self, messages) -> None:
-            drop_quietly(self.uri, self.dataset)
+            written = [m.location for m in messages if m is not None and m.location]
+            drop_quietly([*written, *self.uris] or [self.uri], self.dataset)
 
     class FlightDeckDataSource(DataSource):
-        """`format("flightdeck")`: options `uri` (default `local`) and `dataset`."""
+        """`format("flightdeck")`: options `uri` (default `local`), `uris`
+        (comma-separated; partition p goes to the (p mod n)-th) and `dataset`."""
 
         @classmethod
         def name(cls) -> str:
@@ -157,28 +210,48 @@ def register(spark: SparkSession) -> None:
     spark.dataSource.register(FlightDeckDataSource)
 
 
-def write_dataframe(df: DataFrame, uri: str, dataset: str, *, mode: str = "overwrite") -> int:
+def write_dataframe(
+    df: DataFrame,
+    uri: str,
+    dataset: str,
+    *,
+    mode: str = "overwrite",
+    uris: list[str] | str | None = None,
+) -> int:
     """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+), with the same
-    commit rule as the data source; returns the rows written."""
+    commit rule and `uri`/`uris` routing as the data source; returns the
+    rows written."""
     if mode not in ("overwrite", "append"):
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
-    prepare_dataset(uri, dataset, mode == "overwrite")
+    targets = parse_uris(uris)
+    prepare_dataset(uri, dataset, mode == "overwrite", targets)
     schema = _arrow_schema(df.schema)
 
     def put(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        partition, attempt, rows = _put_task_partition(uri, dataset, batches, schema)
+        partition, attempt, rows, location = _put_task_partition(
+            uri, dataset, batches, schema, targets
+        )
         yield pa.RecordBatch.from_pydict(
-            {"partition": [partition], "attempt": [attempt], "rows": [rows]},
-            schema=pa.schema([("partition", pa.int32()), ("attempt", pa.int32()), ("rows", pa.int64())]),
+            {"partition": [partition], "attempt": [attempt], "rows": [rows], "location": [location]},
+            schema=pa.schema(
+                [
+                    ("partition", pa.int32()),
+                    ("attempt", pa.int32()),
+                    ("rows", pa.int64()),
+                    ("location", pa.string()),
+                ]
+            ),
         )
 
     partitions = df.rdd.getNumPartitions()
     try:
-        results = df.mapInArrow(put, "partition int, attempt int, rows long").collect()
+        results = df.mapInArrow(
+            put, "partition int, attempt int, rows long, location string"
+        ).collect()
     except BaseException:
-        drop_quietly(uri, dataset)
+        drop_quietly(targets or [uri], dataset)
         raise
-    winners = {r["partition"]: r["attempt"] for r in results}
+    winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
     seal_winners(uri, dataset, partitions, winners)
     return sum(r["rows"] for r in results)
 

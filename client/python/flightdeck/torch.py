@@ -23,7 +23,10 @@ import pyarrow as pa
 import torch
 import torch.utils.data
 
-from .dataset import ShardedDataset
+import os
+
+from .client import connect
+from .dataset import ShardedDataset, env_ranks_per_node
 from .tensors import to_torch
 
 
@@ -40,6 +43,34 @@ def _distributed_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
+    """Each node's server, in node order, from every rank's own server
+    (a collective: every rank calls it). A node whose server holds none of
+    the dataset gets "" ; [] when the dataset is held by one server or
+    without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or ranks_per_node < 1:
+        return []
+    client = connect(uri)
+    try:
+        mine = client.location
+        info = client.describe(dataset)
+    finally:
+        client.close()
+    members = {m.location for m in info.layout.members} if info.layout else set()
+    node = int(os.environ.get("GROUP_RANK", dist.get_rank() // ranks_per_node))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (node, mine))
+    if not members:
+        return []
+    nodes = [""] * ((dist.get_world_size() + ranks_per_node - 1) // ranks_per_node)
+    for n, location in everyone:
+        if 0 <= n < len(nodes) and location in members:
+            nodes[n] = location
+    return nodes
+
+
 class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     """This rank's shard of each epoch as an `IterableDataset` of batches.
 
@@ -47,6 +78,12 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     group is initialised, else 0 and 1. `transform` turns each
     `pyarrow.RecordBatch` into what the training loop wants (default: a dict
     of tensors).
+
+    On a dataset sealed across servers, under torchrun (`LOCAL_WORLD_SIZE`,
+    `GROUP_RANK`) with a process group, the ranks learn every node's server
+    from each other when the dataset is built (a collective: build it on
+    every rank), so each rank reads from its own node's server, and
+    `locality="node"` reads each node's own rows.
     """
 
     def __init__(
@@ -64,6 +101,9 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         block_rows: int = 0,
         transform: Callable[[pa.RecordBatch], Any] = batch_to_tensors,
         timeout: float | None = None,
+        locality: str = "global",
+        ranks_per_node: int | None = None,
+        nodes: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if rank is None or world_size is None:
@@ -82,7 +122,12 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             columns=columns,
             block_rows=block_rows,
             timeout=timeout,
+            locality=locality,
+            ranks_per_node=ranks_per_node,
+            nodes=nodes,
         )
+        if nodes is None:
+            self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
         self.transform = transform
 
     def set_epoch(self, epoch: int) -> None:

@@ -17,8 +17,24 @@ use std::sync::Arc;
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
 
+use crate::cluster::Layout;
 use crate::error::{Error, Result};
 use crate::memory::spill::{PersistedDataset, Stored};
+
+/// A dataset's place in a cluster of members.
+#[derive(Debug, Clone)]
+pub enum ClusterState {
+    /// This member's part is sealed; the dataset stays unreadable until the
+    /// coordinating member commits the whole layout.
+    Pending,
+    /// Member `index` of `layout`.
+    Member {
+        /// The whole dataset's layout.
+        layout: Arc<Layout>,
+        /// This server's index in it.
+        index: usize,
+    },
+}
 
 /// One attempt of one partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -65,6 +81,9 @@ pub struct SealRequest {
     pub partitions: u32,
     /// Named winners; partitions not named keep their first committed attempt.
     pub winners: Vec<AttemptKey>,
+    /// A cluster seal: each member's location and winners (then `winners`
+    /// is empty).
+    pub members: Vec<(String, Vec<AttemptKey>)>,
 }
 
 /// The immutable, readable content of a sealed dataset: the winning attempts
@@ -161,6 +180,8 @@ struct Dataset {
     sealed: Option<Sealed>,
     /// Per winning partition: (rows, bytes, committed attempts), kept after seal.
     sealed_parts: Vec<PartitionSummary>,
+    /// Set when the dataset is one member's part of a cluster dataset.
+    cluster: Option<ClusterState>,
 }
 
 /// What `describe` tells about one partition.
@@ -197,6 +218,8 @@ pub struct DatasetSummary {
     pub resident: bool,
     /// The dataset's copy in the spill store, if any.
     pub stored: Option<Stored>,
+    /// Its place in a cluster, if it is part of one.
+    pub cluster: Option<ClusterState>,
 }
 
 /// A sealed dataset as a reader finds it.
@@ -340,6 +363,7 @@ impl Catalog {
                     attempts: BTreeMap::new(),
                     sealed: None,
                     sealed_parts: Vec::new(),
+                    cluster: None,
                 },
             );
         }
@@ -353,6 +377,110 @@ impl Catalog {
 
     /// Seals a dataset; returns its summary and the bytes freed (losers).
     pub fn seal(&mut self, req: &SealRequest) -> Result<(DatasetSummary, u64)> {
+        self.seal_winners(req, false)
+    }
+
+    /// Seals this member's part of a cluster dataset with exactly `winners`
+    /// (attempts of other partitions are losers: their winners are on other
+    /// members), leaving it pending until [`Catalog::commit_layout`]. Sealing
+    /// again with the same winners is a no-op.
+    pub fn prepare_member(
+        &mut self,
+        dataset: &str,
+        winners: &[AttemptKey],
+    ) -> Result<(DatasetSummary, u64)> {
+        let ds = self.get(dataset)?;
+        let mut want = winners.to_vec();
+        want.sort_unstable();
+        if ds.sealed.is_some() {
+            let have: Vec<AttemptKey> = ds.sealed_parts.iter().map(|p| p.key).collect();
+            if ds.cluster.is_some() && have == want {
+                return Ok((summarize(dataset, ds), 0));
+            }
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{dataset}' is already sealed here with other partitions; drop it on \
+                 every member and write it again"
+            )));
+        }
+        let missing: Vec<String> = want
+            .iter()
+            .filter(|k| !ds.attempts.contains_key(k))
+            .map(|k| format!("{} (attempt {})", k.partition, k.attempt))
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{dataset}' lacks partitions {} on this member; write them here, or \
+                 name the member that holds them in the layout",
+                missing.join(", ")
+            )));
+        }
+        let req = SealRequest {
+            dataset: dataset.to_string(),
+            partitions: 0,
+            winners: want,
+            members: vec![],
+        };
+        let (_, freed) = self.seal_winners(&req, true)?;
+        let ds = self
+            .datasets
+            .get_mut(dataset)
+            .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in seal")))?;
+        ds.cluster = Some(ClusterState::Pending);
+        Ok((summarize(dataset, ds), freed))
+    }
+
+    /// Makes this member's sealed part of `dataset` member `index` of
+    /// `layout`; refuses a layout that does not describe what is here.
+    pub fn commit_layout(
+        &mut self,
+        dataset: &str,
+        layout: Arc<Layout>,
+        index: usize,
+    ) -> Result<DatasetSummary> {
+        let ds = self
+            .datasets
+            .get_mut(dataset)
+            .ok_or_else(|| Error::DatasetNotFound {
+                dataset: dataset.to_string(),
+            })?;
+        let refuse = |why: String| {
+            Err(Error::FailedPrecondition(format!(
+                "cannot adopt the cluster layout of dataset '{dataset}': {why}; seal the cluster \
+                 again"
+            )))
+        };
+        let Some(member) = layout.members.get(index) else {
+            return refuse(format!("it has no member {index}"));
+        };
+        if ds.generation != member.generation {
+            return refuse(format!(
+                "it names generation {} here, this member holds generation {}",
+                member.generation, ds.generation
+            ));
+        }
+        let have: Vec<AttemptKey> = ds.sealed_parts.iter().map(|p| p.key).collect();
+        let want: Vec<AttemptKey> = member.partitions.iter().map(|p| p.key).collect();
+        match &ds.cluster {
+            _ if ds.sealed.is_none() => return refuse("this member's part is not sealed".into()),
+            _ if have != want => return refuse("it names other partitions for this member".into()),
+            Some(ClusterState::Member { layout: l, .. }) if l.id != layout.id => {
+                return refuse(format!(
+                    "this member already belongs to layout {:016x}",
+                    l.id
+                ));
+            }
+            None => return refuse("this member's part was sealed on its own".into()),
+            _ => {}
+        }
+        ds.cluster = Some(ClusterState::Member { layout, index });
+        Ok(summarize(dataset, ds))
+    }
+
+    fn seal_winners(
+        &mut self,
+        req: &SealRequest,
+        only_named: bool,
+    ) -> Result<(DatasetSummary, u64)> {
         let name = req.dataset.as_str();
         let ds = self
             .datasets
@@ -382,8 +510,10 @@ impl Catalog {
                 )));
             }
         }
-        for (p, key) in first_committed(&ds.attempts) {
-            winners.entry(p).or_insert(key);
+        if !only_named {
+            for (p, key) in first_committed(&ds.attempts) {
+                winners.entry(p).or_insert(key);
+            }
         }
         if req.partitions > 0 {
             let missing: Vec<u32> = (0..req.partitions)
@@ -611,6 +741,7 @@ impl Catalog {
                     last_read: 0,
                 }),
                 sealed_parts: p.partitions,
+                cluster: p.cluster,
             },
         );
         Ok(())
@@ -712,6 +843,7 @@ fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
         partitions,
         resident: ds.sealed.as_ref().is_none_or(|s| s.data.is_some()),
         stored: ds.sealed.as_ref().and_then(|s| s.stored.clone()),
+        cluster: ds.cluster.clone(),
     }
 }
 

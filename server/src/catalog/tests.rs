@@ -93,6 +93,7 @@ fn missing_partitions_are_listed_and_nothing_changes() {
             dataset: "d".into(),
             partitions: 6,
             winners: vec![],
+            members: vec![],
         })
         .expect_err("missing");
     match err {
@@ -110,6 +111,7 @@ fn missing_partitions_are_listed_and_nothing_changes() {
             dataset: "d".into(),
             partitions: 3,
             winners: vec![],
+            members: vec![],
         })
         .expect_err("extra partition 5");
     assert!(err.to_string().contains("[5]"), "{err}");
@@ -192,7 +194,12 @@ proptest! {
             }
         }
         let winners: Vec<AttemptKey> = named.iter().map(|&(p, a)| key(p, a)).collect();
-        let req = SealRequest { dataset: "d".into(), partitions: expected, winners: winners.clone() };
+        let req = SealRequest {
+            dataset: "d".into(),
+            partitions: expected,
+            winners: winners.clone(),
+            members: vec![],
+        };
         let total_bytes: u64 = committed.values().map(|r| r * 8).sum();
 
         let mut chosen = first.clone();
@@ -320,6 +327,7 @@ fn persisted_datasets_come_back_sealed_with_newer_generations_after_them() {
             dir: object_store::path::Path::from("p"),
             persisted: true,
         },
+        cluster: None,
     })
     .expect("insert");
     let s = c.describe("p").expect("p");
@@ -332,4 +340,68 @@ fn persisted_datasets_come_back_sealed_with_newer_generations_after_them() {
     c.commit("q", key(0, 0), schema(), attempt(key(0, 0), 1))
         .expect("commit");
     assert!(c.describe("q").expect("q").generation > 41);
+}
+
+#[test]
+fn a_member_seals_exactly_its_winners_and_adopts_only_its_layout() {
+    use crate::cluster::{Layout, Member};
+    let mut c = Catalog::new();
+    for (p, a) in [(0, 0), (0, 1), (1, 0), (2, 0)] {
+        c.commit("d", key(p, a), schema(), attempt(key(p, a), 4))
+            .expect("commit");
+    }
+    let winners = [key(0, 1), key(1, 0)];
+    let err = c
+        .prepare_member("d", &[key(0, 1), key(7, 0)])
+        .expect_err("partition 7 is elsewhere");
+    assert!(err.to_string().contains("7 (attempt 0)"), "{err}");
+    let (s, freed) = c.prepare_member("d", &winners).expect("prepare");
+    assert!(
+        freed > 0,
+        "attempt 0 of partition 0 and partition 2 are losers here"
+    );
+    assert_eq!(
+        s.partitions.iter().map(|p| p.key).collect::<Vec<_>>(),
+        winners.to_vec()
+    );
+    assert!(matches!(s.cluster, Some(ClusterState::Pending)));
+    let (_, again) = c.prepare_member("d", &winners).expect("idempotent");
+    assert_eq!(again, 0);
+    assert!(
+        c.prepare_member("d", &[key(0, 0)]).is_err(),
+        "other winners"
+    );
+
+    let member = |generation| Member {
+        location: "grpc://a:1".into(),
+        generation,
+        partitions: s.partitions.clone(),
+    };
+    let stale = Layout::new(vec![member(s.generation + 1)], vec![]).expect("layout");
+    assert!(
+        c.commit_layout("d", Arc::new(stale), 0).is_err(),
+        "another generation"
+    );
+    let layout = Arc::new(Layout::new(vec![member(s.generation)], vec![]).expect("layout"));
+    let s = c.commit_layout("d", layout.clone(), 0).expect("commit");
+    assert!(matches!(
+        s.cluster,
+        Some(ClusterState::Member { index: 0, .. })
+    ));
+    c.commit_layout("d", layout, 0).expect("idempotent");
+    let other = Member {
+        location: "grpc://b:1".into(),
+        generation: 99,
+        partitions: vec![PartitionSummary {
+            key: key(5, 0),
+            rows: 1,
+            bytes: 1,
+            committed_attempts: 1,
+        }],
+    };
+    let bigger = Layout::new(vec![member(s.generation), other], vec![]).expect("layout");
+    assert!(
+        c.commit_layout("d", Arc::new(bigger), 0).is_err(),
+        "another layout"
+    );
 }

@@ -260,6 +260,16 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
     segments_at(data, idx)
 }
 
+/// The bytes of a numeric column's values (all of its rows, none else);
+/// refuses other types and nulls. `column` names it in errors.
+pub fn value_bytes(col: &ArrayRef, column: &str) -> Result<Buffer> {
+    let (values, _) = numeric_values(col, column)?;
+    let values: ArrayData = values.to_data();
+    let elem_bytes = values.data_type().primitive_width().unwrap_or(1);
+    let start = values.offset() * elem_bytes;
+    Ok(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
+}
+
 /// [`column_segments`] of the column at `idx` of the schema.
 pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
     let schema = data.schema();
@@ -271,14 +281,10 @@ pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
             schema.field(idx).data_type()
         ))
     })?;
-    let elem_bytes = element.primitive_width().unwrap_or(1);
     let mut segments = Vec::with_capacity(data.batches().len());
     let mut rows = 0u64;
     for batch in data.batches() {
-        let (values, _) = numeric_values(batch.column(idx), &column)?;
-        let values: ArrayData = values.to_data();
-        let start = values.offset() * elem_bytes;
-        segments.push(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes));
+        segments.push(value_bytes(batch.column(idx), &column)?);
         rows += batch.num_rows() as u64;
     }
     Ok(ColumnSegments {

@@ -42,7 +42,8 @@ use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
 use serde_json::{Value, json};
 
-use crate::catalog::{AttemptKey, PartitionSummary, SealedData};
+use crate::catalog::{AttemptKey, ClusterState, PartitionSummary, SealedData};
+use crate::cluster::{Layout, Member};
 use crate::error::{Error, Result};
 
 /// Rows per Parquet row group (and per batch read back).
@@ -82,6 +83,8 @@ pub struct PersistedDataset {
     pub partitions: Vec<PartitionSummary>,
     /// Where it lives.
     pub stored: Stored,
+    /// Its place in a cluster, if it is part of one.
+    pub cluster: Option<ClusterState>,
 }
 
 /// An object store with flightdeck's layout.
@@ -189,7 +192,7 @@ impl Store {
         name: &str,
         generation: u64,
         data: &SealedData,
-        manifest: Option<&[PartitionSummary]>,
+        manifest: Option<(&[PartitionSummary], Option<&ClusterState>)>,
     ) -> Result<Stored> {
         let stored = Stored {
             dir: self.dir(manifest.is_some(), name, generation),
@@ -209,14 +212,29 @@ impl Store {
                 .map_err(|e| store_error(&what(), e))?;
         }
         writer.close().await.map_err(|e| store_error(&what(), e))?;
-        if let Some(parts) = manifest {
-            let body = manifest_json(name, generation, data.schema(), parts)?;
-            self.store
-                .put(&stored.manifest(), PutPayload::from(body))
-                .await
-                .map_err(|e| store_error(&what(), e))?;
+        if let Some((parts, cluster)) = manifest {
+            self.write_manifest(&stored, name, generation, data.schema(), parts, cluster)
+                .await?;
         }
         Ok(stored)
+    }
+
+    /// Writes (or rewrites) the manifest of a persisted dataset.
+    pub async fn write_manifest(
+        &self,
+        stored: &Stored,
+        name: &str,
+        generation: u64,
+        schema: &Schema,
+        parts: &[PartitionSummary],
+        cluster: Option<&ClusterState>,
+    ) -> Result<()> {
+        let body = manifest_json(name, generation, schema, parts, cluster)?;
+        self.store
+            .put(&stored.manifest(), PutPayload::from(body))
+            .await
+            .map_err(|e| store_error(&format!("writing the manifest of '{name}'"), e))?;
+        Ok(())
     }
 
     /// The dataset's record batches, read back in row order with `schema`.
@@ -407,13 +425,8 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn manifest_json(
-    name: &str,
-    generation: u64,
-    schema: &Schema,
-    parts: &[PartitionSummary],
-) -> Result<Vec<u8>> {
-    let partitions: Vec<Value> = parts
+fn partitions_json(parts: &[PartitionSummary]) -> Vec<Value> {
+    parts
         .iter()
         .map(|p| {
             json!({
@@ -424,37 +437,34 @@ fn manifest_json(
                 "committed_attempts": p.committed_attempts,
             })
         })
-        .collect();
-    let doc = json!({
-        "format": MANIFEST_FORMAT,
-        "dataset": name,
-        "generation": generation,
-        "rows": parts.iter().map(|p| p.rows).sum::<u64>(),
-        "schema_ipc_hex": hex(&schema_bytes(schema)?),
-        "partitions": partitions,
-    });
-    serde_json::to_vec_pretty(&doc).map_err(|e| Error::Internal(format!("manifest: {e}")))
+        .collect()
 }
 
-fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String> {
-    let doc: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-    let u = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).ok_or(format!("no '{k}'"));
-    if u(&doc, "format")? != MANIFEST_FORMAT {
-        return Err("unknown manifest format".into());
+fn cluster_json(cluster: Option<&ClusterState>) -> Value {
+    match cluster {
+        None => Value::Null,
+        Some(ClusterState::Pending) => json!({ "pending": true }),
+        Some(ClusterState::Member { layout, index }) => json!({
+            "member": index,
+            "id": layout.id,
+            "fixed": layout.fixed,
+            "members": layout.members.iter().map(|m| json!({
+                "location": m.location,
+                "generation": m.generation,
+                "partitions": partitions_json(&m.partitions),
+            })).collect::<Vec<_>>(),
+        }),
     }
-    let name = doc
-        .get("dataset")
-        .and_then(Value::as_str)
-        .ok_or("no 'dataset'")?
-        .to_string();
-    let ipc = doc
-        .get("schema_ipc_hex")
-        .and_then(Value::as_str)
-        .and_then(unhex)
-        .ok_or("no 'schema_ipc_hex'")?;
-    let schema = Schema::try_from(IpcMessage(ipc.into())).map_err(|e| e.to_string())?;
-    let partitions = doc
-        .get("partitions")
+}
+
+type Parsed<T> = std::result::Result<T, String>;
+
+fn u(v: &Value, k: &str) -> Parsed<u64> {
+    v.get(k).and_then(Value::as_u64).ok_or(format!("no '{k}'"))
+}
+
+fn parse_partitions(v: &Value) -> Parsed<Vec<PartitionSummary>> {
+    v.get("partitions")
         .and_then(Value::as_array)
         .ok_or("no 'partitions'")?
         .iter()
@@ -472,7 +482,88 @@ fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String>
                 committed_attempts: small("committed_attempts")?,
             })
         })
-        .collect::<std::result::Result<Vec<_>, String>>()?;
+        .collect()
+}
+
+fn parse_cluster(v: Option<&Value>) -> Parsed<Option<ClusterState>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    if v.get("pending").and_then(Value::as_bool) == Some(true) {
+        return Ok(Some(ClusterState::Pending));
+    }
+    let members = v
+        .get("members")
+        .and_then(Value::as_array)
+        .ok_or("no cluster 'members'")?
+        .iter()
+        .map(|m| {
+            Ok(Member {
+                location: m
+                    .get("location")
+                    .and_then(Value::as_str)
+                    .ok_or("no 'location'")?
+                    .to_string(),
+                generation: u(m, "generation")?,
+                partitions: parse_partitions(m)?,
+            })
+        })
+        .collect::<Parsed<Vec<_>>>()?;
+    let fixed = v
+        .get("fixed")
+        .and_then(Value::as_array)
+        .ok_or("no cluster 'fixed'")?
+        .iter()
+        .map(|f| f.as_bool().ok_or("'fixed' holds a non-boolean".to_string()))
+        .collect::<Parsed<Vec<_>>>()?;
+    let layout = Layout::new(members, fixed).map_err(|e| e.to_string())?;
+    if layout.id != u(v, "id")? {
+        return Err("the cluster layout does not match its id".into());
+    }
+    let index = usize::try_from(u(v, "member")?).map_err(|e| e.to_string())?;
+    Ok(Some(ClusterState::Member {
+        layout: Arc::new(layout),
+        index,
+    }))
+}
+
+fn manifest_json(
+    name: &str,
+    generation: u64,
+    schema: &Schema,
+    parts: &[PartitionSummary],
+    cluster: Option<&ClusterState>,
+) -> Result<Vec<u8>> {
+    let partitions = partitions_json(parts);
+    let doc = json!({
+        "format": MANIFEST_FORMAT,
+        "dataset": name,
+        "generation": generation,
+        "rows": parts.iter().map(|p| p.rows).sum::<u64>(),
+        "schema_ipc_hex": hex(&schema_bytes(schema)?),
+        "partitions": partitions,
+        "cluster": cluster_json(cluster),
+    });
+    serde_json::to_vec_pretty(&doc).map_err(|e| Error::Internal(format!("manifest: {e}")))
+}
+
+fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String> {
+    let doc: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    if u(&doc, "format")? != MANIFEST_FORMAT {
+        return Err("unknown manifest format".into());
+    }
+    let name = doc
+        .get("dataset")
+        .and_then(Value::as_str)
+        .ok_or("no 'dataset'")?
+        .to_string();
+    let ipc = doc
+        .get("schema_ipc_hex")
+        .and_then(Value::as_str)
+        .and_then(unhex)
+        .ok_or("no 'schema_ipc_hex'")?;
+    let schema = Schema::try_from(IpcMessage(ipc.into())).map_err(|e| e.to_string())?;
+    let partitions = parse_partitions(&doc)?;
     Ok(PersistedDataset {
         name,
         generation: u(&doc, "generation")?,
@@ -482,6 +573,7 @@ fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String>
             dir: Path::default(),
             persisted: true,
         },
+        cluster: parse_cluster(doc.get("cluster"))?,
     })
 }
 
@@ -505,12 +597,52 @@ mod tests {
             bytes: 640,
             committed_attempts: 3,
         }];
-        let body = manifest_json("a/b c", 7, &schema, &parts).expect("encodes");
+        let body = manifest_json("a/b c", 7, &schema, &parts, None).expect("encodes");
         let back = parse_manifest(&body).expect("parses");
         assert_eq!(back.name, "a/b c");
         assert_eq!(back.generation, 7);
         assert_eq!(*back.schema, schema);
         assert_eq!(back.partitions, parts);
+        assert!(back.cluster.is_none());
+        let pending = manifest_json("a", 7, &schema, &parts, Some(&ClusterState::Pending));
+        let back = parse_manifest(&pending.expect("encodes")).expect("parses");
+        assert!(matches!(back.cluster, Some(ClusterState::Pending)));
+        let layout = Layout::new(
+            vec![
+                Member {
+                    location: "grpc://b:1".into(),
+                    generation: 7,
+                    partitions: parts.clone(),
+                },
+                Member {
+                    location: "grpc://a:1".into(),
+                    generation: 3,
+                    partitions: vec![PartitionSummary {
+                        key: AttemptKey {
+                            partition: 1,
+                            attempt: 0,
+                        },
+                        ..parts[0].clone()
+                    }],
+                },
+            ],
+            vec![true, false],
+        )
+        .expect("layout");
+        let member = ClusterState::Member {
+            layout: Arc::new(layout.clone()),
+            index: 1,
+        };
+        let back = parse_manifest(
+            &manifest_json("a", 7, &schema, &parts, Some(&member)).expect("encodes"),
+        )
+        .expect("parses");
+        match back.cluster {
+            Some(ClusterState::Member { layout: l, index }) => {
+                assert_eq!((l.id, &l.members, index), (layout.id, &layout.members, 1));
+            }
+            other => panic!("cluster state lost: {other:?}"),
+        }
         assert!(parse_manifest(b"{}").is_err());
         assert!(parse_manifest(b"not json").is_err());
     }

@@ -18,7 +18,7 @@
 mod permutation;
 
 pub use permutation::KeyedPermutation;
-use permutation::derive_key;
+pub(crate) use permutation::derive_key;
 
 use crate::error::{Error, Result};
 
@@ -269,6 +269,25 @@ pub struct ReadPlan {
     pub start_sample: u64,
     /// Which of a rank's batches this plan's streams carry.
     pub split: Split,
+    /// Where each rank's rows come from (cluster datasets).
+    pub locality: Locality,
+    /// Ranks per node; 0 = spread evenly over the members.
+    pub ranks_per_node: u32,
+    /// Member location of each node ("" = none); empty = node i is member i.
+    pub nodes: Vec<String>,
+    /// World size `start_sample` was consumed at; 0 = `world_size`.
+    pub resume_world_size: u32,
+}
+
+/// Where a rank's rows come from on a dataset spread over several members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Locality {
+    /// The order of one server holding every partition.
+    #[default]
+    Global,
+    /// Each node's own rows, shuffled within the node, plus the least
+    /// transfer that makes the counts equal.
+    Node,
 }
 
 /// A share of a rank's stream: batches `b` with `b % count == index`.
@@ -410,6 +429,10 @@ mod tests {
                         count: split_count,
                         index,
                     },
+                    locality: Locality::Global,
+                    ranks_per_node: 0,
+                    nodes: vec![],
+                    resume_world_size: 0,
                 };
                 let (rows, _) = plan.stream_size(95);
                 total += rows;

@@ -45,6 +45,14 @@ pub(super) fn list() -> Vec<ActionType> {
             actions::JOB,
             "JobQuery -> JobList: status of training jobs",
         ),
+        (
+            actions::MEMBER_PREPARE,
+            "PrepareMember -> MemberPrepared: seal this member's part of a cluster dataset (between members)",
+        ),
+        (
+            actions::MEMBER_COMMIT,
+            "CommitLayout -> DatasetInfo: adopt a cluster dataset's layout (between members)",
+        ),
     ]
     .into_iter()
     .map(|(t, d)| ActionType {
@@ -74,13 +82,25 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
     match action.r#type.as_str() {
         actions::SEAL => {
             let req = convert::seal_request(&action.body)?;
-            let summary = state.seal(&req).await?;
-            info(state, &summary)
+            Ok(state.seal(&req).await?.encode_to_vec().into())
         }
         actions::DROP => {
-            let name = convert::drop_request(&action.body)?;
-            let summary = state.drop_dataset(&name).await?;
+            let (name, member_only) = convert::drop_request(&action.body)?;
+            let summary = state.drop_dataset(&name, member_only).await?;
             Ok(convert::dataset_info(&summary)?.encode_to_vec().into())
+        }
+        actions::MEMBER_PREPARE => {
+            let (name, winners) = convert::prepare_request(&action.body)?;
+            Ok(state
+                .prepare_member(&name, &winners)
+                .await?
+                .encode_to_vec()
+                .into())
+        }
+        actions::MEMBER_COMMIT => {
+            let (name, layout, index) = convert::commit_request(&action.body)?;
+            let summary = state.commit_layout(&name, layout, index).await?;
+            info(state, &summary)
         }
         actions::DESCRIBE => {
             let name = convert::describe_request(&action.body)?;
@@ -90,6 +110,9 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
         actions::STATS => {
             let totals = state.catalog().totals();
             let tiers = state.tier_stats();
+            let t = &state.traffic;
+            let load =
+                |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
             Ok(pb::ServerStats {
                 memory_used: tiers.budget_used,
                 memory_limit: tiers.budget_limit,
@@ -108,6 +131,13 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 spill_url: tiers.spill_url,
                 persist: tiers.persist,
                 cuda_devices: tiers.cuda_devices,
+                location: state.location.clone(),
+                rows_served: load(&t.rows_served),
+                bytes_served: load(&t.bytes_served),
+                rows_served_to_peers: load(&t.rows_to_peers),
+                bytes_served_to_peers: load(&t.bytes_to_peers),
+                rows_fetched_from_peers: load(&t.rows_from_peers),
+                bytes_fetched_from_peers: load(&t.bytes_from_peers),
             }
             .encode_to_vec()
             .into())

@@ -1,10 +1,15 @@
 //! Reading: `GetFlightInfo` plans one endpoint per rank, `DoGet` streams a
 //! rank's shard, `GetSchema` and `ListFlights` describe datasets.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::{
     FlightData, FlightDescriptor, FlightEndpoint, FlightInfo, SchemaAsIpc, SchemaResult, Ticket,
 };
+use bytes::Bytes;
 use flightdeck_protos as pb;
 use futures::StreamExt;
 use prost::Message;
@@ -14,26 +19,101 @@ use tonic::Status;
 
 use super::Stream;
 use super::ipc::{IpcMessage, Messages};
-use crate::catalog::{DatasetState, DatasetSummary};
+use crate::catalog::{ClusterState, DatasetState, DatasetSummary};
+use crate::cluster::peer::PeerBatch;
+use crate::cluster::{self, Layout, Nodes, RankRows};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
-use crate::order::ReadPlan;
-use crate::read::{Shard, project};
-use crate::state::State;
+use crate::order::{Locality, ReadPlan};
+use crate::read::{Gather, Picks, Shard, project};
+use crate::state::{State, Traffic, unfinished_seal};
 
 /// Batches gathered ahead of the socket per stream.
 const READ_AHEAD: usize = 2;
+/// Batches received ahead of the merge from each member.
+const PEER_AHEAD: usize = 2;
+
+/// Where a sealed dataset's rows are, as a reader needs them.
+struct Source {
+    /// The row space: the cluster's layout, or one member (this server).
+    layout: Arc<Layout>,
+    /// This server's index in it.
+    index: usize,
+    /// Sealed across members (tickets carry the layout id).
+    cluster: bool,
+}
+
+impl Source {
+    fn of(state: &State, s: &DatasetSummary) -> Result<Self> {
+        match &s.cluster {
+            Some(ClusterState::Member { layout, index }) => Ok(Self {
+                layout: layout.clone(),
+                index: *index,
+                cluster: true,
+            }),
+            Some(ClusterState::Pending) => Err(unfinished_seal(&s.name)),
+            None => Ok(Self {
+                layout: Arc::new(Layout::single(
+                    &state.location,
+                    s.generation,
+                    s.partitions.clone(),
+                )),
+                index: 0,
+                cluster: false,
+            }),
+        }
+    }
+
+    /// The plan's node map over this layout.
+    fn nodes(&self, plan: &ReadPlan) -> Result<Nodes> {
+        let nodes = plan
+            .nodes
+            .iter()
+            .map(|n| {
+                if n.is_empty() {
+                    return Ok(None);
+                }
+                self.layout.member_at(n).map(Some).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "node location '{n}' is not a member of dataset '{}'; its members are \
+                         {}; use \"\" for a node whose server holds none of it",
+                        plan.dataset,
+                        self.layout
+                            .members
+                            .iter()
+                            .map(|m| m.location.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Nodes::new(
+            plan.world_size,
+            plan.ranks_per_node,
+            nodes,
+            self.layout.members.len(),
+        )
+    }
+}
 
 /// The endpoints of a plan over the sealed dataset `s` (resident or
-/// spilled), one per rank in rank order.
+/// spilled), one per rank in rank order; on a cluster each names the member
+/// that serves the rank.
 fn plan_info(
     plan: &ReadPlan,
     s: &DatasetSummary,
+    source: &Source,
     descriptor: FlightDescriptor,
 ) -> Result<FlightInfo> {
-    let generation = s.generation;
     let (_, schema) = project(&s.schema, &plan.columns, &plan.dataset)?;
-    let shares = plan.shares(s.rows)?;
+    let n = source.layout.rows();
+    let nodes = source.nodes(plan)?;
+    if plan.locality == Locality::Node {
+        // Refuses a resume it cannot make exact, before any ticket exists.
+        cluster::node_order(plan, &source.layout, nodes.clone())?;
+    }
+    let shares = plan.shares(n)?;
     let (rows, batches) = plan.stream_size(shares.per_rank());
     let mut info = FlightInfo::new()
         .try_with_schema(&schema)
@@ -45,28 +125,40 @@ fn plan_info(
         let ticket = convert::encode_ticket(&ShardTicket {
             plan: plan.clone(),
             rank,
-            generation,
+            generation: if source.cluster { 0 } else { s.generation },
+            layout: if source.cluster { source.layout.id } else { 0 },
+            peer: None,
         });
         let meta = pb::ShardInfo {
             rank,
             rows,
             batches,
         };
-        info = info.with_endpoint(
-            FlightEndpoint::new()
-                .with_ticket(Ticket::new(ticket))
-                .with_app_metadata(meta.encode_to_vec()),
-        );
+        let mut endpoint = FlightEndpoint::new()
+            .with_ticket(Ticket::new(ticket))
+            .with_app_metadata(meta.encode_to_vec());
+        if source.cluster {
+            let member = nodes.serving_member(u64::from(rank));
+            endpoint = endpoint.with_location(source.layout.members[member].location.clone());
+        }
+        info = info.with_endpoint(endpoint);
     }
     Ok(info)
 }
 
 /// `GetFlightInfo`: validate the plan against the sealed dataset and hand out
-/// one ticket per rank.
-pub(super) fn flight_info(state: &State, descriptor: FlightDescriptor) -> Result<FlightInfo> {
+/// one ticket per rank; on a cluster, only once every member holds the
+/// same layout.
+pub(super) async fn flight_info(state: &State, descriptor: FlightDescriptor) -> Result<FlightInfo> {
     let plan = convert::read_plan(&descriptor, &state.config)?;
     let summary = sealed_summary(state, &plan.dataset)?;
-    plan_info(&plan, &summary, descriptor)
+    let source = Source::of(state, &summary)?;
+    if source.cluster {
+        state
+            .check_members(&plan.dataset, &source.layout, source.index)
+            .await?;
+    }
+    plan_info(&plan, &summary, &source, descriptor)
 }
 
 /// The summary of a dataset that must be sealed.
@@ -97,56 +189,314 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
     let mut infos = Vec::with_capacity(summaries.len());
     for s in summaries {
         let descriptor = FlightDescriptor::new_path(vec![s.name.clone()]);
-        let info = match s.state {
-            DatasetState::Sealed => {
-                let plan = convert::read_plan(&descriptor, &state.config)?;
-                plan_info(&plan, &s, descriptor)?
-            }
-            DatasetState::Open => FlightInfo::new()
+        let sealed =
+            s.state == DatasetState::Sealed && !matches!(s.cluster, Some(ClusterState::Pending));
+        let info = if sealed {
+            let plan = convert::read_plan(&descriptor, &state.config)?;
+            plan_info(&plan, &s, &Source::of(state, &s)?, descriptor)?
+        } else {
+            FlightInfo::new()
                 .try_with_schema(&s.schema)
                 .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))?
                 .with_descriptor(descriptor)
-                .with_total_records(i64::try_from(s.rows).unwrap_or(i64::MAX)),
+                .with_total_records(i64::try_from(s.rows).unwrap_or(i64::MAX))
         };
         infos.push(info.with_total_bytes(i64::try_from(s.bytes).unwrap_or(i64::MAX)));
     }
     Ok(infos)
 }
 
-/// The messages of a rank's shard: the schema, then each batch's IPC
-/// messages as it is gathered. Rows are gathered and encoded on a blocking
-/// thread into a small bounded channel, so a slow reader holds back the
-/// gather; dropping the receiver (the client hung up) stops it.
+type Sender = mpsc::Sender<Result<Vec<IpcMessage>>>;
+
+/// Sends one encoded batch; false when the receiver is gone (the client
+/// hung up) or after an error.
+fn send(tx: &Sender, encoded: Result<Vec<IpcMessage>>) -> bool {
+    let failed = encoded.is_err();
+    tx.blocking_send(encoded).is_ok() && !failed
+}
+
+/// Rows and body bytes of an encoded batch.
+fn body_bytes(messages: &[IpcMessage]) -> u64 {
+    messages.iter().map(|m| m.body_len as u64).sum()
+}
+
+/// The messages of a rank's shard (or of a peer's part of it): the schema,
+/// then each batch's IPC messages as it is gathered. Rows are gathered and
+/// encoded on a blocking thread into a small bounded channel, so a slow
+/// reader holds back the gather; dropping the receiver (the client hung up)
+/// stops it.
 pub(super) async fn shard_messages(
     state: &State,
     ticket: &Ticket,
 ) -> Result<mpsc::Receiver<Result<Vec<IpcMessage>>>> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
-    let (generation, data) = state.resident(&t.plan.dataset).await?;
-    if generation != t.generation {
+    let name = t.plan.dataset.clone();
+    state.readable(&name)?;
+    let summary = sealed_summary(state, &name)?;
+    let source = Source::of(state, &summary)?;
+    let stale = || {
+        Error::FailedPrecondition(format!(
+            "dataset '{name}' was dropped and written again after this ticket was issued; call \
+             GetFlightInfo again for fresh tickets"
+        ))
+    };
+    if source.cluster && t.layout != source.layout.id {
+        return Err(stale());
+    }
+    if !source.cluster && (t.layout != 0 || t.peer.is_some()) {
         return Err(Error::FailedPrecondition(format!(
-            "dataset '{}' was dropped and written again after this ticket was issued; call \
-             GetFlightInfo again for fresh tickets",
-            t.plan.dataset
+            "this ticket reads dataset '{name}' as a cluster dataset, but this server holds it \
+             on its own (dropped and written again?); call GetFlightInfo again"
         )));
     }
-    let shard = Shard::new(data, &t.plan, t.rank)?;
-    let mut messages = Messages::new(&shard.schema())?;
+    let (generation, data) = state.resident(&name).await?;
+    let expected = if source.cluster {
+        source.layout.members[source.index].generation
+    } else {
+        t.generation
+    };
+    if generation != expected {
+        return Err(stale());
+    }
+    let traffic = state.traffic.clone();
     let (tx, rx) = mpsc::channel(READ_AHEAD);
-    tx.try_send(Ok(vec![messages.schema()])).map_err(|_| {
-        Error::Internal("the shard channel is full before the first message".into())
-    })?;
-    tokio::task::spawn_blocking(move || {
-        for batch in shard.batches() {
-            let encoded = batch.and_then(|b| messages.batch(&b));
-            let failed = encoded.is_err();
-            // The receiver is gone when the client hung up: stop gathering.
-            if tx.blocking_send(encoded).is_err() || failed {
+    if !source.cluster && t.plan.locality == Locality::Global {
+        let shard = Shard::new(data, &t.plan, t.rank)?;
+        let mut messages = Messages::new(&shard.schema())?;
+        start(&tx, &messages)?;
+        tokio::task::spawn_blocking(move || {
+            for batch in shard.batches() {
+                let encoded = batch.and_then(|b| {
+                    let m = messages.batch(&b)?;
+                    let t = &traffic;
+                    Traffic::add(
+                        &t.rows_served,
+                        &t.bytes_served,
+                        b.num_rows() as u64,
+                        body_bytes(&m),
+                    );
+                    Ok(m)
+                });
+                if !send(&tx, encoded) {
+                    break;
+                }
+            }
+        });
+        return Ok(rx);
+    }
+    let nodes = source.nodes(&t.plan)?;
+    let rows = RankRows::new(&t.plan, source.layout.clone(), &nodes, t.rank)?;
+    let fixed = source.cluster.then_some(source.layout.fixed.as_slice());
+    let gather = Gather::new(data, &t.plan.columns, &name, fixed)?;
+    let messages = Messages::new(&gather.schema())?;
+    start(&tx, &messages)?;
+    let read = MergedRead {
+        gather,
+        rows,
+        plan: t.plan.clone(),
+        index: source.index,
+        messages,
+        traffic,
+        tx,
+    };
+    if let Some(peer) = t.peer {
+        if peer as usize != source.index {
+            return Err(Error::invalid(format!(
+                "this ticket asks member {peer} of dataset '{name}' for its rows, but this \
+                 server is member {}",
+                source.index
+            )));
+        }
+        tokio::task::spawn_blocking(move || read.serve_peer());
+        return Ok(rx);
+    }
+    let mut feeds = HashMap::new();
+    let wanted: Vec<usize> = read
+        .rows
+        .sources()
+        .into_iter()
+        .filter(|&m| m != source.index)
+        .collect();
+    let opened = futures::future::join_all(wanted.iter().map(|&m| {
+        let ticket = convert::encode_ticket(&ShardTicket {
+            plan: t.plan.clone(),
+            rank: t.rank,
+            generation: 0,
+            layout: source.layout.id,
+            peer: Some(m as u32),
+        });
+        state
+            .peers
+            .fetch(&source.layout.members[m].location, &name, ticket)
+    }))
+    .await;
+    for (&m, stream) in wanted.iter().zip(opened) {
+        let (ftx, frx) = mpsc::channel(PEER_AHEAD);
+        let mut stream = Box::pin(stream?);
+        tokio::spawn(async move {
+            while let Some(item) = stream.next().await {
+                let failed = item.is_err();
+                if ftx.send(item).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        feeds.insert(m, (source.layout.members[m].location.clone(), frx));
+    }
+    tokio::task::spawn_blocking(move || read.serve_rank(feeds));
+    Ok(rx)
+}
+
+/// Queues the schema message, the first of every stream.
+fn start(tx: &Sender, messages: &Messages) -> Result<()> {
+    tx.try_send(Ok(vec![messages.schema()]))
+        .map_err(|_| Error::Internal("the shard channel is full before the first message".into()))
+}
+
+/// A rank's stream over a layout: this member's rows gathered here, other
+/// members' rows fetched from them.
+struct MergedRead {
+    gather: Gather,
+    rows: RankRows,
+    plan: ReadPlan,
+    index: usize,
+    messages: Messages,
+    traffic: Arc<Traffic>,
+    tx: Sender,
+}
+
+/// Per member: its location and the batches it streams.
+type Feeds = HashMap<usize, (String, mpsc::Receiver<Result<PeerBatch>>)>;
+
+impl MergedRead {
+    /// For another member's rank: only this member's rows of each batch,
+    /// each batch tagged with its index; batches without such rows are
+    /// left out.
+    fn serve_peer(mut self) {
+        for (b, samples) in self.plan.stream_batches(self.rows.len()).enumerate() {
+            let data = self.gather.data();
+            let local: Vec<(usize, usize)> = samples
+                .filter_map(|k| {
+                    let (m, row) = self.rows.sample(k);
+                    (m == self.index).then(|| data.locate(row))
+                })
+                .collect();
+            if local.is_empty() {
+                continue;
+            }
+            let encoded = self
+                .gather
+                .batch(&Picks::new(local), &[])
+                .and_then(|batch| {
+                    let mut m = self.messages.batch(&batch)?;
+                    if let Some(last) = m.last_mut() {
+                        last.app_metadata = Bytes::copy_from_slice(&(b as u64).to_le_bytes());
+                    }
+                    let t = &self.traffic;
+                    Traffic::add(
+                        &t.rows_to_peers,
+                        &t.bytes_to_peers,
+                        batch.num_rows() as u64,
+                        body_bytes(&m),
+                    );
+                    Ok(m)
+                });
+            if !send(&self.tx, encoded) {
                 break;
             }
         }
-    });
-    Ok(rx)
+    }
+
+    /// For a rank reading here: each batch in order, merging this member's
+    /// rows with those fetched from the others.
+    fn serve_rank(mut self, mut feeds: Feeds) {
+        for (b, samples) in self.plan.stream_batches(self.rows.len()).enumerate() {
+            let encoded = self.merge(b as u64, samples, &mut feeds).and_then(|batch| {
+                let m = self.messages.batch(&batch)?;
+                let t = &self.traffic;
+                Traffic::add(
+                    &t.rows_served,
+                    &t.bytes_served,
+                    batch.num_rows() as u64,
+                    body_bytes(&m),
+                );
+                Ok(m)
+            });
+            if !send(&self.tx, encoded) {
+                break;
+            }
+        }
+    }
+
+    fn merge(
+        &self,
+        b: u64,
+        samples: std::ops::Range<u64>,
+        feeds: &mut Feeds,
+    ) -> Result<RecordBatch> {
+        let data = self.gather.data();
+        let local_batches = data.batches().len();
+        let mut extra: Vec<RecordBatch> = Vec::new();
+        // Per member: (index into `extra`, next row of it).
+        let mut taken: HashMap<usize, (usize, usize)> = HashMap::new();
+        let mut picks = Vec::with_capacity((samples.end - samples.start) as usize);
+        for k in samples {
+            let (m, row) = self.rows.sample(k);
+            if m == self.index {
+                picks.push(data.locate(row));
+                continue;
+            }
+            let (e, next) = match taken.get_mut(&m) {
+                Some(t) => t,
+                None => {
+                    let batch = self.receive(feeds, m, b)?;
+                    extra.push(batch);
+                    taken.entry(m).or_insert((extra.len() - 1, 0))
+                }
+            };
+            picks.push((local_batches + *e, *next));
+            *next += 1;
+        }
+        for (&m, &(e, used)) in &taken {
+            if extra[e].num_rows() != used {
+                return Err(Error::Internal(format!(
+                    "member {m} sent {} rows for batch {b} of the stream, {used} expected",
+                    extra[e].num_rows()
+                )));
+            }
+        }
+        self.gather.batch(&Picks::new(picks), &extra)
+    }
+
+    /// Member `m`'s rows of batch `b`.
+    fn receive(&self, feeds: &mut Feeds, m: usize, b: u64) -> Result<RecordBatch> {
+        let (location, feed) = feeds.get_mut(&m).ok_or_else(|| {
+            Error::Internal(format!(
+                "the stream needs rows of member {m}, which it did not ask"
+            ))
+        })?;
+        match feed.blocking_recv() {
+            Some(Ok((got, batch, bytes))) if got == b => {
+                let t = &self.traffic;
+                Traffic::add(
+                    &t.rows_from_peers,
+                    &t.bytes_from_peers,
+                    batch.num_rows() as u64,
+                    bytes,
+                );
+                Ok(batch)
+            }
+            Some(Ok((got, ..))) => Err(Error::Internal(format!(
+                "member {location} sent rows of batch {got} where batch {b} was due"
+            ))),
+            Some(Err(e)) => Err(e),
+            None => Err(Error::Unavailable(format!(
+                "member {location} ended its stream of dataset '{}' before batch {b}; read \
+                 again from start_sample",
+                self.plan.dataset
+            ))),
+        }
+    }
 }
 
 /// `DoGet` through the generated service (the network edge answers it in

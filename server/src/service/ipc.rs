@@ -25,6 +25,8 @@ use crate::error::{Error, Result};
 
 /// Tag of `FlightData.data_header` (field 2, length-delimited).
 const HEADER_TAG: u8 = 0x12;
+/// Tag of `FlightData.app_metadata` (field 3, length-delimited).
+const METADATA_TAG: u8 = 0x1A;
 /// Tag of `FlightData.data_body` (field 1000, length-delimited) as a varint.
 const BODY_TAG: [u8; 2] = [0xC2, 0x3E];
 
@@ -37,6 +39,8 @@ pub struct IpcMessage {
     pub body: Vec<Bytes>,
     /// Bytes of the body.
     pub body_len: usize,
+    /// `FlightData.app_metadata` (empty: none).
+    pub app_metadata: Bytes,
 }
 
 impl IpcMessage {
@@ -49,6 +53,7 @@ impl IpcMessage {
         FlightData {
             data_header: self.header.clone(),
             data_body: body.freeze(),
+            app_metadata: self.app_metadata.clone(),
             ..Default::default()
         }
     }
@@ -58,12 +63,18 @@ impl IpcMessage {
     /// the body's own buffers. Refuses messages above `max_bytes`.
     pub fn to_grpc_frame(&self, max_bytes: usize) -> Result<Vec<Bytes>> {
         let header_field = 1 + varint_len(self.header.len()) + self.header.len();
+        let meta = self.app_metadata.len();
+        let meta_field = if meta == 0 {
+            0
+        } else {
+            1 + varint_len(meta) + meta
+        };
         let body_field = if self.body_len == 0 {
             0
         } else {
             BODY_TAG.len() + varint_len(self.body_len) + self.body_len
         };
-        let len = header_field + body_field;
+        let len = header_field + meta_field + body_field;
         if len > max_bytes {
             return Err(Error::ResourceExhausted(format!(
                 "a record batch of the shard encodes to {len} bytes, above this server's \
@@ -73,12 +84,17 @@ impl IpcMessage {
         let len32 = u32::try_from(len).map_err(|_| {
             Error::ResourceExhausted(format!("a {len}-byte message cannot be framed"))
         })?;
-        let mut head = BytesMut::with_capacity(5 + header_field + 12);
+        let mut head = BytesMut::with_capacity(5 + header_field + meta_field + 12);
         head.put_u8(0); // not compressed
         head.put_u32(len32);
         head.put_u8(HEADER_TAG);
         put_varint(&mut head, self.header.len());
         head.extend_from_slice(&self.header);
+        if meta > 0 {
+            head.put_u8(METADATA_TAG);
+            put_varint(&mut head, meta);
+            head.extend_from_slice(&self.app_metadata);
+        }
         if self.body_len > 0 {
             head.extend_from_slice(&BODY_TAG);
             put_varint(&mut head, self.body_len);
@@ -145,6 +161,7 @@ impl Messages {
             header: Bytes::from(encoded.ipc_message),
             body: Vec::new(),
             body_len: 0,
+            app_metadata: Bytes::new(),
         }
     }
 
@@ -189,6 +206,7 @@ fn split(pieces: Vec<Buffer>) -> Result<Vec<IpcMessage>> {
             header,
             body,
             body_len,
+            app_metadata: Bytes::new(),
         });
     }
     Ok(out)
@@ -308,9 +326,13 @@ mod tests {
         for input in [b0, batch(1000, 3000).slice(17, 2000), batch(9, 1)] {
             let messages = m.batch(&input).expect("encodes");
             let mut got = None;
-            for msg in &messages {
+            for (i, msg) in messages.iter().enumerate() {
+                // Tagged and untagged messages (peer batches carry a tag).
+                let mut msg = msg.clone();
+                msg.app_metadata = Bytes::from(vec![i as u8 + 1; 8 * (i % 2)]);
                 let framed = unframe(&msg.to_grpc_frame(64 << 20).expect("fits"));
                 assert_eq!(framed, msg.to_flight_data(), "framed = prost encoding");
+                assert_eq!(framed.app_metadata, msg.app_metadata);
                 let header = root_as_message(&framed.data_header).expect("header");
                 match header.header_type() {
                     MessageHeader::DictionaryBatch => {

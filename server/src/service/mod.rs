@@ -80,10 +80,9 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        Ok(Response::new(get::flight_info(
-            &self.state,
-            request.into_inner(),
-        )?))
+        Ok(Response::new(
+            get::flight_info(&self.state, request.into_inner()).await?,
+        ))
     }
 
     async fn poll_flight_info(

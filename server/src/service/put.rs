@@ -166,5 +166,6 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
         attempt: key.attempt,
         rows,
         bytes,
+        location: state.location.clone(),
     })
 }

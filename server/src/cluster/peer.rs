@@ -1,0 +1,212 @@
+//! Calls between members: sealing each member's part, checking that every
+//! member holds a layout, dropping a cluster dataset everywhere, and
+//! fetching the rows of a rank's stream that another member holds.
+//!
+//! Every call has a bounded time to connect, and connections carry HTTP/2
+//! keepalives, so a member that dies or vanishes turns into `UNAVAILABLE`
+//! naming it, never a hang. Errors name the member and the dataset.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use arrow::array::RecordBatch;
+use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, Ticket};
+use bytes::Bytes;
+use futures::{Stream, TryStreamExt};
+use prost::Message;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::error::{Error, Result};
+
+/// Longest wait for a connection to a member.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// HTTP/2 pings on member connections, and how long an answer may take.
+const KEEPALIVE: Duration = Duration::from_secs(2);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest wait for a control call (prepare, commit, describe, drop): a
+/// prepare may persist the member's part to the store.
+const ACTION_TIMEOUT: Duration = Duration::from_secs(120);
+/// Largest message from a member.
+const MAX_MESSAGE_BYTES: usize = 1 << 30;
+
+/// A batch of a peer's rows: the index of the rank's batch it belongs to,
+/// the rows, and the bytes of its IPC body.
+pub type PeerBatch = (u64, RecordBatch, u64);
+
+/// Connections to other members, opened on first use and shared.
+#[derive(Debug, Default)]
+pub struct Peers {
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+/// `http://…` for a member location (`grpc://`, `grpc+tcp://`, `http://`).
+fn endpoint_uri(location: &str) -> String {
+    let rest = location
+        .strip_prefix("grpc+tcp://")
+        .or_else(|| location.strip_prefix("grpc://"))
+        .or_else(|| location.strip_prefix("http://"))
+        .unwrap_or(location);
+    format!("http://{rest}")
+}
+
+/// An error a member answered (or a failure to reach it), as this server's
+/// error naming the member and the dataset.
+pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
+    let msg = status.message();
+    match status.code() {
+        Code::NotFound => Error::FailedPrecondition(format!(
+            "member {location} no longer holds its part of dataset '{dataset}' ({msg}); the \
+             cluster does not hold the dataset whole: drop it and write it again"
+        )),
+        Code::InvalidArgument => Error::InvalidArgument(format!("member {location}: {msg}")),
+        Code::FailedPrecondition => Error::FailedPrecondition(format!("member {location}: {msg}")),
+        Code::ResourceExhausted => Error::ResourceExhausted(format!("member {location}: {msg}")),
+        Code::Internal => Error::Internal(format!("member {location}: {msg}")),
+        _ => Error::Unavailable(format!(
+            "member {location} holding rows of dataset '{dataset}' is unavailable ({msg}); \
+             restart it (with --persist it serves the same rows again) and resume from \
+             start_sample"
+        )),
+    }
+}
+
+impl Peers {
+    fn client(&self, location: &str, dataset: &str) -> Result<FlightServiceClient<Channel>> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let channel = match channels.get(location) {
+            Some(c) => c.clone(),
+            None => {
+                let c = Endpoint::from_shared(endpoint_uri(location))
+                    .map_err(|e| {
+                        Error::invalid(format!(
+                            "member location '{location}' of dataset '{dataset}' is not a URI: {e}"
+                        ))
+                    })?
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(KEEPALIVE)
+                    .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                    .keep_alive_while_idle(true)
+                    .initial_stream_window_size(Some(8 << 20))
+                    .initial_connection_window_size(Some(32 << 20))
+                    .connect_lazy();
+                channels.insert(location.to_string(), c.clone());
+                c
+            }
+        };
+        Ok(FlightServiceClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    /// Runs action `kind` with `body` on the member at `location`; decodes
+    /// its one result.
+    pub async fn action<M: Message + Default>(
+        &self,
+        location: &str,
+        dataset: &str,
+        kind: &str,
+        body: impl Message,
+    ) -> Result<M> {
+        let mut client = self.client(location, dataset)?;
+        let call = async {
+            let mut results = client
+                .do_action(Action::new(kind, body.encode_to_vec()))
+                .await?
+                .into_inner();
+            results.message().await
+        };
+        let reply = match tokio::time::timeout(ACTION_TIMEOUT, call).await {
+            Ok(reply) => reply.map_err(|s| from_peer(&s, location, dataset))?,
+            Err(_) => {
+                return Err(from_peer(
+                    &Status::deadline_exceeded(format!("no answer within {ACTION_TIMEOUT:?}")),
+                    location,
+                    dataset,
+                ));
+            }
+        };
+        let body = reply.map(|r| r.body).unwrap_or_default();
+        M::decode(body).map_err(|e| {
+            Error::Internal(format!(
+                "member {location} answered '{kind}' with something that does not decode: {e}"
+            ))
+        })
+    }
+
+    /// The batches member `location` streams for `ticket` (a peer ticket),
+    /// each tagged with the rank's batch it belongs to.
+    pub async fn fetch(
+        &self,
+        location: &str,
+        dataset: &str,
+        ticket: Bytes,
+    ) -> Result<impl Stream<Item = Result<PeerBatch>> + Send + 'static> {
+        let mut client = self.client(location, dataset)?;
+        let response = tokio::time::timeout(ACTION_TIMEOUT, client.do_get(Ticket::new(ticket)))
+            .await
+            .map_err(|_| {
+                from_peer(
+                    &Status::deadline_exceeded("no answer to DoGet"),
+                    location,
+                    dataset,
+                )
+            })?
+            .map_err(|s| from_peer(&s, location, dataset))?;
+        let (location, dataset) = (location.to_string(), dataset.to_string());
+        let messages = response
+            .into_inner()
+            .map_err(|s| FlightError::Tonic(Box::new(s)));
+        Ok(FlightDataDecoder::new(messages)
+            .map_err(move |e| match e {
+                FlightError::Tonic(s) => from_peer(&s, &location, &dataset),
+                other => Error::Internal(format!(
+                    "member {location} sent rows of dataset '{dataset}' that do not decode: {other}"
+                )),
+            })
+            .try_filter_map(|d| async move {
+                let DecodedPayload::RecordBatch(batch) = d.payload else {
+                    return Ok(None);
+                };
+                let tag: [u8; 8] = d.inner.app_metadata.as_ref().try_into().map_err(|_| {
+                    Error::Internal("a member sent a batch without its batch index".into())
+                })?;
+                let bytes = d.inner.data_body.len() as u64;
+                Ok(Some((u64::from_le_bytes(tag), batch, bytes)))
+            }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_become_http_uris() {
+        assert_eq!(
+            endpoint_uri("grpc://10.0.0.1:50051"),
+            "http://10.0.0.1:50051"
+        );
+        assert_eq!(endpoint_uri("grpc+tcp://h:1"), "http://h:1");
+        assert_eq!(endpoint_uri("http://h:1"), "http://h:1");
+    }
+
+    #[test]
+    fn peer_errors_name_the_member_and_say_what_to_do() {
+        let e = from_peer(
+            &Status::unavailable("connection refused"),
+            "grpc://b:1",
+            "d",
+        );
+        assert_eq!(e.code(), Code::Unavailable);
+        assert!(e.to_string().contains("grpc://b:1") && e.to_string().contains("'d'"));
+        let e = from_peer(&Status::not_found("gone"), "grpc://b:1", "d");
+        assert_eq!(e.code(), Code::FailedPrecondition);
+        assert!(e.to_string().contains("drop it and write it again"), "{e}");
+    }
+}

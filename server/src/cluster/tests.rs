@@ -1,0 +1,232 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::catalog::AttemptKey;
+
+/// A layout with partition sizes `sizes`, partition `p` on member `owner[p]`.
+fn layout(sizes: &[u64], owner: &[usize], members: usize) -> Layout {
+    let mut ms: Vec<Member> = (0..members)
+        .map(|m| Member {
+            location: format!("grpc://10.0.0.{m}:50051"),
+            generation: m as u64 + 7,
+            partitions: Vec::new(),
+        })
+        .collect();
+    for (p, (&rows, &m)) in sizes.iter().zip(owner).enumerate() {
+        ms[m].partitions.push(PartitionSummary {
+            key: AttemptKey {
+                partition: p as u32,
+                attempt: 0,
+            },
+            rows,
+            bytes: rows * 8,
+            committed_attempts: 1,
+        });
+    }
+    Layout::new(ms, vec![true]).expect("valid layout")
+}
+
+#[test]
+fn a_partition_on_two_members_is_refused() {
+    let part = PartitionSummary {
+        key: AttemptKey {
+            partition: 3,
+            attempt: 0,
+        },
+        rows: 5,
+        bytes: 40,
+        committed_attempts: 1,
+    };
+    let m = |loc: &str| Member {
+        location: loc.into(),
+        generation: 1,
+        partitions: vec![part.clone()],
+    };
+    let err = Layout::new(vec![m("a"), m("b")], vec![]).expect_err("held twice");
+    assert!(err.to_string().contains("partition 3"), "{err}");
+}
+
+#[test]
+fn ids_follow_content_not_member_order() {
+    let a = layout(&[5, 6, 7], &[0, 1, 0], 2);
+    let mut members = a.members.clone();
+    members.reverse();
+    let b = Layout::new(members, vec![true]).expect("valid");
+    assert_eq!(a.id, b.id);
+    let mut changed = a.members.clone();
+    changed[0].generation += 1;
+    assert_ne!(Layout::new(changed, vec![true]).expect("valid").id, a.id);
+}
+
+#[test]
+fn nodes_follow_torchrun() {
+    let nodes = Nodes::new(6, 2, vec![], 3).expect("valid");
+    assert_eq!(nodes.count(), 3);
+    assert_eq!(
+        (0..6).map(|r| nodes.node_of(r)).collect::<Vec<_>>(),
+        [0, 0, 1, 1, 2, 2]
+    );
+    assert_eq!(nodes.serving_member(5), 2);
+    // Default: ranks spread over the members.
+    let nodes = Nodes::new(4, 0, vec![], 3).expect("valid");
+    assert_eq!(
+        (0..4).map(|r| nodes.serving_member(r)).collect::<Vec<_>>(),
+        [0, 0, 1, 1]
+    );
+    assert!(
+        Nodes::new(6, 2, vec![Some(0), Some(1)], 3).is_err(),
+        "3 nodes, 2 named"
+    );
+    assert!(
+        Nodes::new(4, 2, vec![Some(1), Some(1)], 3).is_err(),
+        "one member twice"
+    );
+    let nodes = Nodes::new(4, 2, vec![None, Some(0)], 3).expect("valid");
+    assert_eq!(
+        nodes.serving_member(0),
+        0,
+        "a node without a member falls back"
+    );
+    assert_eq!(nodes.serving_member(2), 0);
+}
+
+/// Every sample of every rank of a NODE epoch.
+fn node_epoch(order: &NodeOrder, world: u64) -> Vec<Vec<(usize, u64)>> {
+    (0..world)
+        .map(|r| (0..order.per_rank()).map(|k| order.sample(r, k)).collect())
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// The row space is the single server's: partitions in partition order,
+    /// each row mapped to its partition's member and its place there.
+    #[test]
+    fn rows_map_to_their_partitions_member(
+        parts in proptest::collection::vec((0u64..50, 0usize..3), 1..12),
+    ) {
+        let sizes: Vec<u64> = parts.iter().map(|p| p.0).collect();
+        let owner: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        let l = layout(&sizes, &owner, 3);
+        prop_assert_eq!(l.rows(), sizes.iter().sum::<u64>());
+        let mut row = 0u64;
+        let mut local: HashMap<String, u64> = HashMap::new();
+        for (p, &n) in sizes.iter().enumerate() {
+            let loc = format!("grpc://10.0.0.{}:50051", owner[p]);
+            for i in 0..n {
+                let (m, r) = l.locate(row);
+                prop_assert_eq!(&l.members[m].location, &loc);
+                prop_assert_eq!(r, local.get(&loc).copied().unwrap_or(0) + i);
+                row += 1;
+            }
+            *local.entry(loc).or_default() += n;
+        }
+    }
+
+    /// NODE: equal counts; every row once per epoch (drop_last: at most
+    /// once, exactly W·per_rank rows); transfers only where a node is short.
+    #[test]
+    fn node_assignment_is_equal_exact_and_local(
+        member_rows in proptest::collection::vec(0u64..400, 1..4),
+        ranks_per_node in 1u32..4,
+        extra_nodes in 0usize..2,
+        drop_last: bool,
+        seed: u64,
+        epoch in 0u64..50,
+    ) {
+        let m = member_rows.len();
+        let count = m + extra_nodes;
+        let world = ranks_per_node * count as u32;
+        let n: u64 = member_rows.iter().sum();
+        let nodes = Nodes::new(world, ranks_per_node, vec![], m).expect("nodes");
+        let full = crate::order::Shares::new(n, world, 0, drop_last).expect("shares");
+        let order = NodeOrder::new(&member_rows, nodes.clone(), full.per_rank(), seed, epoch);
+        let epoch_rows = node_epoch(&order, u64::from(world));
+        let mut seen: HashMap<(usize, u64), u64> = HashMap::new();
+        let mut transfers = vec![0u64; count];
+        for (r, rows) in epoch_rows.iter().enumerate() {
+            prop_assert_eq!(rows.len() as u64, full.per_rank());
+            let g = nodes.node_of(r as u64);
+            for &(mm, row) in rows {
+                prop_assert!(row < member_rows[mm], "row {} of member {}", row, mm);
+                *seen.entry((mm, row)).or_default() += 1;
+                if nodes.member_of(g) != Some(mm) {
+                    transfers[g] += 1;
+                }
+                let sources = order.sources(g);
+                prop_assert!(sources.contains(&mm), "member {} not among {:?}", mm, sources);
+            }
+        }
+        let total = full.per_rank() * u64::from(world);
+        if drop_last {
+            prop_assert!(seen.values().all(|&c| c == 1));
+            prop_assert_eq!(seen.len() as u64, total);
+        } else {
+            prop_assert_eq!(seen.len() as u64, n, "every row read");
+            prop_assert_eq!(seen.values().map(|&c| c - 1).sum::<u64>(), total - n);
+        }
+        for (g, &t) in transfers.iter().enumerate() {
+            let capacity = u64::from(ranks_per_node) * full.per_rank();
+            let own = nodes.member_of(g).map_or(0, |mm| member_rows[mm]);
+            // Padding repeats a node's own rows; only a short node receives.
+            let short = capacity.saturating_sub(own);
+            prop_assert!(t <= short, "node {} received {} but was short {}", g, t, short);
+            prop_assert!(t <= order.transferred(g));
+        }
+    }
+
+    /// Balanced members transfer nothing; epochs give different orders.
+    #[test]
+    fn balanced_nodes_transfer_nothing(
+        per_rank in 1u64..60, members in 1usize..4, ranks_per_node in 1u32..4, seed: u64,
+    ) {
+        let rows = vec![per_rank * u64::from(ranks_per_node); members];
+        let world = ranks_per_node * members as u32;
+        let nodes = Nodes::new(world, ranks_per_node, vec![], members).expect("nodes");
+        let a = NodeOrder::new(&rows, nodes.clone(), per_rank, seed, 0);
+        for r in 0..u64::from(world) {
+            let g = nodes.node_of(r);
+            for k in 0..per_rank {
+                prop_assert_eq!(a.sample(r, k).0, g);
+            }
+            prop_assert_eq!(a.transferred(g as usize), 0);
+        }
+        if per_rank * u64::from(ranks_per_node) > 3 {
+            let b = NodeOrder::new(&rows, nodes, per_rank, seed, 1);
+            prop_assert_ne!(node_epoch(&a, u64::from(world)), node_epoch(&b, u64::from(world)));
+        }
+    }
+}
+
+#[test]
+fn node_resume_needs_the_same_world_size_and_whole_steps() {
+    let l = layout(&[10, 10, 10], &[0, 1, 2], 3);
+    let mut plan = crate::order::ReadPlan {
+        dataset: "d".into(),
+        world_size: 6,
+        epoch: 0,
+        seed: 1,
+        shuffle: crate::order::Shuffle::Global,
+        batch_rows: 4,
+        drop_last: false,
+        columns: vec![],
+        start_sample: 12,
+        split: crate::order::Split::WHOLE,
+        locality: Locality::Node,
+        ranks_per_node: 2,
+        nodes: vec![],
+        resume_world_size: 0,
+    };
+    let nodes = || Nodes::new(6, 2, vec![], 3).expect("nodes");
+    let rows = RankRows::new(&plan, Arc::new(l.clone()), &nodes(), 0).expect("same W");
+    assert_eq!(rows.len(), 5 - 2);
+    plan.resume_world_size = 3;
+    let err = RankRows::new(&plan, Arc::new(l.clone()), &nodes(), 0).expect_err("other W");
+    assert!(err.to_string().contains("resumes only"), "{err}");
+    plan.resume_world_size = 0;
+    plan.start_sample = 13;
+    assert!(RankRows::new(&plan, Arc::new(l), &nodes(), 0).is_err());
+}

@@ -1,0 +1,591 @@
+//! Many nodes, one dataset, end to end: three members, each its own server
+//! process on loopback, hold 12 partitions spread unevenly (6/4/2) and are
+//! sealed as one dataset.
+//!
+//! - `LOCALITY_GLOBAL`: for W = 1, 4, 6, 12 × every shuffle × 2 epochs, each
+//!   rank's `DoGet` bytes equal those of a single server holding the same
+//!   partitions; `drop_last`, and resume at another world size.
+//! - `LOCALITY_NODE`: 3 nodes × 2 ranks read equal counts, every row once per
+//!   epoch, epochs differ, and the rows that cross nodes (the members'
+//!   `stats` counters) equal the imbalance — none for balanced members.
+//! - A member killed mid-epoch: the rank's stream fails `UNAVAILABLE` naming
+//!   it; restarted with `--persist`, the epoch completes from
+//!   `start_sample`, every remaining row once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
+use arrow::datatypes::{DataType, Field, Int64Type, Schema};
+use flightdeck_client::{
+    Client, Code, DatasetState, Locality, MemberPartitions, PartitionAttempt, ReadPlan,
+    SealDataset, ServerStats, Shuffle,
+};
+use flightdeck_tests::{
+    MemberProcess, TestServer, batch, check_batch, layout, partition_batches, raw_bytes, schema,
+    temp_dir, timed,
+};
+use futures::{StreamExt, TryStreamExt, stream};
+
+/// Rows of partition `p`: uneven sizes.
+fn sizes() -> Vec<i64> {
+    (0..12).map(|p| 40 + 13 * p).collect()
+}
+
+/// Member index (0..3) that holds partition `p`: 6 / 4 / 2 partitions.
+fn owner(p: usize) -> usize {
+    [0, 0, 0, 1, 1, 2][p % 6]
+}
+
+/// Partition 5 runs twice: attempt 0 on member 0 (a loser), attempt 1 (the
+/// winner) on its owner.
+const SPECULATIVE: u32 = 5;
+
+async fn put(c: &mut Client, ds: &str, p: u32, attempt: u32, ids: std::ops::Range<i64>) -> String {
+    let batches = partition_batches(ids, attempt, 23);
+    let ack = timed(
+        "put",
+        c.put_partition(
+            ds,
+            p,
+            attempt,
+            schema(),
+            stream::iter(batches.into_iter().map(Ok)),
+        ),
+    )
+    .await
+    .expect("put");
+    ack.location
+}
+
+/// Writes the 12 partitions to `members` (by `owner`) and to `single`,
+/// seals both; returns the cluster's `describe` from every member.
+async fn write_both(members: &[MemberProcess], single: &mut Client, ds: &str) {
+    let parts = layout(&sizes());
+    let mut clients = Vec::new();
+    for m in members {
+        clients.push(m.client().await);
+    }
+    let mut by_location: HashMap<String, Vec<PartitionAttempt>> = HashMap::new();
+    for (p, ids) in parts.iter().enumerate() {
+        let p32 = p as u32;
+        let winner = u32::from(p32 == SPECULATIVE);
+        if p32 == SPECULATIVE {
+            put(&mut clients[0], ds, p32, 0, ids.clone()).await;
+        }
+        let location = put(&mut clients[owner(p)], ds, p32, winner, ids.clone()).await;
+        assert_eq!(
+            location,
+            members[owner(p)].location(),
+            "PutAck names the member"
+        );
+        by_location
+            .entry(location)
+            .or_default()
+            .push(PartitionAttempt {
+                partition: p32,
+                attempt: winner,
+            });
+        put(single, ds, p32, winner, ids.clone()).await;
+    }
+    let winners = vec![PartitionAttempt {
+        partition: SPECULATIVE,
+        attempt: 1,
+    }];
+    timed(
+        "single seal",
+        single.seal(SealDataset {
+            dataset: ds.into(),
+            partitions: 12,
+            attempts: winners,
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("single seal");
+    let seal_members: Vec<MemberPartitions> = by_location
+        .into_iter()
+        .map(|(location, partitions)| MemberPartitions {
+            location,
+            partitions,
+        })
+        .collect();
+    // Any member coordinates; sealing twice is a no-op.
+    for _ in 0..2 {
+        let info = timed(
+            "cluster seal",
+            clients[1].seal_cluster(ds, 12, seal_members.clone()),
+        )
+        .await
+        .expect("cluster seal");
+        assert_eq!(info.state, DatasetState::Sealed as i32);
+    }
+    let total: i64 = sizes().iter().sum();
+    for c in &mut clients {
+        let info = c.describe(ds).await.expect("describe");
+        assert_eq!(info.rows, total as u64, "describe shows the whole dataset");
+        let l = info.layout.expect("a layout");
+        assert_eq!(l.members.len(), 3);
+        let mut rows: Vec<u64> = l.members.iter().map(|m| m.rows).collect();
+        let mut want: Vec<u64> = (0..3)
+            .map(|m| {
+                (0..12)
+                    .filter(|&p| owner(p) == m)
+                    .map(|p| sizes()[p] as u64)
+                    .sum()
+            })
+            .collect();
+        rows.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(rows, want, "rows per member");
+        let named: Vec<(u32, u32)> = l
+            .members
+            .iter()
+            .flat_map(|m| m.partitions.iter().map(|p| (p.partition, p.attempt)))
+            .collect();
+        assert_eq!(named.len(), 12, "each winner named once");
+        assert!(named.contains(&(SPECULATIVE, 1)));
+    }
+}
+
+fn start_members(extra: &[&str]) -> Vec<MemberProcess> {
+    (0..3)
+        .map(|_| MemberProcess::start("127.0.0.1:0", extra))
+        .collect()
+}
+
+fn plan(ds: &str, world_size: u32, shuffle: Shuffle, epoch: u64) -> ReadPlan {
+    ReadPlan {
+        dataset: ds.into(),
+        world_size,
+        epoch,
+        seed: 17,
+        shuffle: shuffle.into(),
+        batch_rows: 37,
+        block_rows: 7,
+        ..Default::default()
+    }
+}
+
+/// The raw bytes of every rank of `plan`, each read where its endpoint says.
+async fn ranks_bytes(c: &mut Client, plan: ReadPlan) -> Vec<Vec<u8>> {
+    let p = timed("plan", c.plan(plan)).await.expect("plan");
+    let mut out = Vec::new();
+    for shard in &p.shards {
+        let mut reader = match &shard.location {
+            Some(at) => timed("connect", Client::connect(at)).await.expect("member"),
+            None => c.clone(),
+        };
+        out.push(raw_bytes(&mut reader, shard.ticket.clone()).await);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn global_shards_are_byte_identical_to_one_server() {
+    let members = start_members(&[]);
+    let single_server = TestServer::start().await;
+    let mut single = single_server.client().await;
+    write_both(&members, &mut single, "g").await;
+    let mut c = members[2].client().await;
+    for w in [1u32, 4, 6, 12] {
+        for shuffle in [Shuffle::None, Shuffle::Global, Shuffle::Block] {
+            for epoch in [0, 1] {
+                let p = plan("g", w, shuffle, epoch);
+                let cluster = ranks_bytes(&mut c, p.clone()).await;
+                let one = ranks_bytes(&mut single, p).await;
+                assert_eq!(cluster.len(), w as usize);
+                for (r, (a, b)) in cluster.iter().zip(&one).enumerate() {
+                    assert!(
+                        a == b,
+                        "W={w} {shuffle:?} epoch {epoch} rank {r}: bytes differ"
+                    );
+                }
+            }
+        }
+    }
+    // drop_last, a projection, and a resume at another world size.
+    let variants = [
+        ReadPlan {
+            drop_last: true,
+            ..plan("g", 12, Shuffle::Global, 3)
+        },
+        ReadPlan {
+            columns: vec!["name".into(), "vec".into(), "id".into()],
+            start_sample: 2 * 37 * 4,
+            ..plan("g", 6, Shuffle::Global, 1)
+        },
+        ReadPlan {
+            start_sample: 5 * 37 * 6 + 3,
+            drop_last: true,
+            ..plan("g", 4, Shuffle::Block, 2)
+        },
+    ];
+    for p in variants {
+        let cluster = ranks_bytes(&mut c, p.clone()).await;
+        assert!(
+            cluster == ranks_bytes(&mut single, p.clone()).await,
+            "{p:?}"
+        );
+    }
+    // The rows themselves: every row of the winners, exactly once.
+    let p = timed("plan", c.plan(plan("g", 4, Shuffle::Global, 0)))
+        .await
+        .expect("plan");
+    let mut ids = Vec::new();
+    for shard in &p.shards {
+        let batches: Vec<RecordBatch> = c
+            .read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect()
+            .await
+            .expect("rows");
+        for b in &batches {
+            ids.extend(check_batch(b, &|id| {
+                let p = layout(&sizes())
+                    .iter()
+                    .position(|r| r.contains(&id))
+                    .expect("a partition");
+                u32::from(p as u32 == SPECULATIVE)
+            }));
+        }
+    }
+    let total: i64 = sizes().iter().sum();
+    let unique: HashSet<i64> = ids.iter().copied().collect();
+    assert_eq!(unique.len() as i64, total);
+}
+
+/// Rows of each member in a balanced or 6/4/2 layout of 50-row partitions;
+/// returns the ids each member holds.
+async fn write_node_dataset(
+    members: &[MemberProcess],
+    ds: &str,
+    owner_of: &dyn Fn(usize) -> usize,
+    parts: usize,
+) -> Vec<HashSet<i64>> {
+    let mut held = vec![HashSet::new(); members.len()];
+    let mut seal: HashMap<usize, Vec<PartitionAttempt>> = HashMap::new();
+    for p in 0..parts {
+        let m = owner_of(p);
+        let ids = (p as i64 * 50)..(p as i64 + 1) * 50;
+        held[m].extend(ids.clone());
+        let mut c = members[m].client().await;
+        c.put_partition(ds, p as u32, 0, schema(), stream::iter([Ok(batch(ids, 0))]))
+            .await
+            .expect("put");
+        seal.entry(m).or_default().push(PartitionAttempt {
+            partition: p as u32,
+            attempt: 0,
+        });
+    }
+    let members_seal = seal
+        .into_iter()
+        .map(|(m, partitions)| MemberPartitions {
+            location: members[m].location(),
+            partitions,
+        })
+        .collect();
+    let mut c = members[0].client().await;
+    timed("seal", c.seal_cluster(ds, parts as u32, members_seal))
+        .await
+        .expect("seal");
+    held
+}
+
+async fn stats(members: &[MemberProcess]) -> Vec<ServerStats> {
+    let mut out = Vec::new();
+    for m in members {
+        out.push(m.client().await.stats().await.expect("stats"));
+    }
+    out
+}
+
+fn fetched(before: &[ServerStats], after: &[ServerStats]) -> (u64, u64) {
+    let sum = |s: &[ServerStats], f: fn(&ServerStats) -> u64| s.iter().map(f).sum::<u64>();
+    (
+        sum(after, |s| s.rows_fetched_from_peers) - sum(before, |s| s.rows_fetched_from_peers),
+        sum(after, |s| s.rows_served_to_peers) - sum(before, |s| s.rows_served_to_peers),
+    )
+}
+
+/// The ids of every rank of a NODE epoch (3 nodes × 2 ranks), in the node
+/// order the members sort in (node i = member i of the layout).
+async fn node_epoch(c: &mut Client, ds: &str, epoch: u64) -> (Vec<Vec<i64>>, Vec<String>) {
+    let p = c
+        .plan(ReadPlan {
+            locality: Locality::Node.into(),
+            ranks_per_node: 2,
+            ..plan(ds, 6, Shuffle::Global, epoch)
+        })
+        .await
+        .expect("node plan");
+    let mut ranks = Vec::new();
+    let mut served_by = Vec::new();
+    for shard in &p.shards {
+        let batches: Vec<RecordBatch> = c
+            .read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect()
+            .await
+            .expect("rows");
+        ranks.push(
+            batches
+                .iter()
+                .flat_map(|b| {
+                    b.column_by_name("id")
+                        .expect("id")
+                        .as_primitive::<Int64Type>()
+                        .values()
+                        .to_vec()
+                })
+                .collect(),
+        );
+        served_by.push(shard.location.clone().expect("a member per rank"));
+    }
+    (ranks, served_by)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
+    let members = start_members(&[]);
+    let mut c = members[1].client().await;
+    // Node i is member i of the layout, ordered by location.
+    let mut sorted: Vec<usize> = (0..3).collect();
+    sorted.sort_by_key(|&m| members[m].location());
+
+    // Balanced: 4 partitions of 50 rows on each member; 6 ranks take 100 each.
+    let held = write_node_dataset(&members, "balanced", &|p| sorted[p % 3], 12).await;
+    let before = stats(&members).await;
+    let (e0, served_by) = node_epoch(&mut c, "balanced", 0).await;
+    assert_eq!(
+        fetched(&before, &stats(&members).await),
+        (0, 0),
+        "nothing crosses nodes"
+    );
+    for (r, ids) in e0.iter().enumerate() {
+        assert_eq!(ids.len(), 100);
+        let node = r / 2;
+        assert_eq!(served_by[r], members[sorted[node]].location());
+        assert!(
+            ids.iter().all(|id| held[sorted[node]].contains(id)),
+            "rank {r} reads its node"
+        );
+    }
+    let all: Vec<i64> = e0.concat();
+    assert_eq!(all.iter().copied().collect::<HashSet<_>>().len(), 600);
+    let (e1, _) = node_epoch(&mut c, "balanced", 1).await;
+    assert_ne!(e0, e1, "epochs differ");
+
+    // Uneven 6/4/2 (300/200/100 rows): node 0 has 100 rows too many, node 2
+    // 100 too few; exactly those cross.
+    let heavy = |p: usize| sorted[owner(p)];
+    write_node_dataset(&members, "uneven", &heavy, 12).await;
+    for epoch in [0, 1] {
+        let before = stats(&members).await;
+        let (ranks, _) = node_epoch(&mut c, "uneven", epoch).await;
+        assert_eq!(fetched(&before, &stats(&members).await), (100, 100));
+        assert!(ranks.iter().all(|r| r.len() == 100), "equal counts");
+        let all: Vec<i64> = ranks.concat();
+        assert_eq!(
+            all.iter().copied().collect::<HashSet<_>>().len(),
+            600,
+            "each row once"
+        );
+    }
+
+    // A NODE epoch resumes at its own world size only.
+    let err = c
+        .plan(ReadPlan {
+            locality: Locality::Node.into(),
+            ranks_per_node: 2,
+            start_sample: 60,
+            resume_world_size: 4,
+            ..plan("uneven", 6, Shuffle::Global, 0)
+        })
+        .await
+        .expect_err("another world size");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+
+    // Dropped on one member: the others refuse to plan; drop cascades.
+    let mut m2 = members[sorted[2]].client().await;
+    let body = flightdeck_protos::DropDataset {
+        dataset: "uneven".into(),
+        member_only: true,
+    };
+    use prost::Message;
+    m2.flight()
+        .do_action(arrow_flight::Action::new("drop", body.encode_to_vec()))
+        .await
+        .expect("member drop")
+        .try_collect::<Vec<_>>()
+        .await
+        .expect("dropped");
+    let err = c
+        .plan(plan("uneven", 2, Shuffle::Global, 0))
+        .await
+        .expect_err("a member dropped it");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(
+        err.message().contains(&members[sorted[2]].location()),
+        "{err}"
+    );
+    c.drop_dataset("balanced").await.expect("drop everywhere");
+    for m in &members {
+        let err = m
+            .client()
+            .await
+            .describe("balanced")
+            .await
+            .expect_err("gone");
+        assert_eq!(err.code(), Code::NotFound);
+    }
+}
+
+/// A batch of rows `ids`: an id and a 256-float feature vector (1 KiB a row),
+/// so a rank's stream is far larger than what the transport buffers.
+fn wide(ids: std::ops::Range<i64>) -> RecordBatch {
+    let n = (ids.end - ids.start) as usize;
+    let values = Float32Array::from_iter_values(
+        ids.clone()
+            .flat_map(|id| (0..256).map(move |j| (id * 256 + j) as f32)),
+    );
+    let item = Arc::new(Field::new("item", DataType::Float32, false));
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values(ids)),
+        Arc::new(FixedSizeListArray::new(
+            item.clone(),
+            256,
+            Arc::new(values),
+            None,
+        )),
+    ];
+    let schema = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("x", DataType::FixedSizeList(item, 256), false),
+    ]);
+    assert_eq!(columns[0].len(), n);
+    RecordBatch::try_new(Arc::new(schema), columns).expect("batch")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
+    const PARTS: i64 = 6;
+    const PER_PART: i64 = 8_000;
+    const BATCH: u32 = 500;
+    let dirs: Vec<_> = (0..3).map(|i| temp_dir(&format!("persist-{i}"))).collect();
+    let mut members: Vec<MemberProcess> = dirs
+        .iter()
+        .map(|d| {
+            let url = d.display().to_string();
+            MemberProcess::start("127.0.0.1:0", &["--persist", "--spill-url", url.as_str()])
+        })
+        .collect();
+    let mut seal: Vec<MemberPartitions> = Vec::new();
+    for (m, member) in members.iter().enumerate() {
+        let mut c = member.client().await;
+        let mut partitions = Vec::new();
+        for p in (0..PARTS).filter(|p| *p as usize % 3 == m) {
+            let b = wide(p * PER_PART..(p + 1) * PER_PART);
+            let batches: Vec<_> = (0..PER_PART as usize)
+                .step_by(2_000)
+                .map(|o| Ok(b.slice(o, 2_000)))
+                .collect();
+            c.put_partition("wide", p as u32, 0, b.schema(), stream::iter(batches))
+                .await
+                .expect("put");
+            partitions.push(PartitionAttempt {
+                partition: p as u32,
+                attempt: 0,
+            });
+        }
+        seal.push(MemberPartitions {
+            location: member.location(),
+            partitions,
+        });
+    }
+    let mut c = members[0].client().await;
+    c.seal_cluster("wide", PARTS as u32, seal)
+        .await
+        .expect("seal");
+    // Two ranks, each served by its own member (members sort by port).
+    let mut order: Vec<usize> = (0..3).collect();
+    order.sort_by_key(|&m| members[m].location());
+    let victim = order[2];
+    let read_plan = ReadPlan {
+        batch_rows: BATCH,
+        ..plan("wide", 2, Shuffle::Global, 0)
+    };
+    let p = c.plan(read_plan.clone()).await.expect("plan");
+    let mut streams = Vec::new();
+    for shard in &p.shards {
+        let mut reader = Client::connect(shard.location.clone().expect("location"))
+            .await
+            .expect("connect");
+        streams.push(reader.read_shard(shard).await.expect("stream"));
+    }
+    // Both ranks take 3 steps, then a member dies.
+    let ids_of =
+        |b: &RecordBatch| -> Vec<i64> { b.column(0).as_primitive::<Int64Type>().values().to_vec() };
+    let mut seen = HashSet::new();
+    for _ in 0..3 {
+        for s in &mut streams {
+            let b = s.next().await.expect("a batch").expect("rows");
+            seen.extend(ids_of(&b));
+        }
+    }
+    members[victim].kill();
+    let victim_location = members[victim].location();
+    let died = Instant::now();
+    let err = loop {
+        match timed("next batch", streams[0].next()).await {
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended cleanly without the dead member's rows"),
+        }
+    };
+    assert!(
+        died.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        died.elapsed()
+    );
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.message().contains(&victim_location), "{err}");
+    drop(streams);
+    let err = c
+        .plan(read_plan.clone())
+        .await
+        .expect_err("a member is down");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+
+    // Restarted with --persist: resume from the 3 steps both ranks took.
+    members[victim].restart();
+    let resumed = ReadPlan {
+        start_sample: 3 * u64::from(BATCH) * 2,
+        ..read_plan
+    };
+    let p = timed("plan", c.plan(resumed))
+        .await
+        .expect("plan after restart");
+    let mut rest = Vec::new();
+    for shard in &p.shards {
+        let batches: Vec<RecordBatch> = c
+            .read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect()
+            .await
+            .expect("rows after restart");
+        rest.extend(batches.iter().flat_map(|b| ids_of(b)));
+    }
+    let total = (PARTS * PER_PART) as usize;
+    assert_eq!(rest.len() + seen.len(), total);
+    let rest: HashSet<i64> = rest.into_iter().collect();
+    assert!(rest.is_disjoint(&seen), "no row read twice");
+    assert_eq!(rest.len() + seen.len(), total, "every remaining row once");
+    for d in dirs {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -1,0 +1,220 @@
+"""Many nodes, one dataset, from Python: three server processes on loopback
+are written by real PySpark (`uris` routing, 12 partitions spread 6/4/2, a
+task failing mid-partition on its first attempt), sealed as one dataset by
+the driver, and read by ranks that follow each endpoint's location — with
+this package, with nothing but `pyarrow.flight`, and (where torch is
+installed) by a two-node × two-process `torch.distributed` job started the
+way torchrun starts it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+import flightdeck
+from conftest import RunningServer
+from flightdeck import ShardedDataset
+
+ROWS = 24_000
+
+
+@pytest.fixture
+def members():
+    """Three members, each its own process; always stopped, logs kept."""
+    servers = []
+    try:
+        for _ in range(3):
+            servers.append(RunningServer("--memory-limit", "256MiB"))
+        yield servers
+    finally:
+        for s in servers:
+            killed = s.proc.poll() is not None  # by the test itself
+            code = s.stop()
+            assert killed or code == 0, "member did not stop cleanly:\n" + "".join(s.stderr_lines)
+
+
+def routes(members):
+    """Partition p goes to uris[p % 6]: 6 / 4 / 2 of 12 partitions."""
+    a, b, c = (m.uri for m in members)
+    return [a, a, a, b, b, c]
+
+
+def write_with_spark(spark, members, dataset):
+    pytest.importorskip("pyspark")
+    from flightdeck.spark import register
+    from test_spark import fail_first_attempt
+
+    register(spark)
+    df = spark.range(ROWS, numPartitions=12).selectExpr(
+        "id", "cast(id * 0.5 as float) as x", "array(cast(id as float), 1.0f) as vec"
+    )
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(key)
+    # Several batches per partition, so the injected failure hits mid-partition.
+    spark.conf.set(key, "500")
+    try:
+        (
+            fail_first_attempt(df, partition=3)
+            .write.format("flightdeck")
+            .option("uris", ",".join(routes(members)))
+            .option("dataset", dataset)
+            .mode("overwrite")
+            .save()
+        )
+    finally:
+        spark.conf.set(key, before)
+
+
+def ids(batches):
+    return [i for b in batches for i in b.column("id").to_pylist()]
+
+
+def test_spark_writes_one_dataset_across_three_members(members, spark):
+    write_with_spark(spark, members, "events")
+    per_member = Counter(routes(members)[p % 6] for p in range(12))
+    for m in members:
+        info = flightdeck.connect(m.uri).describe("events")
+        assert info.state == 2 and info.rows == ROWS, "each member describes the whole dataset"
+        layout = info.layout
+        assert len(layout.members) == 3
+        held = {x.location: [p.partition for p in x.partitions] for x in layout.members}
+        assert {loc: len(ps) for loc, ps in held.items()} == {
+            m2.uri: per_member[m2.uri] for m2 in members
+        }
+        named = sorted(p.partition for x in layout.members for p in x.partitions)
+        assert named == list(range(12)), "each winner named once"
+        attempts = {p.partition: p.attempt for x in layout.members for p in x.partitions}
+        assert attempts[3] == 1, "the failed first attempt left nothing; the retry won"
+        assert sum(x.rows for x in layout.members) == ROWS
+
+    # Four ranks, GLOBAL: equal counts, every row once, each from its member.
+    client = flightdeck.connect(members[1].uri)
+    plan = client.plan("events", world_size=4, shuffle="global", seed=3, batch_rows=1000)
+    assert [s.location for s in plan.shards] == [
+        loc for loc in sorted(m.uri for m in members) for _ in range(2)
+    ][:4]
+    shards = [ids(client.read_shard(s)) for s in plan.shards]
+    assert [len(s) for s in shards] == [ROWS // 4] * 4
+    assert sorted(sum(shards, [])) == list(range(ROWS))
+
+    # NODE, 3 nodes x 2 ranks: equal counts, every row once, and exactly the
+    # imbalance crosses nodes (12000/8000/4000 rows for 8000 per node).
+    before = sum(flightdeck.connect(m.uri).stats().rows_fetched_from_peers for m in members)
+    ranks = [
+        ShardedDataset(
+            members[0].uri, "events", rank=r, world_size=6, locality="node",
+            ranks_per_node=2, batch_rows=1000, seed=5,
+        )
+        for r in range(6)
+    ]
+    epoch = [ids(ds) for ds in ranks]
+    after = sum(flightdeck.connect(m.uri).stats().rows_fetched_from_peers for m in members)
+    assert [len(e) for e in epoch] == [ROWS // 6] * 6
+    assert sorted(sum(epoch, [])) == list(range(ROWS))
+    assert after - before == 4_000
+
+
+def test_plain_pyarrow_reads_a_rank_by_following_the_endpoint(members, pb):
+    # Written without Spark: the package's own client and cluster seal.
+    layout = {}
+    for p in range(6):
+        m = members[p % 3]
+        table = pa.table({"id": pa.array(range(p * 100, (p + 1) * 100), pa.int64())})
+        ack = flightdeck.connect(m.uri).put_partition("plain", p, table)
+        layout.setdefault(ack.location, {})[p] = 0
+    flightdeck.connect(members[2].uri).seal_cluster("plain", layout, partitions=6)
+
+    cmd = pb.ReadPlan(dataset="plain", world_size=3, shuffle=pb.SHUFFLE_GLOBAL, seed=1)
+    info = flight.FlightClient(members[0].uri).get_flight_info(
+        flight.FlightDescriptor.for_command(cmd.SerializeToString())
+    )
+    seen = []
+    for endpoint in info.endpoints:
+        (location,) = endpoint.locations
+        table = flight.FlightClient(location).do_get(endpoint.ticket).read_all()
+        meta = pb.ShardInfo.FromString(endpoint.app_metadata)
+        assert table.num_rows == meta.rows == 200
+        seen += table.column("id").to_pylist()
+    assert sorted(seen) == list(range(600))
+
+
+def test_a_member_down_is_unavailable_naming_it(members):
+    for p in range(3):
+        table = pa.table({"id": pa.array(range(p * 10, (p + 1) * 10), pa.int64())})
+        flightdeck.connect(members[p].uri).put_partition("down", p, table)
+    layout = {m.uri: {p: 0} for p, m in enumerate(members)}
+    flightdeck.connect(members[0].uri).seal_cluster("down", layout, partitions=3)
+    members[2].proc.kill()
+    members[2].proc.wait()
+    with pytest.raises(flightdeck.Unavailable, match=members[2].addr):
+        flightdeck.connect(members[0].uri).plan("down", world_size=2)
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, json
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from flightdeck.torch import FlightDeckIterableDataset
+
+    dist.init_process_group("gloo")
+    data = FlightDeckIterableDataset("local", "ddp", batch_rows=100, shuffle="global", seed=1)
+    steps, rows = 0, []
+    for epoch in range(2):
+        data.set_epoch(epoch)
+        for batch in DataLoader(data, batch_size=None):
+            steps += 1
+            rows += batch["id"].tolist()
+    dist.barrier()
+    print(json.dumps({"rank": dist.get_rank(), "steps": steps, "rows": rows,
+                      "nodes": data.shards.nodes}))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
+    pytest.importorskip("torch")
+    import json
+    import socket
+
+    for p in range(4):
+        m = members[p % 2]
+        table = pa.table({"id": pa.array(range(p * 250, (p + 1) * 250), pa.int64())})
+        flightdeck.connect(m.uri).put_partition("ddp", p, table)
+    layout = {}
+    for p in range(4):
+        layout.setdefault(members[p % 2].uri, {})[p] = 0
+    flightdeck.connect(members[0].uri).seal_cluster("ddp", layout, partitions=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    procs = []
+    for rank in range(4):
+        node = rank // 2
+        env = dict(
+            os.environ,
+            RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+            GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            FLIGHTDECK_URI=members[node].uri,
+        )
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({r["steps"] for r in results}) == 1, "equal steps on every rank"
+    assert all(r["nodes"] == [members[0].uri, members[1].uri] for r in results)
+    epoch_rows = [r["rows"][: len(r["rows"]) // 2] for r in results]
+    assert sorted(sum(epoch_rows, [])) == list(range(1000))
