@@ -423,7 +423,8 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
         .try_collect::<Vec<_>>()
         .await
         .expect("dropped");
-    let err = c
+    let mut other = members[sorted[0]].client().await;
+    let err = other
         .plan(plan("uneven", 2, Shuffle::Global, 0))
         .await
         .expect_err("a member dropped it");
@@ -578,7 +579,7 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
             .try_collect()
             .await
             .expect("rows after restart");
-        rest.extend(batches.iter().flat_map(|b| ids_of(b)));
+        rest.extend(batches.iter().flat_map(&ids_of));
     }
     let total = (PARTS * PER_PART) as usize;
     assert_eq!(rest.len() + seen.len(), total);

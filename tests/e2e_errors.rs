@@ -376,7 +376,16 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
     assert_eq!(
         actions,
         [
-            "seal", "drop", "describe", "stats", "place", "evict", "train", "job"
+            "seal",
+            "drop",
+            "describe",
+            "stats",
+            "place",
+            "evict",
+            "train",
+            "job",
+            "member_prepare",
+            "member_commit"
         ]
     );
 

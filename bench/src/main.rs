@@ -4,7 +4,7 @@
 //! It generates a synthetic dataset in memory, starts a flightdeck server as
 //! a child process on a free loopback port (so its peak memory can be read),
 //! and runs the phases `put`, `get`, `e2e` and `limit` (and, on a GPU
-//! machine, `h2d`), each `--reps` times,
+//! machine, `h2d`; with `--members N`, `cluster`), each `--reps` times,
 //! baselines interleaved with flightdeck run by run. A table goes to stdout,
 //! `--json FILE` writes every figure, progress goes to stderr.
 
@@ -86,6 +86,12 @@ struct Args {
     /// Write every figure here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Members of a cluster for the `cluster` phase (each its own server
+    /// process, partition p on member p mod N): one node's ranks reading
+    /// LOCALITY_NODE and all ranks reading LOCALITY_GLOBAL, against a
+    /// single server holding every partition.
+    #[arg(long, default_value_t = 3)]
+    members: usize,
 }
 
 /// A server child process, killed on drop.
@@ -196,7 +202,7 @@ impl Run {
 }
 
 /// Phases the tool knows.
-const PHASES: [&str; 5] = ["put", "get", "e2e", "limit", "h2d"];
+const PHASES: [&str; 6] = ["put", "get", "e2e", "limit", "h2d", "cluster"];
 
 async fn run(args: Args) -> Result<(), BoxError> {
     if let Some(p) = args.phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
@@ -286,6 +292,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let reps = run.args.reps.max(1);
     let has = |p: &str| run.args.phases.iter().any(|x| x == p);
     let (do_limit, do_e2e, do_put, do_get) = (has("limit"), has("e2e"), has("put"), has("get"));
+    let do_cluster = has("cluster");
     let mut peak_rss_e2e = None;
 
     if has("h2d") {
@@ -395,6 +402,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
             phases::drop_dataset(uri, "bench").await?;
         }
     }
+    if do_cluster {
+        cluster_phase(&mut run, &fd_uri, reps).await?;
+    }
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -412,7 +422,16 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .iter()
         .find(|m| m.phase == "get/none" && m.target == "flightdeck")
         .map(Measured::gbps);
+    let gbps = |phase: &str| {
+        run.results
+            .iter()
+            .find(|m| m.phase == phase && m.target == "flightdeck")
+            .map(Measured::gbps)
+    };
     let ratios = json!({
+        "cluster_node_vs_single_none": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks")),
+        "cluster_global_none_vs_single_none": ratio(gbps("cluster/global-none"), gbps("cluster/single-none")),
+        "cluster_global_vs_single_none": ratio(gbps("cluster/global-global"), gbps("cluster/single-none")),
         "get_none_vs_pyarrow": ratio(run.median("get/none", "pyarrow"), get_none),
         "get_none_vs_loopback_limit": ratio(none_gbps, tcp_gbps),
         "get_global_vs_none": ratio(get_none, run.median("get/global", "flightdeck")),
@@ -451,6 +470,18 @@ async fn run(args: Args) -> Result<(), BoxError> {
     );
     show("get global vs get none", &ratios["get_global_vs_none"]);
     show("put, flightdeck vs pyarrow", &ratios["put_vs_pyarrow"]);
+    show(
+        "cluster: one node's NODE read vs one server's unshuffled read, same ranks",
+        &ratios["cluster_node_vs_single_none"],
+    );
+    show(
+        "cluster: GLOBAL unshuffled vs one server's unshuffled read",
+        &ratios["cluster_global_none_vs_single_none"],
+    );
+    show(
+        "cluster: GLOBAL shuffled vs one server's unshuffled read",
+        &ratios["cluster_global_vs_single_none"],
+    );
     show("e2e, flightdeck vs parquet", &ratios["e2e_vs_parquet"]);
     show(
         "h2d from the arena vs pinned cudaMemcpy",
@@ -475,6 +506,82 @@ async fn run(args: Args) -> Result<(), BoxError> {
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
     }
+    Ok(())
+}
+
+/// The `cluster` phase: `--members` member processes hold the partitions
+/// (p on member p mod N) and the single server `single` holds them all.
+/// Figures are GB/s of the rows the ranks received:
+/// - `cluster/node`: the ranks of one node (ranks / N of them) read their
+///   LOCALITY_NODE shards while the other nodes are idle, node by node;
+///   against `cluster/single-node-ranks`: as many ranks reading the single
+///   server unshuffled.
+/// - `cluster/global-none` and `cluster/global-global`: every rank reads
+///   LOCALITY_GLOBAL (rows held elsewhere cross between members); against
+///   `cluster/single-none`: every rank reading the single server unshuffled.
+async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), BoxError> {
+    let n = run.args.members.max(2);
+    let bin = match &run.args.server_bin {
+        Some(b) => b.clone(),
+        None => std::env::current_exe()?.with_file_name("flightdeck"),
+    };
+    let payload = run.shape.payload_bytes();
+    let limit = (payload * 3 / n as u64).max(1 << 30);
+    let mut members = Vec::new();
+    for _ in 0..n {
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
+            .arg(limit.to_string());
+        members.push(ChildServer::start(cmd, "a cluster member")?);
+    }
+    let uris: Vec<String> = members.iter().map(|m| m.uri.clone()).collect();
+    progress(&format!(
+        "cluster: writing to {n} members and to one server"
+    ));
+    let (shape, parts, writers) = (run.shape, run.parts.clone(), run.args.writers);
+    phases::put_cluster(&uris, "cluster", &shape, &parts, writers).await?;
+    phases::drop_dataset(single, "cluster").await?;
+    phases::put(single, "cluster", &shape, &parts, writers).await?;
+    let (w, batch_rows) = (run.args.ranks, run.args.batch_rows);
+    let per_node = (w / n as u32).max(1);
+    let plan = |shuffle| phases::read_plan("cluster", w, shuffle, batch_rows);
+    let row_bytes = run.shape.row_bytes();
+    for _ in 0..reps {
+        let node_plan = phases::node_plan(plan(Shuffle::Global), per_node);
+        for node in 0..n as u32 {
+            let ranks = node * per_node..(node + 1) * per_node;
+            let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
+            run.record("cluster/node", "flightdeck", rows, rows * row_bytes, s);
+        }
+        let one = phases::read_plan("cluster", per_node, Shuffle::None, batch_rows);
+        let (s, rows) = phases::get_ranks(single, one, None).await?;
+        run.record(
+            "cluster/single-node-ranks",
+            "flightdeck",
+            rows,
+            rows * row_bytes,
+            s,
+        );
+        let (s, rows) = phases::get_ranks(single, plan(Shuffle::None), None).await?;
+        run.record(
+            "cluster/single-none",
+            "flightdeck",
+            rows,
+            rows * row_bytes,
+            s,
+        );
+        for (name, shuffle) in [("none", Shuffle::None), ("global", Shuffle::Global)] {
+            let (s, rows) = phases::get_ranks(&uris[0], plan(shuffle), None).await?;
+            run.record(
+                &format!("cluster/global-{name}"),
+                "flightdeck",
+                rows,
+                rows * row_bytes,
+                s,
+            );
+        }
+    }
+    phases::drop_dataset(single, "cluster").await?;
     Ok(())
 }
 

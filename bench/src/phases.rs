@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
-use flightdeck_client::{Client, ReadPlan, SealDataset, Shuffle};
+use flightdeck_client::{
+    Client, Locality, MemberPartitions, PartitionAttempt, ReadPlan, SealDataset, Shuffle,
+};
 use futures::{StreamExt, stream};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -68,6 +70,85 @@ pub async fn put(
     })
 }
 
+/// Writes partition `p` to `uris[p % uris.len()]` with `writers` concurrent
+/// writers, then seals the members as one dataset.
+pub async fn put_cluster(
+    uris: &[String],
+    dataset: &str,
+    shape: &Shape,
+    parts: &Arc<Vec<Vec<RecordBatch>>>,
+    writers: usize,
+) -> Result<Sample, BoxError> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let parts = parts.clone();
+        let uris = uris.to_vec();
+        let schema = shape.schema();
+        let dataset = dataset.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            for p in (w..parts.len()).step_by(writers) {
+                let mut client = Client::connect(&uris[p % uris.len()]).await?;
+                let batches = stream::iter(parts[p].clone().into_iter().map(Ok));
+                let ack = client
+                    .put_partition(&dataset, p as u32, 0, schema.clone(), batches)
+                    .await?;
+                held.push((ack.location, p as u32));
+            }
+            Ok::<_, BoxError>(held)
+        }));
+    }
+    let mut members: Vec<MemberPartitions> = Vec::new();
+    for t in tasks {
+        for (location, partition) in t.await?? {
+            let at = match members.iter().position(|m| m.location == location) {
+                Some(i) => i,
+                None => {
+                    members.push(MemberPartitions {
+                        location,
+                        partitions: vec![],
+                    });
+                    members.len() - 1
+                }
+            };
+            members[at].partitions.push(PartitionAttempt {
+                partition,
+                attempt: 0,
+            });
+        }
+    }
+    Client::connect(&uris[0])
+        .await?
+        .seal_cluster(dataset, parts.len() as u32, members)
+        .await?;
+    Ok(Sample {
+        elapsed: start.elapsed(),
+        latencies: vec![],
+    })
+}
+
+/// The plan `get` reads: one epoch, `ranks` ranks, seed 7.
+pub fn read_plan(dataset: &str, ranks: u32, shuffle: Shuffle, batch_rows: u32) -> ReadPlan {
+    ReadPlan {
+        dataset: dataset.to_string(),
+        world_size: ranks,
+        shuffle: shuffle.into(),
+        seed: 7,
+        batch_rows,
+        ..Default::default()
+    }
+}
+
+/// `plan` with NODE locality, `per_node` ranks a node.
+pub fn node_plan(plan: ReadPlan, per_node: u32) -> ReadPlan {
+    ReadPlan {
+        locality: Locality::Node.into(),
+        ranks_per_node: per_node,
+        ..plan
+    }
+}
+
 /// Reads one epoch with `ranks` concurrent ranks, each on its own
 /// connection; returns the sample and the rows read.
 pub async fn get(
@@ -77,21 +158,23 @@ pub async fn get(
     shuffle: Shuffle,
     batch_rows: u32,
 ) -> Result<(Sample, u64), BoxError> {
+    get_ranks(uri, read_plan(dataset, ranks, shuffle, batch_rows), None).await
+}
+
+/// Reads `plan` with ranks `only` (all when `None`) at once, each on its
+/// own connection to the member that serves it.
+pub async fn get_ranks(
+    uri: &str,
+    plan: ReadPlan,
+    only: Option<std::ops::Range<u32>>,
+) -> Result<(Sample, u64), BoxError> {
     let start = Instant::now();
-    let plan = Client::connect(uri)
-        .await?
-        .plan(ReadPlan {
-            dataset: dataset.to_string(),
-            world_size: ranks,
-            shuffle: shuffle.into(),
-            seed: 7,
-            batch_rows,
-            ..Default::default()
-        })
-        .await?;
+    let plan = Client::connect(uri).await?.plan(plan).await?;
     let mut tasks = Vec::new();
-    for shard in plan.shards {
-        let mut client = Client::connect(uri).await?;
+    let wanted = |r: u32| only.as_ref().is_none_or(|o| o.contains(&r));
+    for shard in plan.shards.into_iter().filter(|s| wanted(s.rank)) {
+        let uri = shard.location.clone().unwrap_or_else(|| uri.to_string());
+        let mut client = Client::connect(&uri).await?;
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut rows = 0u64;

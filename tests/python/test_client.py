@@ -132,7 +132,7 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
         for _ in range(7):
             seen.update(next(it).column("id").to_pylist())
     state = ranks[0].state_dict()
-    assert state == {"epoch": 1, "start_sample": 7 * 100 * 4}
+    assert state == {"epoch": 1, "start_sample": 7 * 100 * 4, "world_size": 4}
     resumed = [
         ShardedDataset(flightdeck_server.uri, "sh", rank=r, world_size=2, batch_rows=100, seed=3)
         for r in range(2)

@@ -120,6 +120,16 @@ def test_spark_writes_one_dataset_across_three_members(members, spark):
     assert sorted(sum(epoch, [])) == list(range(ROWS))
     assert after - before == 4_000
 
+    # A NODE epoch resumes at the world size it started with, and only there.
+    state = ranks[0].state_dict(batches=2)
+    assert state == {"epoch": 0, "start_sample": 2 * 1000 * 6, "world_size": 6}
+    again = ShardedDataset(
+        members[0].uri, "events", rank=0, world_size=3, locality="node", ranks_per_node=1,
+    )
+    again.load_state_dict(state)
+    with pytest.raises(flightdeck.FailedPrecondition, match="resumes only"):
+        next(iter(again))
+
 
 def test_plain_pyarrow_reads_a_rank_by_following_the_endpoint(members, pb):
     # Written without Spark: the package's own client and cluster seal.

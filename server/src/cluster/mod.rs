@@ -541,7 +541,7 @@ pub fn node_order(plan: &ReadPlan, layout: &Layout, nodes: Nodes) -> Result<Node
             plan.dataset, plan.world_size
         )));
     }
-    if plan.start_sample % w != 0 && plan.start_sample < n {
+    if !plan.start_sample.is_multiple_of(w) && plan.start_sample < n {
         return Err(Error::FailedPrecondition(format!(
             "dataset '{}': a LOCALITY_NODE epoch resumes at a whole step (start_sample a \
              multiple of world_size {w}), not at {}",

@@ -192,7 +192,7 @@ proptest! {
             for k in 0..per_rank {
                 prop_assert_eq!(a.sample(r, k).0, g);
             }
-            prop_assert_eq!(a.transferred(g as usize), 0);
+            prop_assert_eq!(a.transferred(g), 0);
         }
         if per_rank * u64::from(ranks_per_node) > 3 {
             let b = NodeOrder::new(&rows, nodes, per_rank, seed, 1);
