@@ -111,6 +111,25 @@ async fn write_both(members: &[MemberProcess], single: &mut Client, ds: &str) {
             partitions,
         })
         .collect();
+    // A layout naming partition 0 on a member that lacks it fails, naming
+    // the member and the partition, and seals nothing anywhere.
+    let mut wrong = seal_members.clone();
+    let from = wrong
+        .iter()
+        .position(|m| m.partitions.iter().any(|p| p.partition == 0))
+        .expect("partition 0 is held");
+    let moved = wrong[from].partitions.remove(0);
+    let to = (from + 1) % wrong.len();
+    wrong[to].partitions.push(moved);
+    let err = clients[1]
+        .seal_cluster(ds, 12, wrong.clone())
+        .await
+        .expect_err("partition 0 is not there");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(
+        err.message().contains(&wrong[to].location) && err.message().contains("lacks partitions 0"),
+        "{err}"
+    );
     // Any member coordinates; sealing twice is a no-op.
     for _ in 0..2 {
         let info = timed(

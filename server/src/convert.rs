@@ -378,15 +378,21 @@ fn partition_summaries(parts: &[pb::PartitionInfo]) -> Vec<PartitionSummary> {
         .collect()
 }
 
-/// The body of `member_prepare`: the dataset and this member's winners.
-pub fn prepare_request(body: &[u8]) -> Result<(String, Vec<AttemptKey>)> {
+/// The body of `member_prepare`: the dataset, this member's winners, and
+/// whether only to check.
+pub fn prepare_request(body: &[u8]) -> Result<(String, Vec<AttemptKey>, bool)> {
     let p: pb::PrepareMember = decode(body, "body of action 'member_prepare'", "PrepareMember")?;
-    Ok((dataset_name(&p.dataset)?, attempt_keys(&p.partitions)))
+    Ok((
+        dataset_name(&p.dataset)?,
+        attempt_keys(&p.partitions),
+        p.check_only,
+    ))
 }
 
 /// The body of `member_prepare` for `winners` of `dataset`.
-pub fn prepare_body(dataset: &str, winners: &[AttemptKey]) -> pb::PrepareMember {
+pub fn prepare_body(dataset: &str, winners: &[AttemptKey], check_only: bool) -> pb::PrepareMember {
     pb::PrepareMember {
+        check_only,
         dataset: dataset.to_string(),
         partitions: winners
             .iter()

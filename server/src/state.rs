@@ -356,12 +356,20 @@ impl State {
     }
 
     /// Seals this member's part of a cluster dataset (action
-    /// `member_prepare`); it stays unreadable until `member_commit`.
+    /// `member_prepare`); it stays unreadable until `member_commit`. With
+    /// `check_only`, only checks that it could.
     pub async fn prepare_member(
         &self,
         dataset: &str,
         winners: &[crate::catalog::AttemptKey],
+        check_only: bool,
     ) -> Result<pb::MemberPrepared> {
+        if check_only {
+            let mut want = winners.to_vec();
+            want.sort_unstable();
+            self.catalog().check_member(dataset, &want)?;
+            return Ok(pb::MemberPrepared::default());
+        }
         let (summary, freed) = self.catalog().prepare_member(dataset, winners)?;
         let summary = self.sealed(summary, freed).await?;
         let (_, data) = self.resident(dataset).await?;
@@ -434,25 +442,24 @@ impl State {
                 )));
             }
         }
-        let prepared = futures::future::join_all(members.iter().map(|(location, winners)| {
-            self.peers.action::<pb::MemberPrepared>(
-                location,
-                name,
-                actions::MEMBER_PREPARE,
-                convert::prepare_body(name, winners),
-            )
-        }))
-        .await;
-        let mut parts = Vec::with_capacity(members.len());
-        let mut failed = Vec::new();
-        for ((location, _), p) in members.iter().zip(prepared) {
-            match p {
-                Ok(p) => parts.push((location.as_str(), p)),
-                Err(e) => failed.push(e),
-            }
+        // Every member is checked before any seals its part, so a wrong
+        // layout leaves every member as it was.
+        let prepare = |check_only| {
+            futures::future::join_all(members.iter().map(move |(location, winners)| {
+                self.peers.action::<pb::MemberPrepared>(
+                    location,
+                    name,
+                    actions::MEMBER_PREPARE,
+                    convert::prepare_body(name, winners, check_only),
+                )
+            }))
+        };
+        for checked in prepare(true).await {
+            checked?;
         }
-        if let Some(first) = failed.into_iter().next() {
-            return Err(first);
+        let mut parts = Vec::with_capacity(members.len());
+        for ((location, _), p) in members.iter().zip(prepare(false).await) {
+            parts.push((location.as_str(), p?));
         }
         let Some((first_location, first)) = parts.first() else {
             return Err(Error::invalid(format!(

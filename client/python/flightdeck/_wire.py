@@ -286,6 +286,7 @@ PrepareMember = _message(
     "PrepareMember",
     Field("dataset", 1, "string"),
     Field("partitions", 2, "message", repeated=True, message="PartitionAttempt"),
+    Field("check_only", 3, "bool"),
 )
 MemberPrepared = _message(
     "MemberPrepared",

@@ -389,13 +389,34 @@ impl Catalog {
         dataset: &str,
         winners: &[AttemptKey],
     ) -> Result<(DatasetSummary, u64)> {
-        let ds = self.get(dataset)?;
         let mut want = winners.to_vec();
         want.sort_unstable();
+        if self.check_member(dataset, &want)? {
+            return Ok((self.describe(dataset)?, 0));
+        }
+        let req = SealRequest {
+            dataset: dataset.to_string(),
+            partitions: 0,
+            winners: want,
+            members: vec![],
+        };
+        let (_, freed) = self.seal_winners(&req, true)?;
+        let ds = self
+            .datasets
+            .get_mut(dataset)
+            .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in seal")))?;
+        ds.cluster = Some(ClusterState::Pending);
+        Ok((summarize(dataset, ds), freed))
+    }
+
+    /// Checks that this member can seal exactly `want` (sorted) of
+    /// `dataset`, sealing nothing; true when it already has.
+    pub fn check_member(&self, dataset: &str, want: &[AttemptKey]) -> Result<bool> {
+        let ds = self.get(dataset)?;
         if ds.sealed.is_some() {
             let have: Vec<AttemptKey> = ds.sealed_parts.iter().map(|p| p.key).collect();
             if ds.cluster.is_some() && have == want {
-                return Ok((summarize(dataset, ds), 0));
+                return Ok(true);
             }
             return Err(Error::FailedPrecondition(format!(
                 "dataset '{dataset}' is already sealed here with other partitions; drop it on \
@@ -414,19 +435,7 @@ impl Catalog {
                 missing.join(", ")
             )));
         }
-        let req = SealRequest {
-            dataset: dataset.to_string(),
-            partitions: 0,
-            winners: want,
-            members: vec![],
-        };
-        let (_, freed) = self.seal_winners(&req, true)?;
-        let ds = self
-            .datasets
-            .get_mut(dataset)
-            .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in seal")))?;
-        ds.cluster = Some(ClusterState::Pending);
-        Ok((summarize(dataset, ds), freed))
+        Ok(false)
     }
 
     /// Makes this member's sealed part of `dataset` member `index` of

@@ -90,9 +90,9 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             Ok(convert::dataset_info(&summary)?.encode_to_vec().into())
         }
         actions::MEMBER_PREPARE => {
-            let (name, winners) = convert::prepare_request(&action.body)?;
+            let (name, winners, check_only) = convert::prepare_request(&action.body)?;
             Ok(state
-                .prepare_member(&name, &winners)
+                .prepare_member(&name, &winners, check_only)
                 .await?
                 .encode_to_vec()
                 .into())
