@@ -187,6 +187,16 @@ fn plan(ds: &str, world_size: u32, shuffle: Shuffle, epoch: u64) -> ReadPlan {
     }
 }
 
+/// Every shard of `p`, each read from the member its endpoint names.
+async fn read_all(c: &mut Client, p: &flightdeck_client::Plan) -> Vec<Vec<RecordBatch>> {
+    let mut out = Vec::new();
+    for shard in &p.shards {
+        let stream = timed("read", c.read_shard(shard)).await.expect("read");
+        out.push(timed("rows", stream.try_collect()).await.expect("rows"));
+    }
+    out
+}
+
 /// The raw bytes of every rank of `plan`, each read where its endpoint says.
 async fn ranks_bytes(c: &mut Client, plan: ReadPlan) -> Vec<Vec<u8>> {
     let p = timed("plan", c.plan(plan)).await.expect("plan");
@@ -253,14 +263,7 @@ async fn global_shards_are_byte_identical_to_one_server() {
         .await
         .expect("plan");
     let mut ids = Vec::new();
-    for shard in &p.shards {
-        let batches: Vec<RecordBatch> = c
-            .read_shard(shard)
-            .await
-            .expect("read")
-            .try_collect()
-            .await
-            .expect("rows");
+    for batches in read_all(&mut c, &p).await {
         for b in &batches {
             ids.extend(check_batch(b, &|id| {
                 let p = layout(&sizes())
@@ -341,15 +344,7 @@ async fn node_epoch(c: &mut Client, ds: &str, epoch: u64) -> (Vec<Vec<i64>>, Vec
         .await
         .expect("node plan");
     let mut ranks = Vec::new();
-    let mut served_by = Vec::new();
-    for shard in &p.shards {
-        let batches: Vec<RecordBatch> = c
-            .read_shard(shard)
-            .await
-            .expect("read")
-            .try_collect()
-            .await
-            .expect("rows");
+    for batches in read_all(c, &p).await {
         ranks.push(
             batches
                 .iter()
@@ -362,8 +357,12 @@ async fn node_epoch(c: &mut Client, ds: &str, epoch: u64) -> (Vec<Vec<i64>>, Vec
                 })
                 .collect(),
         );
-        served_by.push(shard.location.clone().expect("a member per rank"));
     }
+    let served_by = p
+        .shards
+        .iter()
+        .map(|s| s.location.clone().expect("a member per rank"))
+        .collect();
     (ranks, served_by)
 }
 
@@ -589,17 +588,12 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
     let p = timed("plan", c.plan(resumed))
         .await
         .expect("plan after restart");
-    let mut rest = Vec::new();
-    for shard in &p.shards {
-        let batches: Vec<RecordBatch> = c
-            .read_shard(shard)
-            .await
-            .expect("read")
-            .try_collect()
-            .await
-            .expect("rows after restart");
-        rest.extend(batches.iter().flat_map(&ids_of));
-    }
+    let rest: Vec<i64> = read_all(&mut c, &p)
+        .await
+        .iter()
+        .flatten()
+        .flat_map(&ids_of)
+        .collect();
     let total = (PARTS * PER_PART) as usize;
     assert_eq!(rest.len() + seen.len(), total);
     let rest: HashSet<i64> = rest.into_iter().collect();

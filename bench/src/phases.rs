@@ -24,6 +24,50 @@ use crate::report::Sample;
 /// Boxed error for the benchmark's plumbing.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Writes partition `p` to `uris[p % uris.len()]` with `writers` concurrent
+/// writers; returns each partition's member location (from its ack) and
+/// the latency of every partition.
+async fn write_partitions(
+    uris: &[String],
+    dataset: &str,
+    shape: &Shape,
+    parts: &Arc<Vec<Vec<RecordBatch>>>,
+    writers: usize,
+) -> Result<(Vec<(String, u32)>, Vec<Duration>), BoxError> {
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let parts = parts.clone();
+        let uris = uris.to_vec();
+        let schema = shape.schema();
+        let dataset = dataset.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut clients = Vec::new();
+            for uri in &uris {
+                clients.push(Client::connect(uri).await?);
+            }
+            let mut out = Vec::new();
+            for p in (w..parts.len()).step_by(writers) {
+                let t = Instant::now();
+                let batches = stream::iter(parts[p].clone().into_iter().map(Ok));
+                let ack = clients[p % uris.len()]
+                    .put_partition(&dataset, p as u32, 0, schema.clone(), batches)
+                    .await?;
+                out.push(((ack.location, p as u32), t.elapsed()));
+            }
+            Ok::<_, BoxError>(out)
+        }));
+    }
+    let mut written = Vec::new();
+    let mut latencies = Vec::new();
+    for t in tasks {
+        for (w, l) in t.await?? {
+            written.push(w);
+            latencies.push(l);
+        }
+    }
+    Ok((written, latencies))
+}
+
 /// Writes every partition with `writers` concurrent connections, then seals.
 pub async fn put(
     uri: &str,
@@ -33,29 +77,8 @@ pub async fn put(
     writers: usize,
 ) -> Result<Sample, BoxError> {
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..writers {
-        let mut client = Client::connect(uri).await?;
-        let parts = parts.clone();
-        let schema = shape.schema();
-        let dataset = dataset.to_string();
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            for p in (w..parts.len()).step_by(writers) {
-                let t = Instant::now();
-                let batches = stream::iter(parts[p].clone().into_iter().map(Ok));
-                client
-                    .put_partition(&dataset, p as u32, 0, schema.clone(), batches)
-                    .await?;
-                latencies.push(t.elapsed());
-            }
-            Ok::<_, BoxError>(latencies)
-        }));
-    }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await??);
-    }
+    let (_, latencies) =
+        write_partitions(&[uri.to_string()], dataset, shape, parts, writers).await?;
     Client::connect(uri)
         .await?
         .seal(SealDataset {
@@ -80,43 +103,23 @@ pub async fn put_cluster(
     writers: usize,
 ) -> Result<Sample, BoxError> {
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..writers {
-        let parts = parts.clone();
-        let uris = uris.to_vec();
-        let schema = shape.schema();
-        let dataset = dataset.to_string();
-        tasks.push(tokio::spawn(async move {
-            let mut held = Vec::new();
-            for p in (w..parts.len()).step_by(writers) {
-                let mut client = Client::connect(&uris[p % uris.len()]).await?;
-                let batches = stream::iter(parts[p].clone().into_iter().map(Ok));
-                let ack = client
-                    .put_partition(&dataset, p as u32, 0, schema.clone(), batches)
-                    .await?;
-                held.push((ack.location, p as u32));
-            }
-            Ok::<_, BoxError>(held)
-        }));
-    }
+    let (written, latencies) = write_partitions(uris, dataset, shape, parts, writers).await?;
     let mut members: Vec<MemberPartitions> = Vec::new();
-    for t in tasks {
-        for (location, partition) in t.await?? {
-            let at = match members.iter().position(|m| m.location == location) {
-                Some(i) => i,
-                None => {
-                    members.push(MemberPartitions {
-                        location,
-                        partitions: vec![],
-                    });
-                    members.len() - 1
-                }
-            };
-            members[at].partitions.push(PartitionAttempt {
-                partition,
-                attempt: 0,
-            });
-        }
+    for (location, partition) in written {
+        let at = match members.iter().position(|m| m.location == location) {
+            Some(i) => i,
+            None => {
+                members.push(MemberPartitions {
+                    location,
+                    partitions: vec![],
+                });
+                members.len() - 1
+            }
+        };
+        members[at].partitions.push(PartitionAttempt {
+            partition,
+            attempt: 0,
+        });
     }
     Client::connect(&uris[0])
         .await?
@@ -124,7 +127,7 @@ pub async fn put_cluster(
         .await?;
     Ok(Sample {
         elapsed: start.elapsed(),
-        latencies: vec![],
+        latencies,
     })
 }
 

@@ -423,25 +423,7 @@ impl State {
                 }
             }
         }
-        if req.partitions > 0 {
-            let missing: Vec<u32> = (0..req.partitions)
-                .filter(|p| !held.contains_key(p))
-                .collect();
-            if !missing.is_empty() {
-                return Err(Error::MissingPartitions {
-                    dataset: name.to_string(),
-                    expected: req.partitions,
-                    missing,
-                });
-            }
-            if let Some((p, _)) = held.range(req.partitions..).next() {
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot seal dataset '{name}' with {} partitions: the layout also names \
-                     partition {p}",
-                    req.partitions
-                )));
-            }
-        }
+        crate::catalog::check_partition_count(name, req.partitions, held.keys().copied())?;
         // Every member is checked before any seals its part, so a wrong
         // layout leaves every member as it was.
         let prepare = |check_only| {

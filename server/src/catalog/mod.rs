@@ -524,31 +524,7 @@ impl Catalog {
                 winners.entry(p).or_insert(key);
             }
         }
-        if req.partitions > 0 {
-            let missing: Vec<u32> = (0..req.partitions)
-                .filter(|p| !winners.contains_key(p))
-                .collect();
-            if !missing.is_empty() {
-                return Err(Error::MissingPartitions {
-                    dataset: name.to_string(),
-                    expected: req.partitions,
-                    missing,
-                });
-            }
-            let extra: Vec<u32> = winners
-                .keys()
-                .copied()
-                .filter(|&p| p >= req.partitions)
-                .collect();
-            if !extra.is_empty() {
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot seal dataset '{name}' with {} partitions: it also holds partitions \
-                     {extra:?}; seal with the right partition count, or drop the dataset and \
-                     write it again",
-                    req.partitions
-                )));
-            }
-        }
+        check_partition_count(name, req.partitions, winners.keys().copied())?;
         // Move winners out, free losers.
         let counts = attempt_counts(&ds.attempts);
         let mut freed = 0u64;
@@ -791,6 +767,36 @@ fn schema_mismatch(dataset: &str, key: AttemptKey, expected: &Schema, got: &Sche
         describe_fields(expected),
         describe_fields(got)
     ))
+}
+
+/// Checks that the partitions `held` (ascending) are exactly
+/// `0..expected`; `expected` 0 checks nothing.
+pub fn check_partition_count(
+    dataset: &str,
+    expected: u32,
+    held: impl Iterator<Item = u32>,
+) -> Result<()> {
+    if expected == 0 {
+        return Ok(());
+    }
+    let have: std::collections::BTreeSet<u32> = held.collect();
+    let missing: Vec<u32> = (0..expected).filter(|p| !have.contains(p)).collect();
+    if !missing.is_empty() {
+        return Err(Error::MissingPartitions {
+            dataset: dataset.to_string(),
+            expected,
+            missing,
+        });
+    }
+    let extra: Vec<u32> = have.range(expected..).copied().collect();
+    if !extra.is_empty() {
+        return Err(Error::FailedPrecondition(format!(
+            "cannot seal dataset '{dataset}' with {expected} partitions: it also holds partitions \
+             {extra:?}; seal with the right partition count, or drop the dataset and write it \
+             again"
+        )));
+    }
+    Ok(())
 }
 
 /// The first committed attempt of each partition.
