@@ -44,7 +44,10 @@ def normalize_uri(uri: str) -> str:
     is set (as a DaemonSet's pod template sets it on every executor and
     training pod), else loopback."""
     if uri == "local":
-        return normalize_uri(os.environ.get("FLIGHTDECK_URI") or f"127.0.0.1:{DEFAULT_PORT}")
+        target = os.environ.get("FLIGHTDECK_URI", "")
+        if not target or target == "local" or target.startswith("local:"):
+            target = f"127.0.0.1:{DEFAULT_PORT}"
+        return normalize_uri(target)
     if uri.startswith("local:"):
         return f"grpc://127.0.0.1:{uri.split(':', 1)[1]}"
     if "://" not in uri:

@@ -52,20 +52,30 @@ def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
 
     if not (dist.is_available() and dist.is_initialized()) or ranks_per_node < 1:
         return []
-    client = connect(uri)
+    # Every rank must enter the collective, even one whose lookup failed,
+    # or the others would wait in it forever.
+    mine, members, failure = "", set(), None
     try:
-        mine = client.location
-        info = client.describe(dataset)
-    finally:
-        client.close()
-    members = {m.location for m in info.layout.members} if info.layout else set()
+        with connect(uri) as client:
+            mine = client.location
+            info = client.describe(dataset)
+        members = {m.location for m in info.layout.members} if info.layout else set()
+    except Exception as e:  # raised below, after the collective
+        failure = e
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // ranks_per_node))
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (node, mine))
+    dist.all_gather_object(everyone, (node, mine, failure is not None))
+    if failure is not None:
+        raise failure
+    if any(failed for _, _, failed in everyone):
+        raise RuntimeError(
+            f"another rank could not reach its flightdeck server to learn the node map of "
+            f"dataset '{dataset}'; see that rank's error"
+        )
     if not members:
         return []
     nodes = [""] * ((dist.get_world_size() + ranks_per_node - 1) // ranks_per_node)
-    for n, location in everyone:
+    for n, location, _ in everyone:
         if 0 <= n < len(nodes) and location in members:
             nodes[n] = location
     return nodes
