@@ -430,6 +430,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     };
     let ratios = json!({
         "cluster_node_vs_single_none": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks")),
+        "cluster_node_vs_single_global": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks-global")),
         "cluster_global_none_vs_single_none": ratio(gbps("cluster/global-none"), gbps("cluster/single-none")),
         "cluster_global_vs_single_none": ratio(gbps("cluster/global-global"), gbps("cluster/single-none")),
         "get_none_vs_pyarrow": ratio(run.median("get/none", "pyarrow"), get_none),
@@ -475,6 +476,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         &ratios["cluster_node_vs_single_none"],
     );
     show(
+        "cluster: one node's NODE read vs one server's shuffled read, same ranks",
+        &ratios["cluster_node_vs_single_global"],
+    );
+    show(
         "cluster: GLOBAL unshuffled vs one server's unshuffled read",
         &ratios["cluster_global_none_vs_single_none"],
     );
@@ -513,9 +518,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
 /// (p on member p mod N) and the single server `single` holds them all.
 /// Figures are GB/s of the rows the ranks received:
 /// - `cluster/node`: the ranks of one node (ranks / N of them) read their
-///   LOCALITY_NODE shards while the other nodes are idle, node by node;
-///   against `cluster/single-node-ranks`: as many ranks reading the single
-///   server unshuffled.
+///   LOCALITY_NODE shards (shuffled within the node) while the other nodes
+///   are idle, node by node; against `cluster/single-node-ranks`: as many
+///   ranks reading the single server unshuffled, and
+///   `cluster/single-node-ranks-global`: the same, globally shuffled.
 /// - `cluster/global-none` and `cluster/global-global`: every rank reads
 ///   LOCALITY_GLOBAL (rows held elsewhere cross between members); against
 ///   `cluster/single-none`: every rank reading the single server unshuffled.
@@ -553,15 +559,14 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
             let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
             run.record("cluster/node", "flightdeck", rows, rows * row_bytes, s);
         }
-        let one = phases::read_plan("cluster", per_node, Shuffle::None, batch_rows);
-        let (s, rows) = phases::get_ranks(single, one, None).await?;
-        run.record(
-            "cluster/single-node-ranks",
-            "flightdeck",
-            rows,
-            rows * row_bytes,
-            s,
-        );
+        for (phase, shuffle) in [
+            ("cluster/single-node-ranks", Shuffle::None),
+            ("cluster/single-node-ranks-global", Shuffle::Global),
+        ] {
+            let one = phases::read_plan("cluster", per_node, shuffle, batch_rows);
+            let (s, rows) = phases::get_ranks(single, one, None).await?;
+            run.record(phase, "flightdeck", rows, rows * row_bytes, s);
+        }
         let (s, rows) = phases::get_ranks(single, plan(Shuffle::None), None).await?;
         run.record(
             "cluster/single-none",
