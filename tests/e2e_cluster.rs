@@ -414,6 +414,31 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
         );
     }
 
+    // The embedded trainer refuses a dataset spread over several members.
+    let training = c
+        .train(flightdeck_client::TrainJob {
+            dataset: "uneven".into(),
+            features: vec!["x".into()],
+            label: "id".into(),
+            task: flightdeck_client::Task::Regression.into(),
+            batch_size: 60,
+            epochs: 1,
+            ..Default::default()
+        })
+        .await;
+    let err = match training {
+        Ok(mut stream) => stream.next().await.expect("a result").expect_err("refused"),
+        Err(e) => e,
+    };
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("spread over 3 members"), "{err}");
+
+    // A ticket issued before a member dropped its part reads nothing.
+    let ticket_plan = c
+        .plan(plan("uneven", 2, Shuffle::Global, 0))
+        .await
+        .expect("plan before the drop");
+
     // A NODE epoch resumes at its own world size only.
     let err = c
         .plan(ReadPlan {
@@ -447,6 +472,20 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
         .await
         .expect_err("a member dropped it");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    for shard in &ticket_plan.shards {
+        if shard.location.as_deref() == Some(members[sorted[2]].location().as_str()) {
+            continue; // served by the member that dropped it: NOT_FOUND there
+        }
+        let read = async {
+            let mut stream = c.read_shard(shard).await?;
+            while let Some(b) = stream.next().await {
+                b?;
+            }
+            Ok::<_, flightdeck_client::ClientError>(())
+        };
+        let err = read.await.expect_err("no partial data");
+        assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    }
     assert!(
         err.message().contains(&members[sorted[2]].location()),
         "{err}"
