@@ -215,9 +215,23 @@ fn send(tx: &Sender, encoded: Result<Vec<IpcMessage>>) -> bool {
     tx.blocking_send(encoded).is_ok() && !failed
 }
 
-/// Rows and body bytes of an encoded batch.
-fn body_bytes(messages: &[IpcMessage]) -> u64 {
-    messages.iter().map(|m| m.body_len as u64).sum()
+/// The IPC messages of `batch`, the record batch tagged with `tag` (the
+/// batch's index, on streams between members); its rows and body bytes are
+/// added to `rows` and `bytes`.
+fn encode(
+    messages: &mut Messages,
+    batch: &RecordBatch,
+    tag: Option<u64>,
+    rows: &std::sync::atomic::AtomicU64,
+    bytes: &std::sync::atomic::AtomicU64,
+) -> Result<Vec<IpcMessage>> {
+    let mut m = messages.batch(batch)?;
+    if let (Some(tag), Some(last)) = (tag, m.last_mut()) {
+        last.app_metadata = Bytes::copy_from_slice(&tag.to_le_bytes());
+    }
+    let body = m.iter().map(|x| x.body_len as u64).sum();
+    Traffic::add(rows, bytes, batch.num_rows() as u64, body);
+    Ok(m)
 }
 
 /// The messages of a rank's shard (or of a peer's part of it): the schema,
@@ -231,7 +245,6 @@ pub(super) async fn shard_messages(
 ) -> Result<mpsc::Receiver<Result<Vec<IpcMessage>>>> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
     let name = t.plan.dataset.clone();
-    state.readable(&name)?;
     let summary = sealed_summary(state, &name)?;
     let source = Source::of(state, &summary)?;
     let stale = || {
@@ -267,15 +280,13 @@ pub(super) async fn shard_messages(
         tokio::task::spawn_blocking(move || {
             for batch in shard.batches() {
                 let encoded = batch.and_then(|b| {
-                    let m = messages.batch(&b)?;
-                    let t = &traffic;
-                    Traffic::add(
-                        &t.rows_served,
-                        &t.bytes_served,
-                        b.num_rows() as u64,
-                        body_bytes(&m),
-                    );
-                    Ok(m)
+                    encode(
+                        &mut messages,
+                        &b,
+                        None,
+                        &traffic.rows_served,
+                        &traffic.bytes_served,
+                    )
                 });
                 if !send(&tx, encoded) {
                     break;
@@ -384,22 +395,19 @@ impl MergedRead {
             if local.is_empty() {
                 continue;
             }
+            let t = &self.traffic;
             let encoded = self
                 .gather
                 .batch(&Picks::new(local), &[])
                 .and_then(|batch| {
-                    let mut m = self.messages.batch(&batch)?;
-                    if let Some(last) = m.last_mut() {
-                        last.app_metadata = Bytes::copy_from_slice(&(b as u64).to_le_bytes());
-                    }
-                    let t = &self.traffic;
-                    Traffic::add(
+                    let tag = Some(b as u64);
+                    encode(
+                        &mut self.messages,
+                        &batch,
+                        tag,
                         &t.rows_to_peers,
                         &t.bytes_to_peers,
-                        batch.num_rows() as u64,
-                        body_bytes(&m),
-                    );
-                    Ok(m)
+                    )
                 });
             if !send(&self.tx, encoded) {
                 break;
@@ -411,16 +419,15 @@ impl MergedRead {
     /// rows with those fetched from the others.
     fn serve_rank(mut self, mut feeds: Feeds) {
         for (b, samples) in self.plan.stream_batches(self.rows.len()).enumerate() {
+            let t = &self.traffic;
             let encoded = self.merge(b as u64, samples, &mut feeds).and_then(|batch| {
-                let m = self.messages.batch(&batch)?;
-                let t = &self.traffic;
-                Traffic::add(
+                encode(
+                    &mut self.messages,
+                    &batch,
+                    None,
                     &t.rows_served,
                     &t.bytes_served,
-                    batch.num_rows() as u64,
-                    body_bytes(&m),
-                );
-                Ok(m)
+                )
             });
             if !send(&self.tx, encoded) {
                 break;
