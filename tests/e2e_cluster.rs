@@ -502,27 +502,30 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
     }
 }
 
-/// A batch of rows `ids`: an id and a 256-float feature vector (1 KiB a row),
-/// so a rank's stream is far larger than what the transport buffers.
+/// Floats in a row of [`wide`]: 4 KiB a row.
+const WIDTH: i32 = 1024;
+
+/// A batch of rows `ids`: an id and a [`WIDTH`]-float feature vector, so a
+/// rank's stream is far larger than what the transport buffers.
 fn wide(ids: std::ops::Range<i64>) -> RecordBatch {
     let n = (ids.end - ids.start) as usize;
     let values = Float32Array::from_iter_values(
         ids.clone()
-            .flat_map(|id| (0..256).map(move |j| (id * 256 + j) as f32)),
+            .flat_map(|id| (0..WIDTH as i64).map(move |j| (id * WIDTH as i64 + j) as f32)),
     );
     let item = Arc::new(Field::new("item", DataType::Float32, false));
     let columns: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values(ids)),
         Arc::new(FixedSizeListArray::new(
             item.clone(),
-            256,
+            WIDTH,
             Arc::new(values),
             None,
         )),
     ];
     let schema = Schema::new(vec![
         Field::new("id", DataType::Int64, false),
-        Field::new("x", DataType::FixedSizeList(item, 256), false),
+        Field::new("x", DataType::FixedSizeList(item, WIDTH), false),
     ]);
     assert_eq!(columns[0].len(), n);
     RecordBatch::try_new(Arc::new(schema), columns).expect("batch")
@@ -541,11 +544,24 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
             MemberProcess::start("127.0.0.1:0", &["--persist", "--spill-url", url.as_str()])
         })
         .collect();
+    // Two ranks, each served by its own member (members sort by port); the
+    // third member serves no rank and dies. It holds 4 of the 6 partitions,
+    // so each rank needs 64 MiB from it: far more than a peer stream and the
+    // sockets under it can hold ahead (8 MiB windows each way plus kernel
+    // buffers), so its death is always met mid-stream.
+    let mut order: Vec<usize> = (0..3).collect();
+    order.sort_by_key(|&m| members[m].location());
+    let victim = order[2];
+    let holder = |p: i64| match p {
+        0..4 => order[2],
+        4 => order[0],
+        _ => order[1],
+    };
     let mut seal: Vec<MemberPartitions> = Vec::new();
     for (m, member) in members.iter().enumerate() {
         let mut c = member.client().await;
         let mut partitions = Vec::new();
-        for p in (0..PARTS).filter(|p| *p as usize % 3 == m) {
+        for p in (0..PARTS).filter(|&p| holder(p) == m) {
             let b = wide(p * PER_PART..(p + 1) * PER_PART);
             let batches: Vec<_> = (0..PER_PART as usize)
                 .step_by(2_000)
@@ -568,10 +584,6 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
     c.seal_cluster("wide", PARTS as u32, seal)
         .await
         .expect("seal");
-    // Two ranks, each served by its own member (members sort by port).
-    let mut order: Vec<usize> = (0..3).collect();
-    order.sort_by_key(|&m| members[m].location());
-    let victim = order[2];
     let read_plan = ReadPlan {
         batch_rows: BATCH,
         ..plan("wide", 2, Shuffle::Global, 0)
