@@ -92,7 +92,7 @@ impl Traffic {
 #[derive(Debug)]
 pub struct State {
     catalog: Mutex<Catalog>,
-    arena: Arena,
+    arena: Arc<Arena>,
     store: Store,
     cuda: Option<CudaHost>,
     placements: Mutex<Placements>,
@@ -151,7 +151,7 @@ impl State {
         );
         Ok(Self {
             catalog: Mutex::new(catalog),
-            arena: Arena::new(budget, slab, source),
+            arena: Arc::new(Arena::new(budget, slab, source)),
             store,
             cuda,
             placements: Mutex::new(BTreeMap::new()),
@@ -179,7 +179,7 @@ impl State {
     }
 
     /// The host arena.
-    pub fn arena(&self) -> &Arena {
+    pub fn arena(&self) -> &Arc<Arena> {
         &self.arena
     }
 
@@ -210,10 +210,17 @@ impl State {
         }
     }
 
-    /// Spills the least-recently-read resident sealed dataset; false when
-    /// there is none.
+    /// Makes room: gives up a packed copy of rows (no data lost) or else
+    /// spills the least-recently-read resident sealed dataset; false when
+    /// there is neither.
     async fn spill_one(&self, except: Option<&str>) -> Result<bool> {
         let _one = self.spill_lock.lock().await;
+        // Packed copies go first: giving one up loses no data.
+        let packed = self.catalog().give_up_packed(except);
+        if packed > 0 {
+            info!(bytes = packed, "gave up a packed copy to make room");
+            return Ok(true);
+        }
         let Some(victim) = self.catalog().spill_candidate(except) else {
             return Ok(false);
         };

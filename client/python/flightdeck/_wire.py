@@ -385,6 +385,7 @@ ServerStats = _message(
     Field("bytes_served_to_peers", 22, "uint64"),
     Field("rows_fetched_from_peers", 23, "uint64"),
     Field("bytes_fetched_from_peers", 24, "uint64"),
+    Field("packed_bytes", 25, "uint64"),
 )
 TrainJob = _message(
     "TrainJob",

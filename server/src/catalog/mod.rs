@@ -20,6 +20,7 @@ use arrow::datatypes::{Schema, SchemaRef};
 use crate::cluster::Layout;
 use crate::error::{Error, Result};
 use crate::memory::spill::{PersistedDataset, Stored};
+use crate::read::packed::PackedCache;
 
 /// A dataset's place in a cluster of members.
 #[derive(Debug, Clone)]
@@ -95,6 +96,8 @@ pub struct SealedData {
     batches: Vec<RecordBatch>,
     /// `starts[i]` is the first row of `batches[i]`; one extra entry = rows.
     starts: Vec<u64>,
+    /// The row-major copy shuffled reads gather from, once built.
+    packed: PackedCache,
 }
 
 impl SealedData {
@@ -127,6 +130,7 @@ impl SealedData {
             winners,
             batches,
             starts,
+            packed: PackedCache::default(),
         }
     }
 
@@ -148,6 +152,11 @@ impl SealedData {
     /// The non-empty record batches, in row order.
     pub fn batches(&self) -> &[RecordBatch] {
         &self.batches
+    }
+
+    /// The row-major copy of the fixed-width columns for shuffled reads.
+    pub fn packed(&self) -> &PackedCache {
+        &self.packed
     }
 
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).
@@ -273,6 +282,9 @@ pub struct CatalogTotals {
     pub bytes: u64,
     /// Sealed datasets that are spilled (in the store only).
     pub spilled: u32,
+    /// Bytes of packed row copies for shuffled reads (in the arena, beside
+    /// `bytes`).
+    pub packed_bytes: u64,
 }
 
 /// All datasets of the server.
@@ -671,6 +683,22 @@ impl Catalog {
             })
     }
 
+    /// Gives up the packed copy of the least-recently-read resident dataset
+    /// that has one (other than `except`): the first memory given back when
+    /// the budget is full. The bytes it held; 0 when no dataset has one.
+    pub fn give_up_packed(&self, except: Option<&str>) -> u64 {
+        self.datasets
+            .iter()
+            .filter(|(name, _)| Some(name.as_str()) != except)
+            .filter_map(|(_, ds)| {
+                let s = ds.sealed.as_ref()?;
+                let data = s.data.as_ref()?;
+                (data.packed().bytes() > 0).then_some((s.last_read, data))
+            })
+            .min_by_key(|(last_read, _)| *last_read)
+            .map_or(0, |(_, data)| data.packed().give_up())
+    }
+
     /// Records the store copy of a sealed dataset; false when the dataset
     /// (of that generation) is gone.
     pub fn set_stored(&mut self, name: &str, generation: u64, stored: Stored) -> bool {
@@ -744,7 +772,8 @@ impl Catalog {
 
     /// Totals over all datasets.
     pub fn totals(&self) -> CatalogTotals {
-        self.list()
+        let totals = self
+            .list()
             .iter()
             .fold(CatalogTotals::default(), |mut t, s| {
                 t.datasets += 1;
@@ -753,7 +782,17 @@ impl Catalog {
                 t.bytes += s.bytes;
                 t.spilled += u32::from(!s.resident);
                 t
-            })
+            });
+        let packed_bytes = self
+            .datasets
+            .values()
+            .filter_map(|ds| ds.sealed.as_ref()?.data.as_ref())
+            .map(|data| data.packed().bytes())
+            .sum();
+        CatalogTotals {
+            packed_bytes,
+            ..totals
+        }
     }
 }
 

@@ -82,10 +82,14 @@ impl SlabMem {
     fn allocate(cap: usize, source: &HostMemory) -> Result<Self> {
         let ptr = match source {
             HostMemory::Heap => {
-                let layout = Layout::from_size_align(cap, ALIGN)
+                let layout = heap_layout(cap)
                     .map_err(|e| Error::Internal(format!("slab layout of {cap} bytes: {e}")))?;
                 // SAFETY: `cap` is non-zero (callers round up to at least ALIGN).
-                NonNull::new(unsafe { std::alloc::alloc(layout) })
+                let ptr = unsafe { std::alloc::alloc(layout) };
+                if !ptr.is_null() {
+                    huge_pages(ptr, cap);
+                }
+                NonNull::new(ptr)
             }
             HostMemory::Pinned(host) => NonNull::new(host.alloc_pinned(cap)?),
         };
@@ -103,11 +107,35 @@ impl SlabMem {
     }
 }
 
+/// Slabs of at least this size are aligned to it and asked to be backed by
+/// huge pages: a shuffled read touches rows all over the cache, and with
+/// 4 KiB pages nearly every row it reads is a TLB miss.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// The layout of a heap slab of `cap` bytes.
+fn heap_layout(cap: usize) -> std::result::Result<Layout, std::alloc::LayoutError> {
+    let align = if cap >= HUGE_PAGE { HUGE_PAGE } else { ALIGN };
+    Layout::from_size_align(cap, align)
+}
+
+/// Asks the kernel to back `[ptr, ptr + cap)` with transparent huge pages
+/// (a hint: it is ignored where they are off).
+fn huge_pages(ptr: *mut u8, cap: usize) {
+    #[cfg(target_os = "linux")]
+    if cap >= HUGE_PAGE {
+        // SAFETY: the range is one live allocation of `cap` bytes, aligned
+        // to a huge page; `madvise` only changes how it is backed.
+        let _ = unsafe { libc::madvise(ptr.cast(), cap, libc::MADV_HUGEPAGE) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, cap);
+}
+
 impl Drop for SlabMem {
     fn drop(&mut self) {
         match &self.source {
             HostMemory::Heap => {
-                if let Ok(layout) = Layout::from_size_align(self.cap, ALIGN) {
+                if let Ok(layout) = heap_layout(self.cap) {
                     // SAFETY: allocated in `allocate` with this very layout, and
                     // no buffer points here any more (slabs are dropped only
                     // when the last allocation in them is gone).
@@ -409,6 +437,16 @@ impl Arena {
                 pool: self.pool.clone(),
             }),
         })
+    }
+
+    /// A copy of `bytes` in one arena allocation. Fails before copying
+    /// anything when the budget has no room.
+    pub fn copy_bytes(&self, bytes: &[u8], what: &dyn Fn() -> String) -> Result<Buffer> {
+        let mut chunk = self.alloc(bytes.len(), what)?;
+        chunk.write_at(0, bytes);
+        let padding = chunk.len - bytes.len();
+        chunk.zero(bytes.len(), padding);
+        Ok(chunk.freeze().slice_with_length(0, bytes.len()))
     }
 
     /// A copy of `batch` whose buffers all live in one arena allocation, and

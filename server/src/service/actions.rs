@@ -138,6 +138,7 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 bytes_served_to_peers: load(&t.bytes_to_peers),
                 rows_fetched_from_peers: load(&t.rows_from_peers),
                 bytes_fetched_from_peers: load(&t.bytes_from_peers),
+                packed_bytes: totals.packed_bytes,
             }
             .encode_to_vec()
             .into())

@@ -274,7 +274,7 @@ pub(super) async fn shard_messages(
     let traffic = state.traffic.clone();
     let (tx, rx) = mpsc::channel(READ_AHEAD);
     if !source.cluster && t.plan.locality == Locality::Global {
-        let shard = Shard::new(data, &t.plan, t.rank)?;
+        let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
         let mut messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
         tokio::task::spawn_blocking(move || {
@@ -298,7 +298,7 @@ pub(super) async fn shard_messages(
     let nodes = source.nodes(&t.plan)?;
     let rows = RankRows::new(&t.plan, source.layout.clone(), &nodes, t.rank)?;
     let fixed = source.cluster.then_some(source.layout.fixed.as_slice());
-    let gather = Gather::new(data, &t.plan.columns, &name, fixed)?;
+    let gather = Gather::new(data, &t.plan.columns, &name, fixed)?.packing(state.arena().clone());
     let messages = Messages::new(&gather.schema())?;
     start(&tx, &messages)?;
     let read = MergedRead {

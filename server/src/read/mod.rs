@@ -5,23 +5,36 @@
 //! Numeric columns (and `fixed_size_list`s of numbers) without nulls — what
 //! training data is — are gathered by copying each row's bytes, visiting the
 //! source rows in ascending order (the reads stream forward; the writes land
-//! in the small output batch). Other columns go through Arrow's
-//! `interleave`. Both give the same arrays.
+//! in the small output batch). When the rows come in shuffled order and the
+//! gather was given the arena, those columns are instead gathered from the
+//! dataset's [`packed`] copy: one contiguous record per row into a tile that
+//! stays in cache, transposed back into columns. Other columns go through
+//! Arrow's `interleave`. Every path gives the same arrays.
 //!
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.
 
-use std::sync::Arc;
+pub mod packed;
+
+use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
-use arrow::buffer::MutableBuffer;
+use arrow::buffer::{Buffer, MutableBuffer};
 use arrow::compute::interleave;
 use arrow::datatypes::{DataType, Schema, SchemaRef};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
+use crate::memory::arena::Arena;
 use crate::memory::device::{ColumnSegments, segments_at, value_bytes};
 use crate::order::{ReadPlan, ShardOrder};
+use packed::{Packed, Slot};
+
+/// Bytes of the tile a packed gather copies records into: small enough to
+/// stay in the first-level cache while it is transposed into columns.
+const TILE_BYTES: usize = 32 << 10;
+/// How many rows ahead a packed gather asks for a record to be loaded.
+const PREFETCH_ROWS: usize = 8;
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
 pub fn project(
@@ -57,9 +70,24 @@ pub fn project(
 #[derive(Debug)]
 pub struct Gather {
     data: Arc<SealedData>,
+    dataset: String,
+    /// Per projected column: its index in the dataset's schema.
+    indices: Vec<usize>,
     /// How each projected column is gathered.
     columns: Vec<Column>,
     schema: SchemaRef,
+    /// Where a packed copy's memory comes from; `None`: never packed.
+    arena: Option<Arc<Arena>>,
+    /// The packed gather, decided at the first shuffled batch.
+    packed: OnceLock<Option<PackedGather>>,
+}
+
+/// The projected columns a shuffled batch gathers from packed records.
+#[derive(Debug)]
+struct PackedGather {
+    packed: Arc<Packed>,
+    /// `(projected column, its slot in a record)`.
+    outputs: Vec<(usize, Slot)>,
 }
 
 impl Gather {
@@ -80,9 +108,20 @@ impl Gather {
             .collect::<Result<_>>()?;
         Ok(Self {
             data,
+            dataset: dataset.to_string(),
+            indices,
             columns,
             schema,
+            arena: None,
+            packed: OnceLock::new(),
         })
+    }
+
+    /// Lets shuffled batches gather from the dataset's packed copy, built
+    /// in `arena` at the first one when there is none.
+    pub fn packing(mut self, arena: Arc<Arena>) -> Self {
+        self.arena = Some(arena);
+        self
     }
 
     /// The projected schema every batch has.
@@ -107,15 +146,114 @@ impl Gather {
     /// batches names `extra[index - local batches]`, a batch of the
     /// projected columns.
     pub fn batch(&self, picks: &Picks, extra: &[RecordBatch]) -> Result<RecordBatch> {
+        let mut packed = match self.packed_gather(picks) {
+            Some(p) => self.gather_packed(p, picks, extra)?,
+            None => Vec::new(),
+        };
         let columns = self
             .columns
             .iter()
             .enumerate()
-            .map(|(j, c)| c.gather(picks, extra, j))
+            .map(|(j, c)| match packed.get_mut(j).and_then(Option::take) {
+                Some(array) => Ok(array),
+                None => c.gather(picks, extra, j),
+            })
             .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(picks.len()));
         RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
             .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
+    }
+
+    /// The packed gather for `picks`: only for rows out of stored order,
+    /// and only when the projected columns are at least half of a record
+    /// (else copying whole records costs more than it saves).
+    fn packed_gather(&self, picks: &Picks) -> Option<&PackedGather> {
+        if picks.in_order {
+            return None;
+        }
+        let arena = self.arena.as_ref()?;
+        self.packed
+            .get_or_init(|| {
+                let packed = self
+                    .data
+                    .packed()
+                    .get_or_build(&self.data, arena, &self.dataset)?;
+                let outputs: Vec<(usize, Slot)> = self
+                    .columns
+                    .iter()
+                    .zip(&self.indices)
+                    .enumerate()
+                    .filter(|(_, (c, _))| matches!(c, Column::Fixed(_)))
+                    .filter_map(|(j, (_, &i))| Some((j, packed.slot(i)?)))
+                    .collect();
+                let projected: usize = outputs.iter().map(|(_, s)| s.width).sum();
+                (outputs.len() >= 2 && 2 * projected >= packed.record())
+                    .then_some(PackedGather { packed, outputs })
+            })
+            .as_ref()
+    }
+
+    /// The packed columns of one batch, by projected column (`None` for the
+    /// others): records copied into a tile, the tile transposed into
+    /// columns. Rows from `extra` are written into the tile column by
+    /// column.
+    fn gather_packed(
+        &self,
+        p: &PackedGather,
+        picks: &Picks,
+        extra: &[RecordBatch],
+    ) -> Result<Vec<Option<ArrayRef>>> {
+        let local = self.data.batches().len();
+        let record = p.packed.record();
+        let n = picks.len();
+        let extra_values = p
+            .outputs
+            .iter()
+            .map(|&(j, _)| {
+                extra
+                    .iter()
+                    .map(|b| value_bytes(b.column(j), "a column fetched from a peer"))
+                    .collect::<Result<Vec<Buffer>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs: Vec<MutableBuffer> = p
+            .outputs
+            .iter()
+            .map(|(_, s)| MutableBuffer::from_len_zeroed(n * s.width))
+            .collect();
+        let tile_rows = (TILE_BYTES / record).max(1);
+        let mut tile = vec![0u8; tile_rows * record];
+        for start in (0..n).step_by(tile_rows) {
+            let rows = &picks.rows[start..n.min(start + tile_rows)];
+            for (i, &(b, r)) in rows.iter().enumerate() {
+                if let Some(&(b, r)) = picks.rows.get(start + i + PREFETCH_ROWS)
+                    && b < local
+                {
+                    prefetch(&p.packed.batch(b)[r * record..][..record]);
+                }
+                let to = &mut tile[i * record..(i + 1) * record];
+                if b < local {
+                    to.copy_from_slice(&p.packed.batch(b)[r * record..(r + 1) * record]);
+                    continue;
+                }
+                for (values, &(_, slot)) in extra_values.iter().zip(&p.outputs) {
+                    let from = &values[b - local].as_slice()[r * slot.width..][..slot.width];
+                    to[slot.offset..slot.offset + slot.width].copy_from_slice(from);
+                }
+            }
+            for (out, &(_, slot)) in outs.iter_mut().zip(&p.outputs) {
+                let out = &mut out.as_slice_mut()[start * slot.width..][..rows.len() * slot.width];
+                untile(&tile, record, slot, out);
+            }
+        }
+        let mut arrays: Vec<Option<ArrayRef>> = vec![None; self.columns.len()];
+        for (out, &(j, _)) in outs.into_iter().zip(&p.outputs) {
+            let Column::Fixed(c) = &self.columns[j] else {
+                return Err(Error::Internal("a packed column is not fixed-width".into()));
+            };
+            arrays[j] = Some(c.array(out, n)?);
+        }
+        Ok(arrays)
     }
 }
 
@@ -138,6 +276,12 @@ impl Shard {
             order,
             plan: plan.clone(),
         })
+    }
+
+    /// Lets shuffled batches gather from packed rows ([`Gather::packing`]).
+    pub fn packing(mut self, arena: Arc<Arena>) -> Self {
+        self.gather = self.gather.packing(arena);
+        self
     }
 
     /// The projected schema every batch has.
@@ -174,24 +318,40 @@ impl Shard {
 pub struct Picks {
     /// `(batch, row within batch)` per output row, in output order.
     rows: Vec<(usize, usize)>,
-    /// `(batch, row within batch, output row)`, in stored order.
-    sorted: Vec<(u32, u32, u32)>,
+    /// Whether output order is stored order.
+    in_order: bool,
+    /// `(batch, row within batch, output row)`, in stored order: made for
+    /// the first column gathered byte by byte (a packed gather needs none).
+    sorted: std::cell::OnceCell<Vec<(u32, u32, u32)>>,
 }
 
 impl Picks {
     /// Picks of `(batch, row within batch)`, one per output row in order.
     pub fn new(rows: Vec<(usize, usize)>) -> Self {
-        let mut sorted: Vec<(u32, u32, u32)> = rows
-            .iter()
-            .enumerate()
-            // A dataset's batch count and rows per batch fit u32 (a batch is
-            // one Flight message), and so does a batch's row count.
-            .map(|(at, &(b, r))| (b as u32, r as u32, at as u32))
-            .collect();
-        if !sorted.is_sorted() {
-            sorted.sort_unstable();
+        let in_order = rows.is_sorted();
+        Self {
+            rows,
+            in_order,
+            sorted: std::cell::OnceCell::new(),
         }
-        Self { rows, sorted }
+    }
+
+    /// The picks in stored order, with their output rows.
+    fn sorted(&self) -> &[(u32, u32, u32)] {
+        self.sorted.get_or_init(|| {
+            let mut sorted: Vec<(u32, u32, u32)> = self
+                .rows
+                .iter()
+                .enumerate()
+                // A dataset's batch count and rows per batch fit u32 (a batch
+                // is one Flight message), and so does a batch's row count.
+                .map(|(at, &(b, r))| (b as u32, r as u32, at as u32))
+                .collect();
+            if !self.in_order {
+                sorted.sort_unstable();
+            }
+            sorted
+        })
     }
 
     /// Output rows.
@@ -272,31 +432,76 @@ impl Column {
                     .map(|s| s.as_slice())
                     .collect();
                 let mut out = MutableBuffer::from_len_zeroed(picks.len() * c.row_bytes);
-                gather_bytes(&sources, &picks.sorted, c.row_bytes, out.as_slice_mut());
-                let values = ArrayData::try_new(
-                    c.segments.element.clone(),
-                    picks.len() * c.segments.width,
-                    None,
-                    0,
-                    vec![out.into()],
-                    vec![],
-                )
-                .map_err(internal)?;
-                let data = match &c.data_type {
-                    DataType::FixedSizeList(..) => ArrayData::try_new(
-                        c.data_type.clone(),
-                        picks.len(),
-                        None,
-                        0,
-                        vec![],
-                        vec![values],
-                    )
-                    .map_err(internal)?,
-                    _ => values,
-                };
-                Ok(make_array(data))
+                gather_bytes(&sources, picks.sorted(), c.row_bytes, out.as_slice_mut());
+                c.array(out, picks.len())
             }
         }
+    }
+}
+
+impl FixedColumn {
+    /// The column's array of `rows` rows whose bytes are `values`.
+    fn array(&self, values: MutableBuffer, rows: usize) -> Result<ArrayRef> {
+        let internal =
+            |e: arrow::error::ArrowError| Error::Internal(format!("gathering rows: {e}"));
+        let values = ArrayData::try_new(
+            self.segments.element.clone(),
+            rows * self.segments.width,
+            None,
+            0,
+            vec![values.into()],
+            vec![],
+        )
+        .map_err(internal)?;
+        let data = match &self.data_type {
+            DataType::FixedSizeList(..) => {
+                ArrayData::try_new(self.data_type.clone(), rows, None, 0, vec![], vec![values])
+                    .map_err(internal)?
+            }
+            _ => values,
+        };
+        Ok(make_array(data))
+    }
+}
+
+/// Asks the CPU to start loading `bytes` into cache (a record a few rows
+/// ahead of the copy); a hint only.
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: the address is inside `bytes`, and a prefetch neither
+        // reads into the program nor faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(line).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// Copies column `slot` of every record in `tile` to `out`, row after row.
+fn untile(tile: &[u8], record: usize, slot: Slot, out: &mut [u8]) {
+    match slot.width {
+        1 => untile_rows::<1>(tile, record, slot.offset, out),
+        2 => untile_rows::<2>(tile, record, slot.offset, out),
+        4 => untile_rows::<4>(tile, record, slot.offset, out),
+        8 => untile_rows::<8>(tile, record, slot.offset, out),
+        16 => untile_rows::<16>(tile, record, slot.offset, out),
+        n => {
+            for (i, to) in out.chunks_exact_mut(n).enumerate() {
+                to.copy_from_slice(&tile[i * record + slot.offset..][..n]);
+            }
+        }
+    }
+}
+
+/// [`untile`] for columns of `N` bytes a row.
+fn untile_rows<const N: usize>(tile: &[u8], record: usize, offset: usize, out: &mut [u8]) {
+    for (i, to) in out.chunks_exact_mut(N).enumerate() {
+        let mut value = [0u8; N];
+        value.copy_from_slice(&tile[i * record + offset..][..N]);
+        to.copy_from_slice(&value);
     }
 }
 
@@ -331,6 +536,8 @@ fn gather_rows<const N: usize>(sources: &[&[u8]], picks: &[(u32, u32, u32)], out
 mod tests {
     use super::*;
     use crate::catalog::AttemptKey;
+    use crate::memory::Budget;
+    use crate::memory::arena::HostMemory;
     use crate::order::{Shuffle, Split};
     use arrow::array::{
         FixedSizeListArray, Float32Array, Float64Array, Int16Array, Int64Array, StringArray,
@@ -407,6 +614,7 @@ mod tests {
             }],
             batches.clone(),
         ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
         let shape = |name: &str| {
             let shard =
                 Shard::new(data.clone(), &plan(Shuffle::None, 1, vec![]), 0).expect("shard");
@@ -438,8 +646,11 @@ mod tests {
                 (8, vec!["c5".to_string(), "c0".to_string()]),
             ] {
                 let plan = plan(shuffle, world, columns);
-                for rank in 0..world {
-                    let shard = Shard::new(data.clone(), &plan, rank).expect("shard");
+                for (rank, packing) in (0..world).flat_map(|r| [(r, false), (r, true)]) {
+                    let mut shard = Shard::new(data.clone(), &plan, rank).expect("shard");
+                    if packing {
+                        shard = shard.packing(arena.clone());
+                    }
                     let (indices, _) =
                         project(data.schema(), &plan.columns, "d").expect("projection");
                     let projected: Vec<RecordBatch> = batches
@@ -455,12 +666,52 @@ mod tests {
                         assert_eq!(
                             got.expect("gathered"),
                             want,
-                            "{shuffle:?} world {world} rank {rank}"
+                            "{shuffle:?} world {world} rank {rank} packing {packing}"
                         );
+                    }
+                    // Every shuffled read with the arena gathered from
+                    // packed records; one unshuffled read never does (with
+                    // more ranks, the rows that even out the shares wrap
+                    // around out of order).
+                    let packed = shard.gather.packed.get().is_some_and(Option::is_some);
+                    let all = plan.columns.is_empty();
+                    match shuffle {
+                        Shuffle::None if world == 1 => assert!(!packed),
+                        Shuffle::None => {}
+                        _ => assert_eq!(packed, packing && all, "{shuffle:?} {world}"),
                     }
                 }
             }
         }
+        // The copy counts in the budget, and giving it up returns it.
+        let packed = data.packed().bytes();
+        assert!(packed > 0);
+        assert_eq!(arena.budget().used(), arena.stats().held_bytes);
+        assert!(arena.stats().live_bytes >= packed);
+        assert_eq!(data.packed().give_up(), packed);
+        assert_eq!(data.packed().bytes(), 0);
+    }
+
+    #[test]
+    fn a_full_budget_gathers_column_by_column() {
+        let batches = vec![batch(0, 500), batch(500, 500)];
+        let data = Arc::new(SealedData::from_batches(
+            batches[0].schema(),
+            vec![],
+            batches.clone(),
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(1 << 10), 1 << 10, HostMemory::Heap));
+        let plan = plan(Shuffle::Global, 2, vec![]);
+        let with = Shard::new(data.clone(), &plan, 1)
+            .expect("shard")
+            .packing(arena.clone());
+        let without = Shard::new(data.clone(), &plan, 1).expect("shard");
+        for (a, b) in with.batches().zip(without.batches()) {
+            assert_eq!(a.expect("gathered"), b.expect("gathered"));
+        }
+        assert!(with.gather.packed.get().is_some_and(Option::is_none));
+        assert_eq!(data.packed().bytes(), 0);
+        assert_eq!(arena.budget().used(), 0);
     }
 
     fn plan(shuffle: Shuffle, world_size: u32, columns: Vec<String>) -> ReadPlan {

@@ -1,0 +1,196 @@
+//! Packed rows: a row-major copy of a sealed dataset's fixed-width columns,
+//! so that a shuffled read fetches one contiguous record per row instead of
+//! one cache line per column.
+//!
+//! The copy sits *beside* the columnar batches rather than replacing them:
+//! every other reader of a sealed dataset (unshuffled reads, the device
+//! tier, the trainer, spill and persist) keeps using Arrow columns
+//! unchanged, and an unshuffled read is already a forward stream the packed
+//! layout cannot beat. The copy is built at the first shuffled read, lives
+//! in the arena (so it counts in the memory budget), is only built when the
+//! budget has room for it without spilling anything, and is the first thing
+//! given up when memory is needed ([`PackedCache::give_up`]). A dataset
+//! brought back from the store is packed again at its next shuffled read.
+//!
+//! Which columns are packed is the gather's choice of byte-copied columns
+//! (fixed-width values without nulls); the gather copies records into a
+//! small tile that stays in cache and transposes the tile back into columns,
+//! so the arrays it produces are the ones the columnar gather produces.
+
+use std::sync::{Arc, Mutex};
+
+use arrow::buffer::Buffer;
+
+use crate::catalog::SealedData;
+use crate::error::Result;
+use crate::memory::arena::Arena;
+use crate::memory::device::segments_at;
+
+/// Where one column's bytes sit in a packed record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    /// Byte offset in the record.
+    pub offset: usize,
+    /// Bytes of the column per row.
+    pub width: usize,
+}
+
+/// A sealed dataset's fixed-width columns as row-major records, one buffer
+/// per stored batch.
+#[derive(Debug)]
+pub struct Packed {
+    /// Per column of the schema: its slot, when it is packed.
+    slots: Vec<Option<Slot>>,
+    /// Bytes per record.
+    record: usize,
+    /// Per stored batch: its rows' records, back to back.
+    batches: Vec<Buffer>,
+}
+
+impl Packed {
+    /// Packs every column of `data` that has fixed-width values and no
+    /// nulls; `None` when fewer than two columns qualify (one column is
+    /// already contiguous per row) or there are no rows. Memory comes from
+    /// `arena`; a full budget is a `ResourceExhausted` error and nothing is
+    /// kept.
+    pub fn build(data: &SealedData, arena: &Arena, dataset: &str) -> Result<Option<Self>> {
+        let mut slots = Vec::with_capacity(data.schema().fields().len());
+        let mut segments = Vec::new();
+        let mut record = 0usize;
+        for i in 0..data.schema().fields().len() {
+            match segments_at(data, i) {
+                Ok(s) => {
+                    let width = s.element.primitive_width().unwrap_or(1) * s.width;
+                    slots.push(Some(Slot {
+                        offset: record,
+                        width,
+                    }));
+                    record += width;
+                    segments.push((record - width, width, s.segments));
+                }
+                Err(_) => slots.push(None),
+            }
+        }
+        if segments.len() < 2 || data.rows() == 0 {
+            return Ok(None);
+        }
+        let what = || format!("packing the rows of dataset '{dataset}' for shuffled reads");
+        let mut batches = Vec::with_capacity(data.batches().len());
+        let mut staged = Vec::new();
+        for (b, batch) in data.batches().iter().enumerate() {
+            let rows = batch.num_rows();
+            staged.clear();
+            staged.resize(rows * record, 0u8);
+            for (offset, width, column) in &segments {
+                let into = &mut staged[*offset..];
+                match width {
+                    1 => tile_rows::<1>(column[b].as_slice(), record, into),
+                    2 => tile_rows::<2>(column[b].as_slice(), record, into),
+                    4 => tile_rows::<4>(column[b].as_slice(), record, into),
+                    8 => tile_rows::<8>(column[b].as_slice(), record, into),
+                    16 => tile_rows::<16>(column[b].as_slice(), record, into),
+                    &n => {
+                        for (r, value) in column[b].as_slice().chunks_exact(n).enumerate() {
+                            into[r * record..][..n].copy_from_slice(value);
+                        }
+                    }
+                }
+            }
+            batches.push(arena.copy_bytes(&staged, &what)?);
+        }
+        Ok(Some(Self {
+            slots,
+            record,
+            batches,
+        }))
+    }
+
+    /// The slot of column `index` of the schema, when it is packed.
+    pub fn slot(&self, index: usize) -> Option<Slot> {
+        self.slots.get(index).copied().flatten()
+    }
+
+    /// Bytes per record.
+    pub fn record(&self) -> usize {
+        self.record
+    }
+
+    /// The records of stored batch `b`.
+    pub fn batch(&self, b: usize) -> &[u8] {
+        self.batches[b].as_slice()
+    }
+
+    /// Bytes the copy holds.
+    pub fn bytes(&self) -> u64 {
+        self.batches.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// Writes each `N`-byte value of `column` at the start of a `record`-byte
+/// stride of `into`.
+fn tile_rows<const N: usize>(column: &[u8], record: usize, into: &mut [u8]) {
+    for (r, value) in column.chunks_exact(N).enumerate() {
+        let mut v = [0u8; N];
+        v.copy_from_slice(value);
+        into[r * record..][..N].copy_from_slice(&v);
+    }
+}
+
+/// A sealed dataset's packed copy, built on demand and given up under
+/// memory pressure.
+#[derive(Debug, Default)]
+pub struct PackedCache(Mutex<Option<Arc<Packed>>>);
+
+impl PackedCache {
+    /// The packed copy, building it first when there is none; `None` when
+    /// the dataset has nothing worth packing or the budget has no room (the
+    /// read then gathers column by column, as before). Concurrent callers
+    /// wait for one build.
+    pub fn get_or_build(
+        &self,
+        data: &SealedData,
+        arena: &Arena,
+        dataset: &str,
+    ) -> Option<Arc<Packed>> {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(packed) = slot.as_ref() {
+            return Some(packed.clone());
+        }
+        match Packed::build(data, arena, dataset) {
+            Ok(Some(packed)) => {
+                tracing::debug!(
+                    dataset,
+                    bytes = packed.bytes(),
+                    "packed rows for shuffled reads"
+                );
+                let packed = Arc::new(packed);
+                *slot = Some(packed.clone());
+                Some(packed)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(dataset, error = %e, "rows not packed; gathering column by column");
+                None
+            }
+        }
+    }
+
+    /// Gives the packed copy up (its memory returns to the budget once the
+    /// reads using it end); the bytes it held, 0 when there was none or a
+    /// build is under way.
+    pub fn give_up(&self) -> u64 {
+        let Ok(mut slot) = self.0.try_lock() else {
+            return 0;
+        };
+        slot.take().map_or(0, |p| p.bytes())
+    }
+
+    /// Bytes of the packed copy now held.
+    pub fn bytes(&self) -> u64 {
+        self.0
+            .try_lock()
+            .ok()
+            .and_then(|s| s.as_ref().map(|p| p.bytes()))
+            .unwrap_or(0)
+    }
+}
