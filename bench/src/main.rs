@@ -502,9 +502,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     if let Some(path) = &run.args.json {
         let doc = json!({
             "command": std::env::args().collect::<Vec<_>>().join(" "),
-            "machine": { "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), "arch": std::env::consts::ARCH },
+            "machine": machine(),
+            "commit": commit(),
+            "date": command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
             "rows": run.shape.rows,
             "features": run.shape.features,
+            "vector": run.args.vector,
             "payload_bytes": payload,
             "results": run.results.iter().map(Measured::to_json).collect::<Vec<_>>(),
             "ratios": ratios,
@@ -588,6 +591,47 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     }
     phases::drop_dataset(single, "cluster").await?;
     Ok(())
+}
+
+/// The machine a run was measured on: cores, architecture, CPU model and
+/// memory.
+fn machine() -> serde_json::Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, m)| m.trim().to_string());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory_kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|l| l.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "arch": std::env::consts::ARCH,
+        "cpu": model,
+        "memory_bytes": memory_kib.map(|k| k * 1024),
+    })
+}
+
+/// The commit measured, with `+dirty` when the tree had changes.
+fn commit() -> Option<String> {
+    let head = command_output("git", &["rev-parse", "HEAD"])?;
+    let dirty = command_output("git", &["status", "--porcelain", "--untracked-files=no"])
+        .is_some_and(|s| !s.is_empty());
+    Some(if dirty { format!("{head}+dirty") } else { head })
+}
+
+/// The trimmed standard output of a command that succeeded.
+fn command_output(program: &str, args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 #[tokio::main]
