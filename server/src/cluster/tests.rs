@@ -194,7 +194,9 @@ proptest! {
             }
             prop_assert_eq!(a.transferred(g), 0);
         }
-        if per_rank * u64::from(ranks_per_node) > 3 {
+        // Two epochs of a node's n rows coincide by chance about once in
+        // n! seeds: only a node of more than 20 rows must differ.
+        if per_rank * u64::from(ranks_per_node) > 20 {
             let b = NodeOrder::new(&rows, nodes, per_rank, seed, 1);
             prop_assert_ne!(node_epoch(&a, u64::from(world)), node_epoch(&b, u64::from(world)));
         }

@@ -85,11 +85,7 @@ impl SlabMem {
                 let layout = heap_layout(cap)
                     .map_err(|e| Error::Internal(format!("slab layout of {cap} bytes: {e}")))?;
                 // SAFETY: `cap` is non-zero (callers round up to at least ALIGN).
-                let ptr = unsafe { std::alloc::alloc(layout) };
-                if !ptr.is_null() {
-                    huge_pages(ptr, cap);
-                }
-                NonNull::new(ptr)
+                NonNull::new(unsafe { std::alloc::alloc(layout) })
             }
             HostMemory::Pinned(host) => NonNull::new(host.alloc_pinned(cap)?),
         };
@@ -107,28 +103,15 @@ impl SlabMem {
     }
 }
 
-/// Slabs of at least this size are aligned to it and asked to be backed by
-/// huge pages: a shuffled read touches rows all over the cache, and with
-/// 4 KiB pages nearly every row it reads is a TLB miss.
+/// Heap slabs of at least this size are aligned to it, so that an
+/// allocation that fills one can be backed by huge pages
+/// ([`Arena::copy_bytes`]).
 const HUGE_PAGE: usize = 2 << 20;
 
 /// The layout of a heap slab of `cap` bytes.
 fn heap_layout(cap: usize) -> std::result::Result<Layout, std::alloc::LayoutError> {
     let align = if cap >= HUGE_PAGE { HUGE_PAGE } else { ALIGN };
     Layout::from_size_align(cap, align)
-}
-
-/// Asks the kernel to back `[ptr, ptr + cap)` with transparent huge pages
-/// (a hint: it is ignored where they are off).
-fn huge_pages(ptr: *mut u8, cap: usize) {
-    #[cfg(target_os = "linux")]
-    if cap >= HUGE_PAGE {
-        // SAFETY: the range is one live allocation of `cap` bytes, aligned
-        // to a huge page; `madvise` only changes how it is backed.
-        let _ = unsafe { libc::madvise(ptr.cast(), cap, libc::MADV_HUGEPAGE) };
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (ptr, cap);
 }
 
 impl Drop for SlabMem {
@@ -281,6 +264,25 @@ impl ChunkMut {
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
     }
 
+    /// Asks the kernel to back the allocation's whole huge pages with
+    /// transparent huge pages (a hint, ignored where they are off; the
+    /// pages are not touched yet when the slab is new).
+    fn huge_pages(&self) {
+        #[cfg(target_os = "linux")]
+        if self.len >= HUGE_PAGE {
+            let start = (self.ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+            let end = (self.ptr.as_ptr() as usize + self.len) / HUGE_PAGE * HUGE_PAGE;
+            if end > start {
+                // SAFETY: `[start, end)` lies inside this allocation, which
+                // belongs to it alone; `madvise` changes only how it is
+                // backed, never its contents.
+                let _ = unsafe {
+                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
+                };
+            }
+        }
+    }
+
     /// The allocation as an immutable Arrow buffer that keeps its slab alive.
     fn freeze(self) -> Buffer {
         // SAFETY: the range is valid, fully initialised by the caller, and
@@ -368,7 +370,13 @@ impl Arena {
     /// `what` when the budget has no room for the slab it needs, even after
     /// idle slabs (and an empty current slab) went back.
     pub fn alloc(&self, len: usize, what: &dyn Fn() -> String) -> Result<ChunkMut> {
-        match self.try_alloc(len, what) {
+        self.alloc_in(len, false, what)
+    }
+
+    /// [`Arena::alloc`]; `own` puts the allocation in a slab of its own
+    /// whatever its size.
+    fn alloc_in(&self, len: usize, own: bool, what: &dyn Fn() -> String) -> Result<ChunkMut> {
+        match self.try_alloc(len, own, what) {
             Err(Error::ResourceExhausted(_)) => {
                 self.trim();
                 {
@@ -381,16 +389,16 @@ impl Arena {
                     }
                 }
                 self.trim();
-                self.try_alloc(len, what)
+                self.try_alloc(len, own, what)
             }
             other => other,
         }
     }
 
-    fn try_alloc(&self, len: usize, what: &dyn Fn() -> String) -> Result<ChunkMut> {
+    fn try_alloc(&self, len: usize, own: bool, what: &dyn Fn() -> String) -> Result<ChunkMut> {
         let need = round_up(len.max(1));
         let slab_bytes = self.pool.slab_bytes;
-        let (slab, offset) = if need > slab_bytes / 2 {
+        let (slab, offset) = if own || need > slab_bytes / 2 {
             // Large: a slab of its own, so the regular slab is not wasted.
             let mem = self.pool.take(need, what)?;
             let slab = Arc::new(Slab {
@@ -439,10 +447,15 @@ impl Arena {
         })
     }
 
-    /// A copy of `bytes` in one arena allocation. Fails before copying
-    /// anything when the budget has no room.
+    /// A copy of `bytes` in one arena allocation, for data read at random
+    /// (packed rows): where it is large, its memory is asked to be backed
+    /// by transparent huge pages, since with 4 KiB pages nearly every row
+    /// read at random is a TLB miss. Fails before copying anything when the
+    /// budget has no room.
     pub fn copy_bytes(&self, bytes: &[u8], what: &dyn Fn() -> String) -> Result<Buffer> {
-        let mut chunk = self.alloc(bytes.len(), what)?;
+        // A slab of its own starts on a huge page (see `heap_layout`).
+        let mut chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, what)?;
+        chunk.huge_pages();
         chunk.write_at(0, bytes);
         let padding = chunk.len - bytes.len();
         chunk.zero(bytes.len(), padding);
