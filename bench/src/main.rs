@@ -501,7 +501,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     }
     if let Some(path) = &run.args.json {
         let doc = json!({
-            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "command": std::env::args()
+                .map(|a| if a.is_empty() || a.contains(' ') { format!("'{a}'") } else { a })
+                .collect::<Vec<_>>()
+                .join(" "),
             "machine": machine(),
             "commit": commit(),
             "date": command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
