@@ -41,6 +41,8 @@ pub struct TierStats {
     pub budget_used: u64,
     /// The limit.
     pub budget_limit: u64,
+    /// The most budget bytes in use at once since start.
+    pub budget_peak: u64,
     /// Device bytes over all placements.
     pub device_bytes: u64,
     /// Spills and restores since start.
@@ -680,6 +682,7 @@ impl State {
             arena: self.arena.stats(),
             budget_used: self.arena.budget().used(),
             budget_limit: self.arena.budget().limit(),
+            budget_peak: self.arena.budget().peak(),
             device_bytes: self.placements().values().flatten().map(|p| p.bytes).sum(),
             spills: self.spills.load(Ordering::Relaxed),
             restores: self.restores.load(Ordering::Relaxed),

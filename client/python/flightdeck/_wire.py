@@ -386,6 +386,8 @@ ServerStats = _message(
     Field("rows_fetched_from_peers", 23, "uint64"),
     Field("bytes_fetched_from_peers", 24, "uint64"),
     Field("packed_bytes", 25, "uint64"),
+    Field("memory_used_peak", 26, "uint64"),
+    Field("resident_peak_bytes", 27, "uint64"),
 )
 TrainJob = _message(
     "TrainJob",

@@ -27,6 +27,8 @@ use crate::error::{Error, Result};
 pub struct Budget {
     limit: u64,
     used: AtomicU64,
+    /// The most `used` has been since start.
+    peak: AtomicU64,
 }
 
 impl Budget {
@@ -35,6 +37,7 @@ impl Budget {
         Arc::new(Self {
             limit,
             used: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
         })
     }
 
@@ -46,6 +49,11 @@ impl Budget {
     /// Bytes currently reserved.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
+    }
+
+    /// The most bytes reserved at once since start.
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
     }
 
     /// Takes `bytes` from the budget, or fails without taking anything.
@@ -67,7 +75,10 @@ impl Budget {
                 .used
                 .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    return Ok(());
+                }
                 Err(actual) => used = actual,
             }
         }
@@ -100,6 +111,7 @@ mod tests {
         assert_eq!(budget.used(), 100);
         budget.release(100);
         assert_eq!(budget.used(), 0);
+        assert_eq!(budget.peak(), 100);
     }
 
     #[test]

@@ -139,6 +139,8 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 rows_fetched_from_peers: load(&t.rows_from_peers),
                 bytes_fetched_from_peers: load(&t.bytes_from_peers),
                 packed_bytes: totals.packed_bytes,
+                memory_used_peak: tiers.budget_peak,
+                resident_peak_bytes: resident_peak(),
             }
             .encode_to_vec()
             .into())
@@ -199,4 +201,17 @@ pub(super) async fn train(
         .map_err(tonic::Status::from)
     });
     Ok(stream.boxed())
+}
+
+/// The most resident memory the process has had since start (Linux's
+/// `VmHWM`); 0 where the system does not say.
+fn resident_peak() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
 }
