@@ -618,12 +618,10 @@ fn machine() -> serde_json::Value {
     })
 }
 
-/// The commit measured, with `+dirty` when the tree had changes.
+/// The commit the bench was built from, with `+dirty` when the tree had
+/// changes (recorded by `build.rs`).
 fn commit() -> Option<String> {
-    let head = command_output("git", &["rev-parse", "HEAD"])?;
-    let dirty = command_output("git", &["status", "--porcelain", "--untracked-files=no"])
-        .is_some_and(|s| !s.is_empty());
-    Some(if dirty { format!("{head}+dirty") } else { head })
+    Some(env!("FLIGHTDECK_BUILD_COMMIT").to_string()).filter(|c| !c.is_empty())
 }
 
 /// The trimmed standard output of a command that succeeded.

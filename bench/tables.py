@@ -1,0 +1,149 @@
+"""Tables of benchmark figures, generated from the JSON of each run.
+
+Every figure in ``bench/RESULTS.md`` and ``README.md`` that comes from
+``flightdeck-bench`` sits between two markers naming the run's JSON file:
+
+    <!-- table bench/runs/get-65col.json -->
+    ...generated...
+    <!-- end table -->
+
+``python bench/tables.py`` rewrites what is between them from the JSON (the
+commit, date and machine it was measured on, median and best-of times and
+rates for every phase and target, and the ratios the targets are stated in,
+by median and by best-of); ``--check`` only reports stale tables and exits 1
+if there are any (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "bench" / "RESULTS.md", ROOT / "README.md"]
+MARKED = re.compile(
+    r"(<!-- table (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.DOTALL
+)
+
+# (label, numerator (phase, target), denominator (phase, target)): rates
+# compared, higher is faster for the numerator.
+RATIOS = [
+    ("get global / get none", ("get/global", "flightdeck"), ("get/none", "flightdeck")),
+    ("get none / pyarrow's get none", ("get/none", "flightdeck"), ("get/none", "pyarrow")),
+    ("get global / pyarrow's get global", ("get/global", "flightdeck"), ("get/global", "pyarrow")),
+    ("get none / loopback limit", ("get/none", "flightdeck"), ("limit/tcp", "limit")),
+    ("put / pyarrow's put", ("put", "flightdeck"), ("put", "pyarrow")),
+    (
+        "NODE, one node / one server unshuffled, same ranks",
+        ("cluster/node", "flightdeck"),
+        ("cluster/single-node-ranks", "flightdeck"),
+    ),
+    (
+        "NODE, one node / one server shuffled, same ranks",
+        ("cluster/node", "flightdeck"),
+        ("cluster/single-node-ranks-global", "flightdeck"),
+    ),
+    (
+        "GLOBAL unshuffled / one server unshuffled",
+        ("cluster/global-none", "flightdeck"),
+        ("cluster/single-none", "flightdeck"),
+    ),
+    (
+        "GLOBAL shuffled / one server unshuffled",
+        ("cluster/global-global", "flightdeck"),
+        ("cluster/single-none", "flightdeck"),
+    ),
+]
+
+
+def rates(result: dict) -> tuple[float, float]:
+    """Median and best GB/s of payload for one phase and target."""
+    size = result["payload_bytes"] / 1e9
+    return size / statistics.median(result["runs_s"]), size / min(result["runs_s"])
+
+
+def render(run: dict, name: str) -> str:
+    """The markdown for one run."""
+    machine = run.get("machine", {})
+    cpu = machine.get("cpu") or machine.get("arch", "?")
+    memory = machine.get("memory_bytes")
+    memory = f", {memory / 2**30:.0f} GiB" if memory else ""
+    commit = (run.get("commit") or "unknown")[:12]
+    shape = f"{run['rows']:,} rows × "
+    shape += (
+        f"(int64 label + fixed_size_list<float32>[{run['features']}])"
+        if run.get("vector")
+        else f"(int64 label + {run['features']} float32 columns)"
+    )
+    lines = [
+        f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, "
+        f"{machine.get('cores', '?')} cores ({cpu}{memory}); {shape}.",
+        "",
+        "```sh",
+        run["command"],
+        "```",
+        "",
+        "| phase | target | median s | best s | GB/s (median) | GB/s (best) | runs s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    found = {}
+    for r in run["results"]:
+        found[(r["phase"], r["target"])] = r
+        median, best = rates(r)
+        runs = " ".join(f"{s:.3f}" for s in r["runs_s"])
+        lines.append(
+            f"| {r['phase']} | {r['target']} | {r['median_s']:.3f} | {min(r['runs_s']):.3f} "
+            f"| {median:.3f} | {best:.3f} | {runs} |"
+        )
+    ratios = [
+        (label, rates(found[a]), rates(found[b]))
+        for label, a, b in RATIOS
+        if a in found and b in found
+    ]
+    if ratios:
+        lines += ["", "| ratio of rates | by median | best of each |", "| --- | ---: | ---: |"]
+        for label, (am, ab), (bm, bb) in ratios:
+            lines.append(f"| {label} | {am / bm:.2f}× | {ab / bb:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def regenerate(text: str) -> str:
+    """`text` with every marked table rendered from its JSON."""
+
+    def table(m: re.Match) -> str:
+        path = m.group("path")
+        run = json.loads((ROOT / path).read_text())
+        return m.group(1) + render(run, Path(path).name) + m.group(4)
+
+    return MARKED.sub(table, text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report stale tables, change nothing")
+    args = parser.parse_args()
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        fresh = regenerate(text)
+        if fresh != text:
+            stale.append(doc.relative_to(ROOT))
+            if not args.check:
+                doc.write_text(fresh)
+    if args.check and stale:
+        print(
+            "stale benchmark tables in " + ", ".join(map(str, stale)) + "; run: python bench/tables.py",
+            file=sys.stderr,
+        )
+        return 1
+    for doc in stale:
+        print(f"rewrote the tables of {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
