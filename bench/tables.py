@@ -37,6 +37,7 @@ RATIOS = [
     ("get global / pyarrow's get global", ("get/global", "flightdeck"), ("get/global", "pyarrow")),
     ("get none / loopback limit", ("get/none", "flightdeck"), ("limit/tcp", "limit")),
     ("put / pyarrow's put", ("put", "flightdeck"), ("put", "pyarrow")),
+    ("e2e / the Parquet path's e2e", ("e2e", "flightdeck"), ("e2e", "parquet")),
     (
         "NODE, one node / one server unshuffled, same ranks",
         ("cluster/node", "flightdeck"),
@@ -108,6 +109,10 @@ def render(run: dict, name: str) -> str:
         lines += ["", "| ratio of rates | by median | best of each |", "| --- | ---: | ---: |"]
         for label, (am, ab), (bm, bb) in ratios:
             lines.append(f"| {label} | {am / bm:.2f}× | {ab / bb:.2f}× |")
+    rss = run.get("ratios", {}).get("peak_rss_e2e_bytes")
+    bound = run.get("ratios", {}).get("peak_rss_bound_bytes")
+    if rss and bound:
+        lines += ["", f"Server peak RSS through e2e: {rss / 1e9:.3f} GB (bound {bound / 1e9:.3f} GB)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,54 @@
+"""The benchmark figures in bench/RESULTS.md and README.md are the ones in
+the runs' JSON files: `bench/tables.py` regenerates them, and its ratios
+compare rates by median and by best run."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def load_tables():
+    spec = importlib.util.spec_from_file_location("tables", REPO / "bench" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_documents_tables_match_the_runs():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "tables.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_ratios_by_median_and_by_best():
+    tables = load_tables()
+    result = lambda phase, target, runs: {  # noqa: E731
+        "phase": phase, "target": target, "runs_s": runs,
+        "median_s": sorted(runs)[len(runs) // 2], "payload_bytes": 1_000_000_000,
+    }
+    run = {
+        "command": "flightdeck-bench", "rows": 10, "features": 2, "commit": "abc",
+        "date": "d", "machine": {"cores": 2},
+        "results": [
+            result("get/none", "flightdeck", [1.0, 2.0, 4.0]),
+            result("get/global", "flightdeck", [2.0, 4.0, 8.0]),
+        ],
+    }
+    text = tables.render(run, "r.json")
+    # Rates: none 0.5 GB/s by median, 1.0 best; global 0.25 and 0.5.
+    assert "| get global / get none | 0.50× | 0.50× |" in text
+    assert "| get/none | flightdeck | 2.000 | 1.000 | 0.500 | 1.000 | 1.000 2.000 4.000 |" in text
+    # Pairs without both sides are left out.
+    assert "pyarrow" not in text
+    marked = "x\n<!-- table bench/runs/full.json -->\nold\n<!-- end table -->\ny\n"
+    fresh = tables.regenerate(marked)
+    assert fresh.startswith("x\n<!-- table bench/runs/full.json -->\nRun `full.json`")
+    assert fresh.endswith("<!-- end table -->\ny\n") and "old" not in fresh
