@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arrow::array::RecordBatch;
+use arrow::datatypes::Schema;
 use futures::TryStreamExt;
 use tracing::{info, warn};
 
@@ -55,6 +56,29 @@ pub struct TierStats {
     pub persist: bool,
     /// CUDA devices visible (0 without a driver).
     pub cuda_devices: u32,
+}
+
+/// The one schema every member's prepare reply carries; a member holding
+/// another schema is `FAILED_PRECONDITION`, naming both.
+fn one_schema(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<Schema> {
+    let Some((first_location, first)) = replies.first() else {
+        return Err(Error::invalid(format!(
+            "seal of dataset '{name}' names no member holding a partition"
+        )));
+    };
+    let schema = convert::schema_from_ipc(&first.schema, "a member's prepare reply")?;
+    for (location, p) in &replies[1..] {
+        let other = convert::schema_from_ipc(&p.schema, "a member's prepare reply")?;
+        if !same_fields(&schema, &other) {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot seal dataset '{name}': members {first_location} and {location} hold \
+                 different schemas ({} and {}); drop the dataset and write it again",
+                crate::catalog::describe_fields(&schema),
+                crate::catalog::describe_fields(&other)
+            )));
+        }
+    }
+    Ok(schema)
 }
 
 /// The error for reading a dataset whose cluster seal is unfinished here.
@@ -376,8 +400,15 @@ impl State {
         if check_only {
             let mut want = winners.to_vec();
             want.sort_unstable();
-            self.catalog().check_member(dataset, &want)?;
-            return Ok(pb::MemberPrepared::default());
+            let schema = {
+                let catalog = self.catalog();
+                catalog.check_member(dataset, &want)?;
+                catalog.schema(dataset)?
+            };
+            return Ok(pb::MemberPrepared {
+                schema: convert::schema_to_ipc(&schema)?,
+                ..Default::default()
+            });
         }
         let (summary, freed) = self.catalog().prepare_member(dataset, winners)?;
         let summary = self.sealed(summary, freed).await?;
@@ -445,30 +476,18 @@ impl State {
                 )
             }))
         };
-        for checked in prepare(true).await {
-            checked?;
+        let mut checked = Vec::with_capacity(members.len());
+        for ((location, _), c) in members.iter().zip(prepare(true).await) {
+            checked.push((location.as_str(), c?));
         }
+        one_schema(name, &checked)?;
         let mut parts = Vec::with_capacity(members.len());
         for ((location, _), p) in members.iter().zip(prepare(false).await) {
             parts.push((location.as_str(), p?));
         }
-        let Some((first_location, first)) = parts.first() else {
-            return Err(Error::invalid(format!(
-                "seal of dataset '{name}' names no member holding a partition"
-            )));
-        };
-        let schema = convert::schema_from_ipc(&first.schema, "a member's prepare reply")?;
-        let mut fixed = first.fixed_columns.clone();
-        for (location, p) in &parts[1..] {
-            let other = convert::schema_from_ipc(&p.schema, "a member's prepare reply")?;
-            if !same_fields(&schema, &other) {
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot seal dataset '{name}': members {first_location} and {location} hold \
-                     different schemas ({} and {}); drop the dataset and write it again",
-                    crate::catalog::describe_fields(&schema),
-                    crate::catalog::describe_fields(&other)
-                )));
-            }
+        let schema = one_schema(name, &parts)?;
+        let mut fixed = parts[0].1.fixed_columns.clone();
+        for (_, p) in &parts[1..] {
             for (f, o) in fixed.iter_mut().zip(&p.fixed_columns) {
                 *f &= *o;
             }

@@ -21,6 +21,7 @@ import pytest
 import flightdeck
 from conftest import RunningServer
 from flightdeck import ShardedDataset
+from flightdeck import _wire as wire
 
 ROWS = 24_000
 
@@ -228,3 +229,22 @@ def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
     assert all(r["nodes"] == [members[0].uri, members[1].uri] for r in results)
     epoch_rows = [r["rows"][: len(r["rows"]) // 2] for r in results]
     assert sorted(sum(epoch_rows, [])) == list(range(1000))
+
+
+def test_members_with_different_schemas_refuse_the_seal_and_stay_open(members):
+    ints = pa.table({"id": pa.array([1, 2], pa.int64())})
+    strings = pa.table({"id": pa.array(["a", "b"], pa.string())})
+    flightdeck.connect(members[0].uri).put_partition("mixed", 0, ints)
+    flightdeck.connect(members[1].uri).put_partition("mixed", 1, strings)
+    layout = {members[0].uri: {0: 0}, members[1].uri: {1: 0}}
+    with pytest.raises(flightdeck.FailedPrecondition, match="different schemas"):
+        flightdeck.connect(members[2].uri).seal_cluster("mixed", layout, partitions=2)
+    # Compared before any member sealed its part: both are still open, and
+    # the member with the odd schema can drop and write again.
+    for m in members[:2]:
+        info = flightdeck.connect(m.uri).describe("mixed")
+        assert info.state == wire.DATASET_STATE_OPEN, info
+    flightdeck.connect(members[1].uri).drop("mixed")
+    flightdeck.connect(members[1].uri).put_partition("mixed", 1, ints)
+    info = flightdeck.connect(members[2].uri).seal_cluster("mixed", layout, partitions=2)
+    assert info.rows == 4
