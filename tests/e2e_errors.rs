@@ -167,6 +167,7 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
             partition: 8,
             attempt: 0,
             explicit_commit: true,
+            ..Default::default()
         };
         let batches = partition_batches(2000..2100, 0, 50);
         let data = FlightDataEncoderBuilder::new()
@@ -480,6 +481,7 @@ async fn large_single_messages_are_accepted() {
                 partition: 0,
                 attempt: 0,
                 explicit_commit: false,
+                ..Default::default()
             }
             .encode_to_vec(),
         )))

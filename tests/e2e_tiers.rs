@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use flightdeck_client::{Client, Code, DatasetState, ReadPlan, SealDataset, Shuffle};
+use flightdeck_client::{Client, Code, DatasetState, Expected, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
 use flightdeck_tests::{
     TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
@@ -375,5 +375,73 @@ async fn place_without_a_cuda_driver_is_a_failed_precondition() {
         .await
         .expect_err("repeated device");
     assert_eq!(err.code(), Code::InvalidArgument);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_that_say_their_size_are_admitted_whole_or_refused_up_front() {
+    let limit = 64u64 << 20;
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: limit,
+        slab_bytes: Some(1 << 20),
+        admission_wait: std::time::Duration::from_millis(300),
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    let batches = partition_batches(0..10_000, 0, 1_000);
+    let sized = |bytes: u64| Expected { bytes, rows: 0 };
+    let all = || stream::iter(batches.clone().into_iter().map(Ok));
+
+    // More than the whole budget: refused at once, saying what to do.
+    let err = c
+        .put_partition_expecting("d", 0, 0, schema(), sized(2 * limit), all())
+        .await
+        .expect_err("larger than the budget");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(err.message().contains("whole memory budget"), "{err}");
+
+    // A writer that set 40 MiB aside (its stream still open) leaves too
+    // little for a second one of 40 MiB: that one waits, then is refused.
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut first_client = server.client().await;
+    let first = tokio::spawn(async move {
+        first_client
+            .put_partition_expecting("d", 1, 0, schema(), sized(40 << 20), rx)
+            .await
+    });
+    tx.unbounded_send(Ok(batches[0].clone())).expect("send");
+    timed("the first reservation", async {
+        while c.stats().await.expect("stats").memory_used < 40 << 20 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let err = c
+        .put_partition_expecting("d", 2, 0, schema(), sized(40 << 20), all())
+        .await
+        .expect_err("no room");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(err.message().contains("--admission-wait"), "{err}");
+    for b in &batches[1..] {
+        tx.unbounded_send(Ok(b.clone())).expect("send");
+    }
+    drop(tx);
+    let ack = timed("the first writer", first)
+        .await
+        .expect("join")
+        .expect("admitted whole");
+    assert_eq!(ack.rows, 10_000);
+
+    // What it set aside and did not use went back: a writer of its real
+    // size fits.
+    c.put_partition_expecting("d", 3, 0, schema(), Expected::of(&batches), all())
+        .await
+        .expect("fits");
+    let info = c.describe("d").await.expect("describe");
+    assert_eq!(info.committed_partitions, 2, "{info:?}");
+    let stats = c.stats().await.expect("stats");
+    assert!(stats.memory_used_peak <= limit, "{stats:?}");
+    assert!(stats.memory_used < 40 << 20, "{stats:?}");
     server.stop().await;
 }

@@ -145,6 +145,29 @@ pub struct Plan {
     pub total_rows: u64,
 }
 
+/// What an attempt will send, told to the server up front so that it
+/// admits the attempt whole or refuses it before any of it is sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Expected {
+    /// Bytes of the batches' buffers; 0 = unknown.
+    pub bytes: u64,
+    /// Rows; 0 = unknown.
+    pub rows: u64,
+}
+
+impl Expected {
+    /// What `batches` hold.
+    pub fn of(batches: &[RecordBatch]) -> Self {
+        Self {
+            bytes: batches
+                .iter()
+                .map(|b| b.get_array_memory_size() as u64)
+                .sum(),
+            rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
+        }
+    }
+}
+
 /// A connection to one flightdeck server. Cheap to clone; clones share the
 /// connection.
 #[derive(Debug)]
@@ -223,11 +246,41 @@ impl Client {
     where
         S: Stream<Item = Result<RecordBatch, FlightError>> + Send + 'static,
     {
+        self.put_partition_expecting(
+            dataset,
+            partition,
+            attempt,
+            schema,
+            Expected::default(),
+            batches,
+        )
+        .await
+    }
+
+    /// [`Client::put_partition`] saying up front what the attempt will
+    /// send ([`Expected::of`] the batches): the server sets its memory
+    /// aside before reading any of it, so the attempt is admitted whole
+    /// (after waiting for room up to the server's `--admission-wait`) or
+    /// refused with `RESOURCE_EXHAUSTED` at once, never half-way.
+    pub async fn put_partition_expecting<S>(
+        &mut self,
+        dataset: &str,
+        partition: u32,
+        attempt: u32,
+        schema: SchemaRef,
+        expected: Expected,
+        batches: S,
+    ) -> Result<PutAck>
+    where
+        S: Stream<Item = Result<RecordBatch, FlightError>> + Send + 'static,
+    {
         let cmd = flightdeck_protos::PutPartition {
             dataset: dataset.to_string(),
             partition,
             attempt,
             explicit_commit: true,
+            expected_bytes: expected.bytes,
+            expected_rows: expected.rows,
         };
         // Count rows as they go; the last message carries the count as the
         // commit marker, so the server commits only a complete attempt.

@@ -52,6 +52,9 @@ pub struct ServerConfig {
     /// (`grpc://host:port`); `None` = `grpc://<bound address>` (the host
     /// name when bound to all interfaces).
     pub advertise: Option<String>,
+    /// How long a writer that said its size waits for memory before its
+    /// attempt is refused.
+    pub admission_wait: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -68,6 +71,7 @@ impl Default for ServerConfig {
             slab_bytes: None,
             use_cuda: true,
             advertise: None,
+            admission_wait: DEFAULT_ADMISSION_WAIT,
         }
     }
 }
@@ -128,6 +132,27 @@ impl ServerConfig {
     }
 }
 
+/// The default of [`ServerConfig::admission_wait`].
+pub const DEFAULT_ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A duration such as `5s`, `500ms`, `2m` or a plain number of seconds.
+pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
+    let s = s.trim();
+    let (number, unit) = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .map_or((s, ""), |i| s.split_at(i));
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration; write e.g. 5s, 500ms or 2m"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1e3,
+        "m" | "min" => value * 60.0,
+        other => return Err(format!("unknown unit '{other}' in '{s}'; use ms, s or m")),
+    };
+    std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("'{s}': {e}"))
+}
+
 /// Half of the machine's physical memory, or 4 GiB where it cannot be read.
 pub fn default_memory_limit() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -177,6 +202,19 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_parse() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("3 weeks").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
 
     #[test]
     fn sizes_parse() {

@@ -66,6 +66,8 @@ pub struct PutTarget {
     pub key: AttemptKey,
     /// Commit only on a matching `PutCommit` in the last message.
     pub explicit_commit: bool,
+    /// Bytes the writer says it will send; 0 = unknown.
+    pub expected_bytes: u64,
 }
 
 /// The target of a `DoPut` descriptor: a `PutPartition` command, or the path
@@ -82,6 +84,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                     attempt: cmd.attempt,
                 },
                 explicit_commit: cmd.explicit_commit,
+                expected_bytes: cmd.expected_bytes,
             })
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
@@ -99,6 +102,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                         attempt: 0,
                     },
                     explicit_commit: false,
+                    expected_bytes: 0,
                 })
             }
             other => Err(Error::invalid(format!(
@@ -707,6 +711,8 @@ mod tests {
             partition: 3,
             attempt: 2,
             explicit_commit: false,
+            expected_bytes: 1 << 20,
+            expected_rows: 10,
         });
         assert_eq!(
             put_target(&d).expect("valid"),
@@ -717,6 +723,7 @@ mod tests {
                     attempt: 2
                 },
                 explicit_commit: false,
+                expected_bytes: 1 << 20,
             }
         );
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);

@@ -71,6 +71,10 @@ struct ServeArgs {
     /// the host name when listening on 0.0.0.0).
     #[arg(long)]
     advertise: Option<String>,
+    /// How long a writer that said its size up front waits for memory
+    /// before its attempt is refused (e.g. 5s, 500ms, 0 to refuse at once).
+    #[arg(long, value_parser = config::parse_duration, default_value = "5s")]
+    admission_wait: std::time::Duration,
 }
 
 impl ServeArgs {
@@ -89,6 +93,7 @@ impl ServeArgs {
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             use_cuda: !self.no_cuda,
             advertise: self.advertise,
+            admission_wait: self.admission_wait,
             ..defaults
         }
     }

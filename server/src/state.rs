@@ -25,10 +25,10 @@ use crate::cluster::{Layout, Member};
 use crate::config::ServerConfig;
 use crate::convert::{self, PlaceRequest};
 use crate::error::{Error, Result};
-use crate::memory::Budget;
 use crate::memory::arena::{Arena, ArenaStats, HostMemory, slab_bytes_for};
 use crate::memory::device::{CudaHost, DevicePlacement, column_segments};
 use crate::memory::spill::Store;
+use crate::memory::{Budget, Reservation};
 
 /// Columns of one dataset generation on each device.
 type Placements = BTreeMap<(String, u64), Vec<Arc<DevicePlacement>>>;
@@ -81,6 +81,9 @@ fn one_schema(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<Sche
     Ok(schema)
 }
 
+/// How often a writer waiting for memory looks again.
+const ADMISSION_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The error for reading a dataset whose cluster seal is unfinished here.
 pub fn unfinished_seal(name: &str) -> Error {
     Error::FailedPrecondition(format!(
@@ -125,6 +128,10 @@ pub struct State {
     /// One spill at a time: two writers short of memory must not both write
     /// the same victim.
     spill_lock: tokio::sync::Mutex<()>,
+    /// Held by the writer whose reservation is being made: writers that
+    /// said their size are admitted in the order they asked (tokio's mutex
+    /// is fair).
+    admission: tokio::sync::Mutex<()>,
     /// One restore at a time: two readers of a spilled dataset must not both
     /// load it. (A restore may spill others; a spill never restores.)
     restore_lock: tokio::sync::Mutex<()>,
@@ -182,6 +189,7 @@ impl State {
             cuda,
             placements: Mutex::new(BTreeMap::new()),
             spill_lock: tokio::sync::Mutex::new(()),
+            admission: tokio::sync::Mutex::new(()),
             restore_lock: tokio::sync::Mutex::new(()),
             spills: AtomicU64::new(0),
             restores: AtomicU64::new(0),
@@ -228,6 +236,83 @@ impl State {
             match self.arena.copy_batch(batch, what) {
                 Err(Error::ResourceExhausted(msg)) => {
                     if !self.spill_one(except).await? {
+                        return Err(Error::ResourceExhausted(msg));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Sets `bytes` of the budget aside for one writer that said its size:
+    /// spills what it can to make room, then waits (first come, first
+    /// served among such writers) up to `--admission-wait` for memory that
+    /// others give back, and fails with `ResourceExhausted` when none came.
+    pub async fn reserve(
+        &self,
+        bytes: u64,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<Reservation> {
+        let budget = self.arena.budget().clone();
+        if bytes > budget.limit() {
+            return Err(Error::ResourceExhausted(format!(
+                "{} says it will send {bytes} bytes, more than the whole memory budget ({} \
+                 bytes); split it into smaller partitions or start the server with a larger \
+                 --memory-limit",
+                what(),
+                budget.limit()
+            )));
+        }
+        let deadline = tokio::time::Instant::now() + self.config.admission_wait;
+        let _turn = tokio::time::timeout_at(deadline, self.admission.lock())
+            .await
+            .map_err(|_| self.not_admitted(bytes, what))?;
+        loop {
+            match budget.try_reserve(bytes, what) {
+                Ok(r) => return Ok(r),
+                Err(Error::ResourceExhausted(_)) => {}
+                Err(e) => return Err(e),
+            }
+            // Idle slabs are charged to the budget: give them back first.
+            self.arena.trim();
+            if let Ok(r) = budget.try_reserve(bytes, what) {
+                return Ok(r);
+            }
+            if self.spill_one(None).await? {
+                continue;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(self.not_admitted(bytes, what));
+            }
+            tokio::time::sleep(ADMISSION_POLL).await;
+        }
+    }
+
+    fn not_admitted(&self, bytes: u64, what: &dyn Fn() -> String) -> Error {
+        let budget = self.arena.budget();
+        Error::ResourceExhausted(format!(
+            "{} needs {bytes} bytes and the memory budget had only {} of {} free after waiting \
+             {:?}; retry later, drop datasets that are no longer needed, or start the server \
+             with a larger --memory-limit (or a longer --admission-wait)",
+            what(),
+            budget.limit().saturating_sub(budget.used()),
+            budget.limit(),
+            self.config.admission_wait
+        ))
+    }
+
+    /// [`State::admit`] for a writer holding `reservation`: its batches
+    /// draw on what it set aside first.
+    pub async fn admit_reserved(
+        &self,
+        batch: &RecordBatch,
+        reservation: &mut Reservation,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<(RecordBatch, u64)> {
+        loop {
+            match self.arena.copy_batch_in(batch, Some(reservation), what) {
+                Err(Error::ResourceExhausted(msg)) => {
+                    if !self.spill_one(None).await? {
                         return Err(Error::ResourceExhausted(msg));
                     }
                 }

@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import pyarrow as pa
 
 import flightdeck
@@ -81,5 +82,51 @@ def test_budget_holds_under_eight_writers_offering_twice_the_limit():
         client.put_partition("again", 0, table)
         again = client.stats()
         assert rows * 8 <= again.host_live_bytes <= again.memory_used <= LIMIT
+    finally:
+        assert server.stop() == 0
+
+
+def rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status").read().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("writers", [8, 32])
+def test_writers_that_say_their_size_are_admitted_whole_or_refused(writers):
+    limit = 256 << 20
+    server = RunningServer("--memory-limit", str(limit), "--admission-wait", "1s")
+    try:
+        uri = server.uri
+        start_rss = rss(server.proc.pid)
+        # 64 MiB a writer, in 1 MiB messages; all that fit (3 with the
+        # server's alignment allowance) are admitted, the rest wait a second
+        # and are refused before they send anything more.
+        table = pa.table({"v": pa.array(np.arange(8 << 20, dtype=np.int64))})
+
+        def write(p: int):
+            with flightdeck.connect(uri) as c:
+                try:
+                    c.put_partition("d", p, table)
+                    return "ok"
+                except flightdeck.ResourceExhausted as e:
+                    assert "admission-wait" in str(e), e
+                    return "refused"
+
+        with ThreadPoolExecutor(writers) as pool:
+            outcomes = list(pool.map(write, range(writers)))
+        client = flightdeck.connect(uri)
+        stats = client.stats()
+        committed = outcomes.count("ok")
+        assert committed >= 3 and outcomes.count("refused") == writers - committed, outcomes
+        assert stats.memory_used_peak <= limit
+        # Never a partial attempt: what is held is exactly the admitted ones.
+        info = client.describe("d")
+        assert info.committed_partitions == committed
+        assert info.rows == committed * table.num_rows
+        growth = stats.resident_peak_bytes - start_rss
+        print(f"{writers} writers: {committed} admitted, peak RSS growth {growth >> 20} MiB")
+        assert growth <= limit + (64 << 20)
     finally:
         assert server.stop() == 0

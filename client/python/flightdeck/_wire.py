@@ -223,6 +223,8 @@ PutPartition = _message(
     Field("partition", 2, "uint32"),
     Field("attempt", 3, "uint32"),
     Field("explicit_commit", 4, "bool"),
+    Field("expected_bytes", 5, "uint64"),
+    Field("expected_rows", 6, "uint64"),
 )
 PutCommit = _message("PutCommit", Field("rows", 1, "uint64", optional=True))
 PutAck = _message(

@@ -116,6 +116,16 @@ def dataset_schema(info: wire.Message) -> pa.Schema | None:
     return pa.ipc.read_schema(pa.py_buffer(info.schema))
 
 
+def _expected(data: Data) -> tuple[int, int]:
+    """Bytes and rows `data` will send, where it holds them already (a
+    table, a batch or a list of batches); 0, 0 for a stream."""
+    if isinstance(data, (pa.Table, pa.RecordBatch)):
+        return data.nbytes, data.num_rows
+    if isinstance(data, (list, tuple)) and all(isinstance(b, pa.RecordBatch) for b in data):
+        return sum(b.nbytes for b in data), sum(b.num_rows for b in data)
+    return 0, 0
+
+
 def _schema_and_batches(
     data: Data, schema: pa.Schema | None
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
@@ -202,10 +212,22 @@ class Client:
         The stream ends with a commit marker carrying the row count, so an
         exception while producing `data` (or a lost connection) leaves
         nothing on the server: the attempt is committed whole or not at all.
+
+        When `data` is a table, a batch or a list of batches, its size goes
+        with the request: the server sets the attempt's memory aside before
+        reading it, so under a full budget the attempt waits for room (up to
+        the server's ``--admission-wait``) and is then admitted whole or
+        refused with :class:`ResourceExhausted` before it is sent.
         """
+        expected_bytes, expected_rows = _expected(data)
         schema, batches = _schema_and_batches(data, schema)
         cmd = wire.PutPartition(
-            dataset=dataset, partition=partition, attempt=attempt, explicit_commit=True
+            dataset=dataset,
+            partition=partition,
+            attempt=attempt,
+            explicit_commit=True,
+            expected_bytes=expected_bytes,
+            expected_rows=expected_rows,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         writer, reader = translate(

@@ -35,6 +35,7 @@ use arrow::buffer::{BooleanBuffer, Buffer, NullBuffer};
 use super::Budget;
 use super::device::CudaHost;
 use crate::error::{Error, Result};
+use crate::memory::Reservation;
 
 /// Alignment of every allocation, and of every Arrow buffer inside one.
 pub const ALIGN: usize = 64;
@@ -151,13 +152,18 @@ impl Pool {
 
     /// A slab of `cap` bytes: an idle one of that size, or a new one charged
     /// to the budget.
-    fn take(&self, cap: usize, what: &dyn Fn() -> String) -> Result<SlabMem> {
+    fn take(
+        &self,
+        cap: usize,
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<SlabMem> {
         if cap == self.slab_bytes
             && let Some(mem) = self.idle().pop()
         {
             return Ok(mem);
         }
-        self.budget.try_take(cap as u64, what)?;
+        self.budget.take_reserved(cap as u64, reservation, what)?;
         match SlabMem::allocate(cap, &self.source) {
             Ok(mem) => {
                 self.held.fetch_add(cap as u64, Ordering::AcqRel);
@@ -370,13 +376,19 @@ impl Arena {
     /// `what` when the budget has no room for the slab it needs, even after
     /// idle slabs (and an empty current slab) went back.
     pub fn alloc(&self, len: usize, what: &dyn Fn() -> String) -> Result<ChunkMut> {
-        self.alloc_in(len, false, what)
+        self.alloc_in(len, false, None, what)
     }
 
     /// [`Arena::alloc`]; `own` puts the allocation in a slab of its own
-    /// whatever its size.
-    fn alloc_in(&self, len: usize, own: bool, what: &dyn Fn() -> String) -> Result<ChunkMut> {
-        match self.try_alloc(len, own, what) {
+    /// whatever its size, charged to `reservation` first.
+    fn alloc_in(
+        &self,
+        len: usize,
+        own: bool,
+        mut reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<ChunkMut> {
+        match self.try_alloc(len, own, reservation.as_deref_mut(), what) {
             Err(Error::ResourceExhausted(_)) => {
                 self.trim();
                 {
@@ -389,18 +401,24 @@ impl Arena {
                     }
                 }
                 self.trim();
-                self.try_alloc(len, own, what)
+                self.try_alloc(len, own, reservation, what)
             }
             other => other,
         }
     }
 
-    fn try_alloc(&self, len: usize, own: bool, what: &dyn Fn() -> String) -> Result<ChunkMut> {
+    fn try_alloc(
+        &self,
+        len: usize,
+        own: bool,
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<ChunkMut> {
         let need = round_up(len.max(1));
         let slab_bytes = self.pool.slab_bytes;
         let (slab, offset) = if own || need > slab_bytes / 2 {
             // Large: a slab of its own, so the regular slab is not wasted.
-            let mem = self.pool.take(need, what)?;
+            let mem = self.pool.take(need, reservation, what)?;
             let slab = Arc::new(Slab {
                 mem: Some(mem),
                 pool: self.pool.clone(),
@@ -421,7 +439,7 @@ impl Arena {
                     (slab.clone(), at)
                 }
                 _ => {
-                    let mem = self.pool.take(slab_bytes, what)?;
+                    let mem = self.pool.take(slab_bytes, reservation, what)?;
                     let slab = Arc::new(Slab {
                         mem: Some(mem),
                         pool: self.pool.clone(),
@@ -454,7 +472,7 @@ impl Arena {
     /// budget has no room.
     pub fn copy_bytes(&self, bytes: &[u8], what: &dyn Fn() -> String) -> Result<Buffer> {
         // A slab of its own starts on a huge page (see `heap_layout`).
-        let mut chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, what)?;
+        let mut chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, None, what)?;
         chunk.huge_pages();
         chunk.write_at(0, bytes);
         let padding = chunk.len - bytes.len();
@@ -470,6 +488,19 @@ impl Arena {
         batch: &RecordBatch,
         what: &dyn Fn() -> String,
     ) -> Result<(RecordBatch, u64)> {
+        self.copy_batch_in(batch, None, what)
+    }
+
+    /// [`Arena::copy_batch`] for a writer holding `reservation`: a new slab
+    /// the copy needs is charged to the reservation first (slabs are
+    /// shared, so one writer may pay for a slab others fill too; what it
+    /// set aside and did not use returns to the budget when it ends).
+    pub fn copy_batch_in(
+        &self,
+        batch: &RecordBatch,
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<(RecordBatch, u64)> {
         let data: Vec<ArrayData> = batch.columns().iter().map(|c| c.to_data()).collect();
         let mut total = 0usize;
         for d in &data {
@@ -478,7 +509,7 @@ impl Arena {
         if total == 0 {
             return Ok((batch.clone(), 0));
         }
-        let mut chunk = self.alloc(total, what)?;
+        let mut chunk = self.alloc_in(total, false, reservation, what)?;
         let mut at = 0usize;
         for d in &data {
             copy_into(d, &mut chunk, &mut at);

@@ -84,6 +84,39 @@ impl Budget {
         }
     }
 
+    /// Sets `bytes` aside for one writer (a [`Reservation`]), or fails
+    /// without taking anything.
+    pub fn try_reserve(
+        self: &Arc<Self>,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<Reservation> {
+        self.try_take(bytes, what)?;
+        Ok(Reservation {
+            budget: self.clone(),
+            left: bytes,
+        })
+    }
+
+    /// Takes `bytes`, first from what `reservation` still holds, the rest
+    /// from the budget; fails without taking anything.
+    pub(crate) fn take_reserved(
+        &self,
+        bytes: u64,
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let Some(r) = reservation else {
+            return self.try_take(bytes, what);
+        };
+        let covered = r.left.min(bytes);
+        if covered < bytes {
+            self.try_take(bytes - covered, what)?;
+        }
+        r.left -= covered;
+        Ok(())
+    }
+
     /// Returns `bytes` to the budget (memory of dropped data).
     pub fn release(&self, bytes: u64) {
         let prev = self.used.fetch_sub(bytes, Ordering::AcqRel);
@@ -91,6 +124,30 @@ impl Budget {
             prev >= bytes,
             "released {bytes} bytes with only {prev} used"
         );
+    }
+}
+
+/// Budget set aside for one writer that said up front how much it will
+/// send: its allocations draw on it first ([`Budget::take_reserved`]), and
+/// what is left returns to the budget when it is dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<Budget>,
+    left: u64,
+}
+
+impl Reservation {
+    /// Bytes still set aside.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.budget.release(self.left);
+        }
     }
 }
 
@@ -112,6 +169,36 @@ mod tests {
         budget.release(100);
         assert_eq!(budget.used(), 0);
         assert_eq!(budget.peak(), 100);
+    }
+
+    #[test]
+    fn a_reservation_is_drawn_on_first_and_returns_what_is_left() {
+        let budget = Budget::new(100);
+        let mut r = budget.try_reserve(60, &|| "a".into()).expect("fits");
+        assert!(budget.try_reserve(50, &|| "b".into()).is_err());
+        budget
+            .take_reserved(40, Some(&mut r), &|| "a".into())
+            .expect("covered");
+        assert_eq!((budget.used(), r.left()), (60, 20));
+        // Past the reservation: the rest comes from the budget.
+        budget
+            .take_reserved(30, Some(&mut r), &|| "a".into())
+            .expect("fits");
+        assert_eq!((budget.used(), r.left()), (70, 0));
+        let mut r2 = budget.try_reserve(30, &|| "b".into()).expect("fits");
+        drop(r2);
+        assert_eq!(budget.used(), 70);
+        r2 = budget.try_reserve(10, &|| "c".into()).expect("fits");
+        // Not enough left anywhere: nothing is taken.
+        assert!(
+            budget
+                .take_reserved(40, Some(&mut r2), &|| "c".into())
+                .is_err()
+        );
+        assert_eq!((budget.used(), r2.left()), (80, 10));
+        drop(r2);
+        drop(r);
+        assert_eq!(budget.used(), 70);
     }
 
     #[test]

@@ -43,6 +43,12 @@ fn check_commit_marker(marker: &[u8], rows: u64, what: &str) -> Result<()> {
 }
 
 /// Receives a whole attempt and commits it; any failure stores nothing.
+/// What to set aside for a writer that says it sends `bytes`: its buffers
+/// are each padded to 64 bytes in the arena, so a little more.
+fn with_padding(bytes: u64) -> u64 {
+    bytes.saturating_add(bytes / 128).saturating_add(256 << 10)
+}
+
 pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> Result<pb::PutAck> {
     let first = match input.message().await {
         Ok(Some(first)) => first,
@@ -67,12 +73,20 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
         dataset,
         key,
         explicit_commit,
+        expected_bytes,
     } = convert::put_target(&descriptor)?;
     let what = || {
         format!(
             "attempt {} of partition {} of dataset '{dataset}'",
             key.attempt, key.partition
         )
+    };
+
+    // A writer that said its size is admitted whole, or refused before any
+    // of its batches is read.
+    let mut reservation = match expected_bytes {
+        0 => None,
+        bytes => Some(state.reserve(with_padding(bytes), &what).await?),
     };
 
     let rest = input.map_err(|status| FlightError::Tonic(Box::new(status)));
@@ -121,7 +135,10 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
             }
             DecodedPayload::RecordBatch(batch) => {
                 // Into the arena before it is kept; the decoded copy goes.
-                let (kept, taken) = state.admit(&batch, None, &what).await?;
+                let (kept, taken) = match reservation.as_mut() {
+                    Some(r) => state.admit_reserved(&batch, r, &what).await?,
+                    None => state.admit(&batch, None, &what).await?,
+                };
                 bytes += taken;
                 rows += kept.num_rows() as u64;
                 batches.push(kept);
