@@ -209,10 +209,10 @@ impl Gather {
         let extra_values = p
             .outputs
             .iter()
-            .map(|&(j, _)| {
+            .map(|&(j, slot)| {
                 extra
                     .iter()
-                    .map(|b| value_bytes(b.column(j), "a column fetched from a peer"))
+                    .map(|b| fetched_values(b, j, slot.width))
                     .collect::<Result<Vec<Buffer>>>()
             })
             .collect::<Result<Vec<_>>>()?;
@@ -422,7 +422,7 @@ impl Column {
             Self::Fixed(c) => {
                 let extra_segments = extra
                     .iter()
-                    .map(|b| value_bytes(b.column(j), "a column fetched from a peer"))
+                    .map(|b| fetched_values(b, j, c.row_bytes))
                     .collect::<Result<Vec<_>>>()?;
                 let sources: Vec<&[u8]> = c
                     .segments
@@ -462,6 +462,22 @@ impl FixedColumn {
         };
         Ok(make_array(data))
     }
+}
+
+/// The values of column `j` of a batch fetched from another member, checked
+/// to hold `row_bytes` bytes for each of its rows (so that no row the merge
+/// picks can fall outside them).
+fn fetched_values(batch: &RecordBatch, j: usize, row_bytes: usize) -> Result<Buffer> {
+    let values = value_bytes(batch.column(j), "a column fetched from a peer")?;
+    if values.len() != batch.num_rows() * row_bytes {
+        return Err(Error::Internal(format!(
+            "a member sent column {j} with {} bytes for {} rows, {row_bytes} bytes a row \
+             expected; do the members run the same version?",
+            values.len(),
+            batch.num_rows()
+        )));
+    }
+    Ok(values)
 }
 
 /// Asks the CPU to start loading `bytes` into cache (a record a few rows
@@ -690,6 +706,40 @@ mod tests {
         assert!(arena.stats().live_bytes >= packed);
         assert_eq!(data.packed().give_up(), packed);
         assert_eq!(data.packed().bytes(), 0);
+    }
+
+    #[test]
+    fn rows_of_another_width_from_a_member_are_an_error_not_a_panic() {
+        let data = Arc::new(SealedData::from_batches(
+            batch(0, 10).schema(),
+            vec![],
+            vec![batch(0, 10)],
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let columns: Vec<String> = ["c0", "c4", "c5"].map(String::from).into();
+        // What a member should send: the projected columns; this one sends
+        // 2-byte values where 8, 16 and 20 bytes a row are due.
+        let short: Vec<ArrayRef> = (0..3)
+            .map(|_| Arc::new(Int16Array::from_iter_values(0..4)) as ArrayRef)
+            .collect();
+        let fields: Vec<Field> = (0..3)
+            .map(|i| Field::new(format!("x{i}"), DataType::Int16, false))
+            .collect();
+        let extra = RecordBatch::try_new(Arc::new(Schema::new(fields)), short).expect("batch");
+        for packing in [false, true] {
+            let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+            if packing {
+                gather = gather.packing(arena.clone());
+            }
+            // Out of stored order, so the packed gather is the one used.
+            let picks = Picks::new(vec![(0, 5), (1, 3), (0, 1)]);
+            let err = gather
+                .batch(&picks, std::slice::from_ref(&extra))
+                .expect_err("another width");
+            assert!(err.to_string().contains("bytes a row expected"), "{err}");
+            let packed = gather.packed.get().is_some_and(Option::is_some);
+            assert_eq!(packed, packing);
+        }
     }
 
     #[test]
