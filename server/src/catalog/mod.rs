@@ -665,21 +665,28 @@ impl Catalog {
     /// The resident sealed dataset read least recently (ties: by name),
     /// other than `except`.
     pub fn spill_candidate(&self, except: Option<&str>) -> Option<SpillCandidate> {
-        self.datasets
-            .iter()
-            .filter(|(name, _)| Some(name.as_str()) != except)
-            .filter_map(|(name, ds)| {
-                let s = ds.sealed.as_ref()?;
-                let data = s.data.clone()?;
-                Some((s.last_read, name, ds, data, s.stored.clone()))
-            })
-            .min_by_key(|(last_read, ..)| *last_read)
-            .map(|(_, name, ds, data, stored)| SpillCandidate {
+        self.resident(except)
+            .min_by_key(|(_, _, s, _)| s.last_read)
+            .map(|(name, ds, s, data)| SpillCandidate {
                 name: name.clone(),
                 generation: ds.generation,
-                data,
-                stored,
+                data: data.clone(),
+                stored: s.stored.clone(),
                 partitions: ds.sealed_parts.clone(),
+            })
+    }
+
+    /// Every sealed dataset whose rows are in memory, other than `except`.
+    fn resident<'a>(
+        &'a self,
+        except: Option<&'a str>,
+    ) -> impl Iterator<Item = (&'a String, &'a Dataset, &'a Sealed, &'a Arc<SealedData>)> {
+        self.datasets
+            .iter()
+            .filter(move |(name, _)| Some(name.as_str()) != except)
+            .filter_map(|(name, ds)| {
+                let s = ds.sealed.as_ref()?;
+                Some((name, ds, s, s.data.as_ref()?))
             })
     }
 
@@ -687,16 +694,10 @@ impl Catalog {
     /// that has one (other than `except`): the first memory given back when
     /// the budget is full. The bytes it held; 0 when no dataset has one.
     pub fn give_up_packed(&self, except: Option<&str>) -> u64 {
-        self.datasets
-            .iter()
-            .filter(|(name, _)| Some(name.as_str()) != except)
-            .filter_map(|(_, ds)| {
-                let s = ds.sealed.as_ref()?;
-                let data = s.data.as_ref()?;
-                (data.packed().bytes() > 0).then_some((s.last_read, data))
-            })
-            .min_by_key(|(last_read, _)| *last_read)
-            .map_or(0, |(_, data)| data.packed().give_up())
+        self.resident(except)
+            .filter(|(.., data)| data.packed().bytes() > 0)
+            .min_by_key(|(_, _, s, _)| s.last_read)
+            .map_or(0, |(.., data)| data.packed().give_up())
     }
 
     /// Records the store copy of a sealed dataset; false when the dataset
@@ -784,10 +785,8 @@ impl Catalog {
                 t
             });
         let packed_bytes = self
-            .datasets
-            .values()
-            .filter_map(|ds| ds.sealed.as_ref()?.data.as_ref())
-            .map(|data| data.packed().bytes())
+            .resident(None)
+            .map(|(.., data)| data.packed().bytes())
             .sum();
         CatalogTotals {
             packed_bytes,
