@@ -151,7 +151,6 @@ async fn spill_to_a_file_store_reads_back_byte_identical() {
         .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
         .collect();
     assert!(leftover.is_empty(), "{leftover:?}");
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
@@ -243,7 +242,6 @@ async fn a_restart_with_persist_serves_the_same_data() {
     let err = c.describe("kept").await.expect_err("dropped");
     assert_eq!(err.code(), Code::NotFound);
     server.stop().await;
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A server with a 64 MiB budget in 1 MiB slabs, so memory figures move

@@ -210,7 +210,6 @@ async fn checkpoints_resume_over_the_api() {
         b.loss
     );
     assert_eq!(a.accuracy, b.accuracy);
-    let _ = std::fs::remove_dir_all(dir);
     server.stop().await;
 }
 

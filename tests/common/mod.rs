@@ -57,8 +57,37 @@ pub async fn raw_bytes(client: &mut Client, ticket: bytes::Bytes) -> Vec<u8> {
     out
 }
 
-/// A fresh folder under the system's temporary directory.
-pub fn temp_dir(tag: &str) -> std::path::PathBuf {
+/// A fresh folder under the system's temporary directory, removed with
+/// everything in it when dropped (kept, and named on stderr, when the test
+/// is failing, so its logs and files can be read).
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    /// Its path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept {} for the failing test", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A fresh [`TempDir`] named after `tag`.
+pub fn temp_dir(tag: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!(
         "flightdeck-test-{tag}-{}-{}",
         std::process::id(),
@@ -68,7 +97,7 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
             .unwrap_or(0)
     ));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+    TempDir(dir)
 }
 
 /// Default settings, but spills go to memory (no files from tests) and the
@@ -409,13 +438,16 @@ pub struct MemberProcess {
     /// Its stderr.
     pub log: std::path::PathBuf,
     args: Vec<String>,
+    /// Holds the log; removed after the process is killed.
+    _dir: TempDir,
 }
 
 impl MemberProcess {
     /// Starts a member on `listen` (e.g. `127.0.0.1:0`) with extra flags.
     pub fn start(listen: &str, extra: &[&str]) -> Self {
         use std::io::BufRead;
-        let log = temp_dir("member").join("stderr.log");
+        let dir = temp_dir("member");
+        let log = dir.join("stderr.log");
         let mut args = vec!["serve".to_string(), "--listen".into(), listen.into()];
         args.extend(extra.iter().map(|s| s.to_string()));
         if !extra.contains(&"--spill-url") {
@@ -458,6 +490,7 @@ impl MemberProcess {
             addr,
             log,
             args,
+            _dir: dir,
         }
     }
 
