@@ -127,7 +127,10 @@ async fn write_both(members: &[MemberProcess], single: &mut Client, ds: &str) {
         .expect_err("partition 0 is not there");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
     assert!(
-        err.message().contains(&wrong[to].location) && err.message().contains("lacks partitions 0"),
+        err.message().contains(&wrong[to].location)
+            && err
+                .message()
+                .contains("lacks 1 of its partitions on this member (the first: 0"),
         "{err}"
     );
     // Any member coordinates; sealing twice is a no-op.

@@ -461,12 +461,9 @@ async fn memory_limit_refuses_ingest_with_resource_exhausted() {
     server.stop().await;
 }
 
-#[tokio::test]
-async fn large_single_messages_are_accepted() {
-    let server = TestServer::start().await;
-    let mut c = server.client().await;
-    // 12 MiB in one record batch, one gRPC message: above tonic's 4 MiB default.
-    let n = 1_500_000i64;
+/// The `DoPut` messages of partition 0 of `ds`: `n` int64 rows in one
+/// record batch, sent as one message however large.
+async fn one_message_put(ds: &str, n: i64) -> Vec<FlightData> {
     let s = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
     let b = RecordBatch::try_new(
         s.clone(),
@@ -477,7 +474,7 @@ async fn large_single_messages_are_accepted() {
         .with_max_flight_data_size(usize::MAX)
         .with_flight_descriptor(Some(FlightDescriptor::new_cmd(
             flightdeck_client::PutPartition {
-                dataset: "wide".into(),
+                dataset: ds.into(),
                 partition: 0,
                 attempt: 0,
                 explicit_commit: false,
@@ -486,7 +483,36 @@ async fn large_single_messages_are_accepted() {
             .encode_to_vec(),
         )))
         .build(stream::iter([Ok(b)]));
-    let msgs: Vec<FlightData> = data.try_collect().await.expect("encode");
+    data.try_collect().await.expect("encode")
+}
+
+/// A message over `--max-message-size` is refused for good (sending it
+/// again cannot help), not marked as worth a retry.
+#[tokio::test]
+async fn messages_over_the_size_limit_are_invalid_not_retryable() {
+    let server = TestServer::start_with(ServerConfig {
+        max_message_bytes: 1 << 20,
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    let msgs = one_message_put("wide", 500_000).await;
+    assert_code(
+        raw_put(&mut c, msgs).await,
+        Code::InvalidArgument,
+        &["larger than this server accepts", "smaller record batches"],
+    );
+    timed("stats", c.stats()).await.expect("still serving");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn large_single_messages_are_accepted() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    // 12 MiB in one record batch, one gRPC message: above tonic's 4 MiB default.
+    let n = 1_500_000i64;
+    let msgs = one_message_put("wide", n).await;
     assert!(msgs.iter().any(|m| m.data_body.len() >= 8 << 20));
     raw_put(&mut c, msgs).await.expect("large message accepted");
     c.seal(SealDataset {
@@ -513,5 +539,130 @@ async fn large_single_messages_are_accepted() {
         .expect("batches");
     assert_eq!(batches.len(), 1, "one batch of batch_rows rows");
     assert_eq!(batches[0].num_rows() as i64, n);
+    server.stop().await;
+}
+
+/// A writer of null columns claims any row count for free; a seal can name
+/// any partition count. Neither stops the server: a claim past the row limit
+/// is refused, a large one is planned without counting its batches one by
+/// one, and a missing-partition error is counted rather than listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claimed_row_and_partition_counts_cannot_wedge_the_server() {
+    use arrow::array::NullArray;
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let nulls = Arc::new(Schema::new(vec![Field::new("n", DataType::Null, true)]));
+    let put_nulls = |ds: &'static str, p: u32, rows: usize| {
+        let schema = nulls.clone();
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![Arc::new(NullArray::new(rows)) as ArrayRef],
+        )
+        .expect("batch");
+        let mut c = c.clone();
+        async move {
+            timed(
+                "put nulls",
+                c.put_partition(ds, p, 0, schema, stream::iter([Ok(batch)])),
+            )
+            .await
+        }
+    };
+    assert_code(
+        put_nulls("nulls", 9, 1 << 62).await,
+        Code::InvalidArgument,
+        &["more than 1099511627776 rows"],
+    );
+    for ds in ["nulls", "more"] {
+        for p in 0..4 {
+            put_nulls(ds, p, 1 << 38).await.expect("within the limit");
+        }
+    }
+    // One more row takes "more" past the limit at seal.
+    put_nulls("more", 4, 1).await.expect("a small partition");
+    assert_code(
+        c.seal(SealDataset {
+            dataset: "more".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+        &["'more'", "more than 1099511627776 rows"],
+    );
+    let missing = timed(
+        "seal with 2^32 - 1 partitions",
+        c.seal(SealDataset {
+            dataset: "more".into(),
+            partitions: u32::MAX,
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect_err("most partitions are missing");
+    assert_eq!(missing.code(), Code::FailedPrecondition, "{missing}");
+    assert!(missing.message().len() < 1024, "{}", missing.message());
+    assert!(
+        missing
+            .message()
+            .contains("4294967290 have no committed attempt"),
+        "{}",
+        missing.message()
+    );
+    timed(
+        "seal 2^40 rows",
+        c.seal(SealDataset {
+            dataset: "nulls".into(),
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("seal");
+    let planned = timed(
+        "plan 2^40 rows",
+        c.plan(ReadPlan {
+            dataset: "nulls".into(),
+            world_size: 2,
+            batch_rows: 1,
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("plan");
+    assert_eq!(planned.total_rows, 1 << 40);
+    assert_eq!(planned.shards[1].rows, 1 << 39);
+    assert_eq!(planned.shards[1].batches, 1 << 39);
+    timed("list", c.list_datasets()).await.expect("list");
+    timed("stats", c.stats()).await.expect("stats");
+    server.stop().await;
+}
+
+/// Record batch bodies cut short (what a broken writer or a
+/// hostile one sends) are refused with INVALID_ARGUMENT, whether arrow's
+/// reader reports them or panics on them, and the server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_ipc_bodies_are_invalid_arguments() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let good = one_message_put("bad", 1_000).await;
+    let body = good
+        .iter()
+        .position(|m| !m.data_body.is_empty())
+        .expect("a record batch message");
+    type Mutation = fn(&mut FlightData);
+    let mutations: [(&str, Mutation); 3] = [
+        ("cut to half", |m| {
+            m.data_body.truncate(m.data_body.len() / 2)
+        }),
+        ("cut to one byte", |m| m.data_body.truncate(1)),
+        ("emptied", |m| m.data_body.truncate(0)),
+    ];
+    for (what, mutate) in mutations {
+        let mut msgs = good.clone();
+        mutate(&mut msgs[body]);
+        let res = timed(what, raw_put(&mut c, msgs)).await;
+        let err = res.expect_err(what);
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err}");
+    }
+    timed("stats", c.stats()).await.expect("still serving");
     server.stop().await;
 }

@@ -59,16 +59,20 @@ pub enum Error {
 
     /// Seal found partitions missing.
     #[error(
-        "cannot seal dataset '{dataset}': expected {expected} partitions but partitions {missing:?} \
-         have no committed attempt; write them, or seal with the right partition count"
+        "cannot seal dataset '{dataset}': expected {expected} partitions but {count} have no \
+         committed attempt (the first: {missing:?}); write them, or seal with the right partition \
+         count"
     )]
     MissingPartitions {
         /// The dataset being sealed.
         dataset: String,
         /// Expected partition count.
         expected: u32,
-        /// Partitions without a committed attempt.
+        /// The first (at most [`MISSING_SHOWN`]) partitions without a
+        /// committed attempt.
         missing: Vec<u32>,
+        /// How many partitions have no committed attempt.
+        count: u64,
     },
 
     /// The request needs a state the server is not in (other than the above).
@@ -126,9 +130,34 @@ impl Error {
     }
 }
 
+/// How many missing partitions an error names.
+pub const MISSING_SHOWN: usize = 16;
+
+/// The longest message a status carries: messages travel in the
+/// `grpc-message` header, and names a client sent (columns, datasets) can be
+/// of any length.
+pub const MAX_MESSAGE_BYTES: usize = 2048;
+
+/// `message`, cut to at most `max` bytes (on a character boundary) with a
+/// note of how much was left out.
+pub fn bounded(message: String, max: usize) -> String {
+    if message.len() <= max {
+        return message;
+    }
+    let mut end = max;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}… ({} more bytes left out)",
+        &message[..end],
+        message.len() - end
+    )
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
-        Status::new(e.code(), e.to_string())
+        Status::new(e.code(), bounded(e.to_string(), MAX_MESSAGE_BYTES))
     }
 }
 
@@ -142,10 +171,18 @@ mod tests {
             dataset: "d".into(),
             expected: 4,
             missing: vec![1, 3],
+            count: 2,
         };
         let status = Status::from(missing);
         assert_eq!(status.code(), Code::FailedPrecondition);
         assert!(status.message().contains("[1, 3]"), "{}", status.message());
+        let long = Status::from(Error::invalid(format!("column '{}'", "é".repeat(1 << 20))));
+        assert!(long.message().len() < MAX_MESSAGE_BYTES + 64);
+        assert!(
+            long.message().ends_with("more bytes left out)"),
+            "{}",
+            &long.message()[..40]
+        );
         assert_eq!(
             Status::from(Error::DatasetNotFound {
                 dataset: "x".into()

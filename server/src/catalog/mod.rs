@@ -22,6 +22,26 @@ use crate::error::{Error, Result};
 use crate::memory::spill::{PersistedDataset, Stored};
 use crate::read::packed::PackedCache;
 
+/// The most rows a dataset (and so any attempt or batch of it) may have.
+/// Columns of Arrow's null type take no memory, so a writer could otherwise
+/// claim any row count for free; 2^40 is far past what any memory holds in
+/// real columns.
+pub const MAX_ROWS: u64 = 1 << 40;
+
+/// `total + more`, or `INVALID_ARGUMENT` naming [`MAX_ROWS`] when that is
+/// past it; `what` names what is counted.
+pub fn add_rows(total: u64, more: u64, what: impl FnOnce() -> String) -> Result<u64> {
+    total
+        .checked_add(more)
+        .filter(|&t| t <= MAX_ROWS)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{} would hold more than {MAX_ROWS} rows, the most a dataset may have",
+                what()
+            ))
+        })
+}
+
 /// A dataset's place in a cluster of members.
 #[derive(Debug, Clone)]
 pub enum ClusterState {
@@ -435,16 +455,17 @@ impl Catalog {
                  every member and write it again"
             )));
         }
-        let missing: Vec<String> = want
-            .iter()
-            .filter(|k| !ds.attempts.contains_key(k))
-            .map(|k| format!("{} (attempt {})", k.partition, k.attempt))
-            .collect();
-        if !missing.is_empty() {
+        let lacking = || want.iter().filter(|k| !ds.attempts.contains_key(k));
+        let count = lacking().count();
+        if count > 0 {
+            let first: Vec<String> = lacking()
+                .take(crate::error::MISSING_SHOWN)
+                .map(|k| format!("{} (attempt {})", k.partition, k.attempt))
+                .collect();
             return Err(Error::FailedPrecondition(format!(
-                "dataset '{dataset}' lacks partitions {} on this member; write them here, or \
-                 name the member that holds them in the layout",
-                missing.join(", ")
+                "dataset '{dataset}' lacks {count} of its partitions on this member (the first: {}); \
+                 write them here, or name the member that holds them in the layout",
+                first.join(", ")
             )));
         }
         Ok(false)
@@ -537,6 +558,11 @@ impl Catalog {
             }
         }
         check_partition_count(name, req.partitions, winners.keys().copied())?;
+        let mut total = 0u64;
+        for key in winners.values() {
+            let rows = ds.attempts.get(key).map_or(0, |a| a.data.rows);
+            total = add_rows(total, rows, || format!("dataset '{name}'"))?;
+        }
         // Move winners out, free losers.
         let counts = attempt_counts(&ds.attempts);
         let mut freed = 0u64;
@@ -818,12 +844,18 @@ pub fn check_partition_count(
         return Ok(());
     }
     let have: std::collections::BTreeSet<u32> = held.collect();
-    let missing: Vec<u32> = (0..expected).filter(|p| !have.contains(p)).collect();
-    if !missing.is_empty() {
+    // Counted, not listed: `expected` is the client's and may be 2^32 - 1.
+    let count = u64::from(expected) - have.range(..expected).count() as u64;
+    if count > 0 {
+        let missing = (0..expected)
+            .filter(|p| !have.contains(p))
+            .take(crate::error::MISSING_SHOWN)
+            .collect();
         return Err(Error::MissingPartitions {
             dataset: dataset.to_string(),
             expected,
             missing,
+            count,
         });
     }
     let extra: Vec<u32> = have.range(expected..).copied().collect();
@@ -891,7 +923,10 @@ fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
         state,
         generation: ds.generation,
         schema: ds.schema.clone(),
-        rows: partitions.iter().map(|p| p.rows).sum(),
+        // An open dataset's attempts are each within MAX_ROWS, not their sum.
+        rows: partitions
+            .iter()
+            .fold(0u64, |t, p| t.saturating_add(p.rows)),
         bytes,
         partitions,
         resident: ds.sealed.as_ref().is_none_or(|s| s.data.is_some()),

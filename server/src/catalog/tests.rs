@@ -100,6 +100,23 @@ fn missing_partitions_are_listed_and_nothing_changes() {
         Error::MissingPartitions { missing, .. } => assert_eq!(missing, vec![1, 3, 4]),
         other => panic!("unexpected {other}"),
     }
+    // A count the client made up is counted, not listed.
+    let err = c
+        .seal(&SealRequest {
+            dataset: "d".into(),
+            partitions: u32::MAX,
+            winners: vec![],
+            members: vec![],
+        })
+        .expect_err("missing");
+    match err {
+        Error::MissingPartitions { missing, count, .. } => {
+            assert_eq!(count, u64::from(u32::MAX) - 3);
+            assert_eq!(missing.len(), crate::error::MISSING_SHOWN);
+            assert_eq!(&missing[..4], &[1, 3, 4, 6]);
+        }
+        other => panic!("unexpected {other}"),
+    }
     assert_eq!(
         c.describe("d").expect("still there").state,
         DatasetState::Open

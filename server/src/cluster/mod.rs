@@ -48,7 +48,9 @@ pub struct Member {
 impl Member {
     /// Rows the member holds.
     pub fn rows(&self) -> u64 {
-        self.partitions.iter().map(|p| p.rows).sum()
+        self.partitions
+            .iter()
+            .fold(0u64, |t, p| t.saturating_add(p.rows))
     }
 }
 
@@ -125,7 +127,7 @@ impl Layout {
                 member,
                 local_start: local[member],
             });
-            start += rows;
+            start = crate::catalog::add_rows(start, rows, || "the layout".to_string())?;
             local[member] += rows;
         }
         let mut h = 0xcbf2_9ce4_8422_2325u64;

@@ -327,9 +327,21 @@ impl ReadPlan {
     }
 
     /// Rows and batches of the stream of a rank with `rows` samples.
+    ///
+    /// Computed, not counted: a dataset of null columns can claim 2^62 rows
+    /// at no cost to its writer.
     pub fn stream_size(&self, rows: u64) -> (u64, u64) {
-        self.stream_batches(rows)
-            .fold((0, 0), |(r, b), range| (r + range.end - range.start, b + 1))
+        let batch = u64::from(self.batch_rows.max(1));
+        let count = u64::from(self.split.count.max(1));
+        let index = u64::from(self.split.index);
+        let all = rows.div_ceil(batch);
+        if index >= all {
+            return (0, 0);
+        }
+        let batches = (all - 1 - index) / count + 1;
+        let last = index + (batches - 1) * count;
+        let last_len = (rows - last * batch).min(batch);
+        ((batches - 1) * batch + last_len, batches)
     }
 }
 
@@ -472,6 +484,33 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// The computed stream size is the size of the batches streamed.
+        #[test]
+        fn stream_size_counts_the_streamed_batches(
+            rows in 0u64..5_000, batch_rows in 0u32..300, count in 0u32..9, index in 0u32..10,
+        ) {
+            let plan = ReadPlan {
+                dataset: "d".into(),
+                world_size: 1,
+                epoch: 0,
+                seed: 0,
+                shuffle: Shuffle::None,
+                batch_rows,
+                drop_last: false,
+                columns: vec![],
+                start_sample: 0,
+                split: Split { count, index },
+                locality: Locality::Global,
+                ranks_per_node: 0,
+                nodes: vec![],
+                resume_world_size: 0,
+            };
+            let counted = plan
+                .stream_batches(rows)
+                .fold((0, 0), |(r, b), range| (r + range.end - range.start, b + 1));
+            prop_assert_eq!(plan.stream_size(rows), counted);
+        }
 
         /// Every epoch order is a permutation of the rows.
         #[test]

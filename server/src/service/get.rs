@@ -277,7 +277,7 @@ pub(super) async fn shard_messages(
         let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
         let mut messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
-        tokio::task::spawn_blocking(move || {
+        spawn_gather(tx.clone(), move || {
             for batch in shard.batches() {
                 let encoded = batch.and_then(|b| {
                     encode(
@@ -301,6 +301,7 @@ pub(super) async fn shard_messages(
     let gather = Gather::new(data, &t.plan.columns, &name, fixed)?.packing(state.arena().clone());
     let messages = Messages::new(&gather.schema())?;
     start(&tx, &messages)?;
+    let failed = tx.clone();
     let read = MergedRead {
         gather,
         rows,
@@ -318,7 +319,7 @@ pub(super) async fn shard_messages(
                 source.index
             )));
         }
-        tokio::task::spawn_blocking(move || read.serve_peer());
+        spawn_gather(failed, move || read.serve_peer());
         return Ok(rx);
     }
     let mut feeds = HashMap::new();
@@ -354,8 +355,28 @@ pub(super) async fn shard_messages(
         });
         feeds.insert(m, (source.layout.members[m].location.clone(), frx));
     }
-    tokio::task::spawn_blocking(move || read.serve_rank(feeds));
+    spawn_gather(failed, move || read.serve_rank(feeds));
     Ok(rx)
+}
+
+/// Runs `gather` (the work of one stream) on a blocking thread. Should it
+/// panic, the stream fails with `INTERNAL` through `tx` instead of ending as
+/// if it were complete.
+fn spawn_gather(tx: Sender, gather: impl FnOnce() + Send + 'static) {
+    tokio::task::spawn_blocking(move || {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(gather)) {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(panic = %what, "a read stream's gather panicked");
+            let _ = tx.blocking_send(Err(Error::Internal(format!(
+                "this stream failed inside the server ({what}) and is incomplete; read the shard \
+                 again, and report the failure with the server's log"
+            ))));
+        }
+    });
 }
 
 /// Queues the schema message, the first of every stream.
@@ -518,4 +539,25 @@ pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<Flig
         futures::stream::iter(items)
     });
     Ok(stream.boxed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_gather_that_panics_fails_its_stream_with_internal() {
+        let (tx, mut rx) = mpsc::channel(READ_AHEAD);
+        let sent = tx.clone();
+        spawn_gather(tx, move || {
+            assert!(send(&sent, Ok(Vec::new())));
+            panic!("gather bug");
+        });
+        assert!(matches!(rx.recv().await, Some(Ok(_))));
+        match rx.recv().await {
+            Some(Err(Error::Internal(m))) => assert!(m.contains("gather bug"), "{m}"),
+            other => panic!("expected INTERNAL, got {other:?}"),
+        }
+        assert!(rx.recv().await.is_none(), "then the stream ends");
+    }
 }

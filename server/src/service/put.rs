@@ -1,6 +1,7 @@
 //! `DoPut`: one partition attempt, staged until its stream ends cleanly, then
 //! committed — or nothing at all.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 
 use arrow::array::RecordBatch;
@@ -10,7 +11,7 @@ use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
 use arrow_flight::error::FlightError;
 use bytes::Bytes;
 use flightdeck_protos as pb;
-use futures::{StreamExt, TryStreamExt, stream};
+use futures::{FutureExt, StreamExt, TryStreamExt, stream};
 use tonic::Streaming;
 use tracing::info;
 
@@ -105,9 +106,33 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
     let mut batches: Vec<RecordBatch> = Vec::new();
     let mut rows = 0u64;
     let mut bytes = 0u64;
-    while let Some(item) = decoder.next().await {
+    loop {
+        // Arrow's IPC reader validates what it decodes, but some malformed
+        // bodies (buffers past the body, misaligned or overflowing ones)
+        // still panic inside it: those are the writer's fault, not ours.
+        let item = match AssertUnwindSafe(decoder.next()).catch_unwind().await {
+            Ok(Some(item)) => item,
+            Ok(None) => break,
+            Err(_) => {
+                return Err(Error::invalid(format!(
+                    "DoPut stream of {} is malformed: a record batch's IPC body does not match \
+                     its header (buffers past the body, misaligned or overflowing); nothing was \
+                     stored",
+                    what()
+                )));
+            }
+        };
         let decoded = match item {
             Ok(decoded) => decoded,
+            Err(FlightError::Tonic(status)) if status.code() == tonic::Code::OutOfRange => {
+                // Sending it again would fail again.
+                return Err(Error::invalid(format!(
+                    "DoPut stream of {}: a message is larger than this server accepts ({}); \
+                     nothing was stored, send the partition in smaller record batches",
+                    what(),
+                    status.message()
+                )));
+            }
             Err(FlightError::Tonic(status)) => {
                 return Err(Error::Aborted(format!(
                     "DoPut stream of {} broke ({}); nothing was stored, send the attempt again",
@@ -134,13 +159,15 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
                 schema = Some(s);
             }
             DecodedPayload::RecordBatch(batch) => {
+                let more = batch.num_rows() as u64;
+                let total = crate::catalog::add_rows(rows, more, what)?;
                 // Into the arena before it is kept; the decoded copy goes.
                 let (kept, taken) = match reservation.as_mut() {
                     Some(r) => state.admit_reserved(&batch, r, &what).await?,
                     None => state.admit(&batch, None, &what).await?,
                 };
                 bytes += taken;
-                rows += kept.num_rows() as u64;
+                rows = total;
                 batches.push(kept);
             }
             DecodedPayload::None => {}

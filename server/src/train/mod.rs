@@ -211,6 +211,24 @@ impl Job {
         if spec.hidden.contains(&0) {
             return Err(Error::invalid("hidden layer sizes must be at least 1"));
         }
+        if spec.hidden.len() > MAX_HIDDEN_LAYERS {
+            return Err(Error::invalid(format!(
+                "the job asks for {} hidden layers; at most {MAX_HIDDEN_LAYERS} are allowed",
+                spec.hidden.len()
+            )));
+        }
+        if let TaskSpec::Classification(c) = spec.task
+            && c as usize > MAX_WIDTH
+        {
+            return Err(Error::invalid(format!(
+                "the job asks for {c} classes; at most {MAX_WIDTH} are allowed"
+            )));
+        }
+        if let Some(w) = spec.hidden.iter().find(|&&w| w > MAX_WIDTH) {
+            return Err(Error::invalid(format!(
+                "a hidden layer of {w} units is wider than the {MAX_WIDTH} allowed"
+            )));
+        }
         let kind = match spec.task {
             TaskSpec::Classification(c) if c < 2 => {
                 return Err(Error::invalid(format!(
@@ -230,6 +248,7 @@ impl Job {
             },
         };
         let model = Model::new(prepared.dim, &spec.hidden, task);
+        check_model_size(&model, spec.global_batch / world)?;
         let per_rank = Shares::new(prepared.rows(), world, 0, true)?.per_rank();
         let steps_per_epoch = per_rank / u64::from(spec.global_batch / world);
         if steps_per_epoch == 0 {
@@ -584,6 +603,42 @@ impl Job {
         opt.t = step;
         Ok((params, opt))
     }
+}
+
+/// The most hidden layers a job may ask for.
+pub const MAX_HIDDEN_LAYERS: usize = 64;
+
+/// The widest layer a job may ask for (hidden units or classes).
+pub const MAX_WIDTH: usize = 1 << 20;
+
+/// The most parameters a model may have: 2^26 `f32` are 256 MiB, about
+/// 1 GiB with their gradients and AdamW's two moments.
+pub const MAX_PARAMETERS: u64 = 1 << 26;
+
+/// The most activations one rank's batch may take through the model: 2^27
+/// `f32` are 512 MiB.
+pub const MAX_ACTIVATIONS: u64 = 1 << 27;
+
+/// Refuses models (and batches through them) too large to train here, before
+/// anything of their size is allocated.
+fn check_model_size(model: &Model, rank_batch: u32) -> Result<()> {
+    let params = model.parameter_count().unwrap_or(u64::MAX);
+    if params > MAX_PARAMETERS {
+        return Err(Error::invalid(format!(
+            "the model would have {params} parameters; at most {MAX_PARAMETERS} are allowed: use \
+             narrower or fewer layers, or fewer features"
+        )));
+    }
+    let activations = model.units().saturating_mul(u64::from(rank_batch));
+    if activations > MAX_ACTIVATIONS {
+        return Err(Error::invalid(format!(
+            "a rank's batch of {rank_batch} rows through {} units needs {activations} \
+             activations; at most {MAX_ACTIVATIONS} are allowed: use a smaller global batch or \
+             narrower layers",
+            model.units()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -56,6 +56,21 @@ impl Model {
         Self { dims, task }
     }
 
+    /// Parameters of all layers (weights and biases); `None` past `u64`.
+    pub fn parameter_count(&self) -> Option<u64> {
+        self.dims.windows(2).try_fold(0u64, |total, w| {
+            let (inputs, outputs) = (w[0] as u64, w[1] as u64);
+            total.checked_add(inputs.checked_add(1)?.checked_mul(outputs)?)
+        })
+    }
+
+    /// Units of all layers, inputs included: the activations of one row.
+    pub fn units(&self) -> u64 {
+        self.dims
+            .iter()
+            .fold(0u64, |total, &d| total.saturating_add(d as u64))
+    }
+
     /// Number of layers.
     pub fn layers(&self) -> usize {
         self.dims.len() - 1

@@ -361,6 +361,24 @@ fn bad_jobs_are_refused_before_they_start() {
     );
     refuse(&|s| s.features = vec![], "no feature columns");
     refuse(&|s| s.devices = Devices::Cpu(0), "no devices");
+    // Sizes a client names are bounded before anything of that size exists.
+    refuse(
+        &|s| s.hidden = vec![100_000, 100_000],
+        "parameters; at most",
+    );
+    refuse(&|s| s.hidden = vec![u32::MAX as usize], "wider than the");
+    refuse(&|s| s.hidden = vec![1; 65], "65 hidden layers");
+    refuse(
+        &|s| s.task = TaskSpec::Classification(u32::MAX),
+        "4294967295 classes; at most",
+    );
+    refuse(
+        &|s| {
+            s.global_batch = 100;
+            s.hidden = vec![1 << 20, 1, 1 << 20, 1, 1 << 20];
+        },
+        "activations; at most",
+    );
     // A regression on the target is fine; GPUs need a driver.
     let mut s = spec(2);
     s.task = TaskSpec::Regression;
