@@ -11,7 +11,8 @@ use arrow::datatypes::{DataType, Field, Schema};
 use flightdeck_client::{
     Client, Code, OptimizerKind, SealDataset, Shuffle, Task, TrainJob, TrainProgress,
 };
-use flightdeck_tests::{TestServer, temp_dir, timed};
+use flightdeck_server::ServerConfig;
+use flightdeck_tests::{TestServer, temp_dir, test_config, timed};
 use futures::{StreamExt, TryStreamExt, stream};
 
 /// `n` points in [-1, 1]², labelled by `label`, points for which `keep`
@@ -164,18 +165,24 @@ async fn an_mlp_fits_xor() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_resume_over_the_api() {
-    let server = TestServer::start().await;
+    let dir = temp_dir("ckpt");
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 1 << 30,
+        checkpoint_root: Some(dir.to_path_buf()),
+        ..test_config()
+    })
+    .await;
     let mut c = server.client().await;
     write_points(&mut c, "ck", 1000, three_classes).await;
-    let dir = temp_dir("ckpt");
-    let url = format!("file://{}", dir.display());
+    // Relative to the server's checkpoint root; answered with the full URL.
+    let url = format!("file://{}/run", dir.display());
     let mut whole = job("ck");
     whole.epochs = 3;
     let uninterrupted = run_to_end(&mut c, whole.clone()).await;
 
     let mut first = whole.clone();
     first.max_steps = 7;
-    first.checkpoint_url = url.clone();
+    first.checkpoint_url = "run".into();
     first.checkpoint_every = 5;
     let reports = run_to_end(&mut c, first).await;
     let written: Vec<&str> = reports
@@ -193,7 +200,7 @@ async fn checkpoints_resume_over_the_api() {
         last.checkpoint,
         format!("{url}/step-0000000007.safetensors")
     );
-    assert!(dir.join("step-0000000007.safetensors").exists());
+    assert!(dir.join("run/step-0000000007.safetensors").exists());
 
     let mut rest = whole;
     rest.resume_from = last.checkpoint.clone();
@@ -256,9 +263,30 @@ async fn bad_jobs_get_invalid_argument_and_hanging_up_cancels() {
             "no CUDA driver",
         ),
         (
-            Box::new(|j| j.resume_from = "memory://nothing/here".into()),
+            Box::new(|j| j.resume_from = "nothing/here".into()),
             Code::InvalidArgument,
             "cannot read checkpoint",
+        ),
+        // Checkpoints stay under the server's checkpoint root.
+        (
+            Box::new(|j| j.resume_from = "memory://nothing/here".into()),
+            Code::PermissionDenied,
+            "outside this server's checkpoint root",
+        ),
+        (
+            Box::new(|j| j.resume_from = "/etc/hostname".into()),
+            Code::PermissionDenied,
+            "resume_from '/etc/hostname' is outside",
+        ),
+        (
+            Box::new(|j| j.checkpoint_url = "file:///tmp".into()),
+            Code::PermissionDenied,
+            "--checkpoint-root",
+        ),
+        (
+            Box::new(|j| j.checkpoint_url = "../../elsewhere".into()),
+            Code::PermissionDenied,
+            "--checkpoint-root",
         ),
     ] {
         let mut j = job("d");

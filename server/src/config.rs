@@ -55,6 +55,12 @@ pub struct ServerConfig {
     /// How long a writer that said its size waits for memory before its
     /// attempt is refused.
     pub admission_wait: std::time::Duration,
+    /// The folder training jobs may write checkpoints to and resume from;
+    /// `None` = `<data_dir>/checkpoints`.
+    pub checkpoint_root: Option<std::path::PathBuf>,
+    /// Object-store URL prefixes (`s3://bucket/ckpt`, `memory://`) jobs may
+    /// also use for checkpoints.
+    pub checkpoint_prefixes: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -72,6 +78,8 @@ impl Default for ServerConfig {
             use_cuda: true,
             advertise: None,
             admission_wait: DEFAULT_ADMISSION_WAIT,
+            checkpoint_root: None,
+            checkpoint_prefixes: Vec::new(),
         }
     }
 }
@@ -98,6 +106,70 @@ impl ServerConfig {
         self.spill_url
             .clone()
             .unwrap_or_else(|| self.data_dir.join("store").display().to_string())
+    }
+
+    /// The checkpoint root in effect.
+    pub fn checkpoint_root(&self) -> std::path::PathBuf {
+        self.checkpoint_root
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("checkpoints"))
+    }
+
+    /// Where a job's checkpoints (`field` names the job's setting) may be:
+    /// `url` itself when it is under the checkpoint root or one of the
+    /// allowed prefixes, as `file://<absolute path>` when local; a relative
+    /// path is taken under the root. Anything else, `..` included, is
+    /// `PERMISSION_DENIED`: a client must not make the server write or read
+    /// wherever the server can.
+    pub fn checkpoint_location(&self, url: &str, field: &str) -> Result<String> {
+        use std::path::{Component, Path};
+        let root = std::path::absolute(self.checkpoint_root()).map_err(|e| {
+            Error::Internal(format!("the checkpoint root has no absolute path: {e}"))
+        })?;
+        let denied = || {
+            let prefixes = if self.checkpoint_prefixes.is_empty() {
+                "none".to_string()
+            } else {
+                self.checkpoint_prefixes.join(", ")
+            };
+            Error::PermissionDenied(format!(
+                "{field} '{url}' is outside this server's checkpoint root {} (--checkpoint-root) \
+                 and its allowed prefixes ({prefixes}; --checkpoint-prefix); give a path \
+                 relative to the root, or one under it",
+                root.display()
+            ))
+        };
+        let local = match url.strip_prefix("file://") {
+            Some(path) => Some(path),
+            None if !url.contains("://") => Some(url),
+            None => None,
+        };
+        let Some(local) = local else {
+            let inside = !url.split('/').any(|c| c == "..")
+                && self.checkpoint_prefixes.iter().any(|prefix| {
+                    let prefix = prefix.trim_end_matches('/');
+                    url.strip_prefix(prefix)
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+                });
+            return if inside {
+                Ok(url.to_string())
+            } else {
+                Err(denied())
+            };
+        };
+        let path = Path::new(local);
+        if local.is_empty() || path.components().any(|c| c == Component::ParentDir) {
+            return Err(denied());
+        }
+        let path = if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            root.join(path)
+        };
+        if !path.starts_with(&root) {
+            return Err(denied());
+        }
+        Ok(format!("file://{}", path.display()))
     }
 
     /// Checks that the configuration can run.
@@ -202,6 +274,63 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checkpoints_are_confined_to_the_root_and_the_allowed_prefixes() {
+        let config = ServerConfig {
+            checkpoint_root: Some("/srv/ckpt".into()),
+            checkpoint_prefixes: vec!["s3://models/ckpt/".into(), "memory://".into()],
+            ..ServerConfig::default()
+        };
+        let at = |url: &str| config.checkpoint_location(url, "checkpoint_url");
+        for (url, want) in [
+            ("run-1", "file:///srv/ckpt/run-1"),
+            ("a/b", "file:///srv/ckpt/a/b"),
+            ("/srv/ckpt", "file:///srv/ckpt"),
+            ("file:///srv/ckpt/run-2/", "file:///srv/ckpt/run-2/"),
+            (
+                "/srv/ckpt/run-1/step-0000000005.safetensors",
+                "file:///srv/ckpt/run-1/step-0000000005.safetensors",
+            ),
+            ("s3://models/ckpt/run", "s3://models/ckpt/run"),
+            ("s3://models/ckpt", "s3://models/ckpt"),
+            ("memory://x/y", "memory://x/y"),
+        ] {
+            assert_eq!(at(url).expect(url), want);
+        }
+        for url in [
+            "/etc/passwd",
+            "file:///etc",
+            "/srv/ckpt/../etc",
+            "../etc",
+            "run/../../x",
+            "/srv/ckptX/run",
+            "file://",
+            "",
+            "s3://models/ckptX",
+            "s3://models/ckpt/../other",
+            "s3://other/ckpt",
+            "gs://models/ckpt/run",
+        ] {
+            let err = at(url).expect_err(url);
+            assert!(matches!(err, Error::PermissionDenied(_)), "{url}: {err}");
+            assert!(err.to_string().contains("--checkpoint-root"), "{err}");
+        }
+        // By default: under the data folder, and no object store.
+        let plain = ServerConfig::default();
+        let root = std::path::absolute("flightdeck-data/checkpoints").expect("cwd");
+        assert_eq!(
+            plain
+                .checkpoint_location("r", "resume_from")
+                .expect("relative"),
+            format!("file://{}/r", root.display())
+        );
+        assert!(
+            plain
+                .checkpoint_location("memory://x", "resume_from")
+                .is_err()
+        );
+    }
 
     #[test]
     fn durations_parse() {

@@ -100,6 +100,11 @@ pub enum Error {
     #[error("{0}")]
     Unavailable(String),
 
+    /// The request names something the server may not touch (a checkpoint
+    /// outside `--checkpoint-root` and the allowed prefixes).
+    #[error("{0}")]
+    PermissionDenied(String),
+
     /// A bug: an invariant of the server does not hold.
     #[error("internal error: {0}")]
     Internal(String),
@@ -125,6 +130,7 @@ impl Error {
             Self::Aborted(_) => Code::Aborted,
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Unavailable(_) => Code::Unavailable,
+            Self::PermissionDenied(_) => Code::PermissionDenied,
             Self::Internal(_) => Code::Internal,
         }
     }

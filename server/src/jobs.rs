@@ -83,7 +83,15 @@ async fn read_checkpoint(url: &str) -> Result<Checkpoint> {
 
 impl State {
     /// Checks and starts a job; returns its id and its progress.
-    pub async fn train(self: &Arc<Self>, spec: JobSpec) -> Result<(u64, ProgressStream)> {
+    pub async fn train(self: &Arc<Self>, mut spec: JobSpec) -> Result<(u64, ProgressStream)> {
+        for (url, field) in [
+            (&mut spec.resume_from, "resume_from"),
+            (&mut spec.checkpoint_url, "checkpoint_url"),
+        ] {
+            if let Some(u) = url.as_mut() {
+                *u = self.config.checkpoint_location(u, field)?;
+            }
+        }
         if let Devices::Gpu(_) = spec.devices
             && self.cuda().is_none()
         {

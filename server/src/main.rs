@@ -75,6 +75,15 @@ struct ServeArgs {
     /// before its attempt is refused (e.g. 5s, 500ms, 0 to refuse at once).
     #[arg(long, value_parser = config::parse_duration, default_value = "5s")]
     admission_wait: std::time::Duration,
+    /// The folder training jobs write checkpoints to and resume from
+    /// (default DATA_DIR/checkpoints); a job's relative checkpoint path is
+    /// taken under it, and paths outside it are refused.
+    #[arg(long)]
+    checkpoint_root: Option<std::path::PathBuf>,
+    /// An object-store URL prefix jobs may also use for checkpoints (e.g.
+    /// s3://models/checkpoints, memory://); repeat for several.
+    #[arg(long = "checkpoint-prefix")]
+    checkpoint_prefixes: Vec<String>,
 }
 
 impl ServeArgs {
@@ -94,6 +103,8 @@ impl ServeArgs {
             use_cuda: !self.no_cuda,
             advertise: self.advertise,
             admission_wait: self.admission_wait,
+            checkpoint_root: self.checkpoint_root,
+            checkpoint_prefixes: self.checkpoint_prefixes,
             ..defaults
         }
     }

@@ -57,13 +57,14 @@ pub struct TrainArgs {
     /// `cpu`, `cpu:N` (N rank threads) or GPU ordinals like `0,1,2,3`.
     #[arg(long, default_value = "cpu")]
     devices: String,
-    /// Folder URL for checkpoints.
+    /// Folder for checkpoints: a path relative to the server's
+    /// --checkpoint-root, or a URL under it or under an allowed prefix.
     #[arg(long)]
     checkpoint_url: Option<String>,
     /// Checkpoint every N steps (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
-    /// Checkpoint file URL to continue from.
+    /// Checkpoint file to continue from (as a job's progress names it).
     #[arg(long)]
     resume_from: Option<String>,
     /// Stop after this many steps in total.

@@ -54,6 +54,7 @@ class RunningServer:
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         self.addr = self._wait_for_address()
         self.uri = f"grpc://{self.addr}"
+        self.checkpoint_root: Path | None = None
 
     def _drain_stderr(self) -> None:
         assert self.proc.stderr is not None
@@ -93,8 +94,10 @@ class RunningServer:
 
 
 @pytest.fixture
-def flightdeck_server():
-    server = RunningServer("--memory-limit", "512MiB")
+def flightdeck_server(tmp_path):
+    root = tmp_path / "checkpoints"
+    server = RunningServer("--memory-limit", "512MiB", "--checkpoint-root", str(root))
+    server.checkpoint_root = root
     yield server
     code = server.stop()
     assert code == 0, "server did not shut down cleanly:\n" + "".join(server.stderr_lines)

@@ -51,10 +51,14 @@ def test_python_client_trains_and_streams_progress(sealed, tmp_path):
         with pytest.raises(flightdeck.InvalidArgument, match="not divisible by the 3 ranks"):
             list(c.train("blobs", ["features"], "label", classes=3, batch_size=100, cpu_ranks=3))
 
-        url = f"file://{tmp_path}"
+        with pytest.raises(flightdeck.PermissionDenied, match="outside this server's checkpoint root"):
+            list(c.train("blobs", ["features"], "label", classes=3, batch_size=100,
+                         checkpoint_url=f"file://{tmp_path}"))
+
+        url = f"file://{sealed.checkpoint_root}/run"
         first = list(
             c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,
-                    checkpoint_url=url, max_steps=50)
+                    checkpoint_url="run", max_steps=50)
         )
         assert first[-1].checkpoint == f"{url}/step-0000000050.safetensors"
         resumed = list(

@@ -63,6 +63,13 @@ class FailedPrecondition(FlightDeckError):
     code = "FAILED_PRECONDITION"
 
 
+class PermissionDenied(FlightDeckError, PermissionError):
+    """The call names something the server may not touch (e.g. a checkpoint
+    outside its checkpoint root)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(FlightDeckError, MemoryError):
     """The server's memory budget cannot hold the data."""
 
@@ -94,6 +101,7 @@ _CLASSES = {
         NotFound,
         AlreadyExists,
         FailedPrecondition,
+        PermissionDenied,
         ResourceExhausted,
         Aborted,
         Unavailable,

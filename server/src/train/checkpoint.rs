@@ -90,17 +90,17 @@ impl Checkpoint {
                 continue;
             }
             if v.get("dtype").and_then(Value::as_str) != Some("F32") {
-                return Err(bad(&format!("tensor '{name}' is not F32")));
+                return Err(bad("a tensor is not F32"));
             }
             let sizes = |key: &str| -> Result<Vec<usize>> {
                 v.get(key)
                     .and_then(Value::as_array)
-                    .ok_or_else(|| bad(&format!("tensor '{name}' has no {key}")))?
+                    .ok_or_else(|| bad(&format!("a tensor has no {key}")))?
                     .iter()
                     .map(|d| {
                         d.as_u64()
                             .and_then(|d| usize::try_from(d).ok())
-                            .ok_or_else(|| bad(&format!("tensor '{name}' has a bad {key}")))
+                            .ok_or_else(|| bad(&format!("a tensor has a bad {key}")))
                     })
                     .collect()
             };
@@ -109,10 +109,14 @@ impl Checkpoint {
             let [start, end] = offs[..] else {
                 return Err(bad("data_offsets must have two entries"));
             };
+            let len = shape
+                .iter()
+                .try_fold(4usize, |n, &d| n.checked_mul(d))
+                .ok_or_else(|| bad("a tensor's shape is too large"))?;
             let raw = data
                 .get(start..end)
-                .filter(|r| r.len() == shape.iter().product::<usize>() * 4)
-                .ok_or_else(|| bad(&format!("tensor '{name}' does not fit its data")))?;
+                .filter(|r| r.len() == len)
+                .ok_or_else(|| bad("a tensor does not fit its data"))?;
             let values = raw
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
