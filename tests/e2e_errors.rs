@@ -666,3 +666,163 @@ async fn malformed_ipc_bodies_are_invalid_arguments() {
     timed("stats", c.stats()).await.expect("still serving");
     server.stop().await;
 }
+
+/// A Flight client with plain HTTP/2 settings (64 KiB windows), on its own
+/// connection.
+async fn plain_flight(
+    server: &TestServer,
+) -> arrow_flight::flight_service_client::FlightServiceClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Channel::from_shared(server.uri())
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    arrow_flight::flight_service_client::FlightServiceClient::new(channel)
+}
+
+/// A sealed dataset of `rows` rows written as one partition.
+async fn sealed_rows(c: &mut Client, ds: &str, rows: i64) {
+    put(c, ds, 0, 0, 0..rows).await.expect("put");
+    c.seal(SealDataset {
+        dataset: ds.into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+}
+
+/// Readers that open `DoGet` streams and never read them hold no threads:
+/// with a blocking pool of 4, seven of them (each owed more than the HTTP/2
+/// windows and send buffers hold) do not stop a fresh reader, a seal or
+/// `stats`.
+#[test]
+fn readers_that_never_read_do_not_starve_the_others() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let server = TestServer::start().await;
+        let mut c = server.client().await;
+        sealed_rows(&mut c, "d", 160_000).await;
+        let plan = c
+            .plan(ReadPlan {
+                dataset: "d".into(),
+                world_size: 8,
+                batch_rows: 1_000,
+                ..Default::default()
+            })
+            .await
+            .expect("plan");
+        // Plain HTTP/2 windows (64 KiB): the server soon has to wait.
+        let mut raw = plain_flight(&server).await;
+        let mut stalled = Vec::new();
+        for shard in &plan.shards[..7] {
+            let stream = timed(
+                "open a stream",
+                raw.do_get(Ticket::new(shard.ticket.clone())),
+            )
+            .await
+            .expect("do_get");
+            stalled.push(stream);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let mut fresh = server.client().await;
+        let rows: usize = timed("a fresh reader", async {
+            fresh
+                .read_shard(&plan.shards[7])
+                .await
+                .expect("read")
+                .try_collect::<Vec<_>>()
+                .await
+                .expect("batches")
+                .iter()
+                .map(RecordBatch::num_rows)
+                .sum()
+        })
+        .await;
+        assert_eq!(rows as u64, plan.shards[7].rows);
+        sealed_rows(&mut fresh, "other", 1_000).await;
+        timed("stats", fresh.stats()).await.expect("stats");
+        drop(stalled);
+        server.stop().await;
+    });
+}
+
+/// A writer that stops sending and a reader that stops reading are ended
+/// after `--stream-idle-timeout`: the writer's attempt with ABORTED and
+/// nothing stored, the reader's stream with ABORTED after what was sent,
+/// never as a clean, short end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_streams_end_after_the_idle_timeout() {
+    let server = TestServer::start_with(ServerConfig {
+        stream_idle_timeout: std::time::Duration::from_millis(300),
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    let mut msgs = one_message_put("stalled", 1_000).await;
+    msgs.truncate(1);
+    let sent = stream::iter(msgs).chain(stream::pending());
+    let err = timed("a stalled put", async {
+        match c.flight().inner_mut().do_put(sent).await {
+            Err(status) => status,
+            Ok(response) => {
+                let mut acks = response.into_inner();
+                loop {
+                    match acks.next().await {
+                        Some(Ok(_)) => continue,
+                        Some(Err(status)) => break status,
+                        None => panic!("the stalled put ended cleanly"),
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    assert_eq!(err.code(), Code::Aborted, "{err}");
+    assert!(err.message().contains("--stream-idle-timeout"), "{err}");
+    assert_code(c.describe("stalled").await, Code::NotFound, &["'stalled'"]);
+
+    sealed_rows(&mut c, "d", 100_000).await;
+    let plan = c
+        .plan(ReadPlan {
+            dataset: "d".into(),
+            world_size: 1,
+            batch_rows: 1_000,
+            ..Default::default()
+        })
+        .await
+        .expect("plan");
+    let mut raw = plain_flight(&server).await;
+    let mut stream = raw
+        .do_get(Ticket::new(plan.shards[0].ticket.clone()))
+        .await
+        .expect("do_get")
+        .into_inner();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let mut messages = 0;
+    let end = timed("the rest of the stream", async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_)) => messages += 1,
+                Some(Err(status)) => break Some(status),
+                None => break None,
+            }
+        }
+    })
+    .await;
+    let status = end.expect("the stream must not end cleanly");
+    assert_eq!(status.code(), Code::Aborted, "{status}");
+    assert!(
+        status.message().contains("--stream-idle-timeout"),
+        "{status}"
+    );
+    assert!(
+        messages > 1 && messages < 101,
+        "{messages} messages before the end"
+    );
+    server.stop().await;
+}

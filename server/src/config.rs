@@ -55,6 +55,9 @@ pub struct ServerConfig {
     /// How long a writer that said its size waits for memory before its
     /// attempt is refused.
     pub admission_wait: std::time::Duration,
+    /// How long a `DoPut` may send nothing, or a `DoGet` reader take
+    /// nothing, before the server ends the stream and frees what it holds.
+    pub stream_idle_timeout: std::time::Duration,
     /// The folder training jobs may write checkpoints to and resume from;
     /// `None` = `<data_dir>/checkpoints`.
     pub checkpoint_root: Option<std::path::PathBuf>,
@@ -78,6 +81,7 @@ impl Default for ServerConfig {
             use_cuda: true,
             advertise: None,
             admission_wait: DEFAULT_ADMISSION_WAIT,
+            stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
         }
@@ -206,6 +210,10 @@ impl ServerConfig {
 
 /// The default of [`ServerConfig::admission_wait`].
 pub const DEFAULT_ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Default for how long a stream may stall (a writer sending nothing, a
+/// reader taking nothing) before the server ends it.
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// A duration such as `5s`, `500ms`, `2m` or a plain number of seconds.
 pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, String> {

@@ -75,6 +75,10 @@ struct ServeArgs {
     /// before its attempt is refused (e.g. 5s, 500ms, 0 to refuse at once).
     #[arg(long, value_parser = config::parse_duration, default_value = "5s")]
     admission_wait: std::time::Duration,
+    /// How long a writer may send nothing, or a reader take nothing, before
+    /// the server ends its stream (ABORTED) and frees what it holds.
+    #[arg(long, value_parser = config::parse_duration, default_value = "10m")]
+    stream_idle_timeout: std::time::Duration,
     /// The folder training jobs write checkpoints to and resume from
     /// (default DATA_DIR/checkpoints); a job's relative checkpoint path is
     /// taken under it, and paths outside it are refused.
@@ -103,6 +107,7 @@ impl ServeArgs {
             use_cuda: !self.no_cuda,
             advertise: self.advertise,
             admission_wait: self.admission_wait,
+            stream_idle_timeout: self.stream_idle_timeout,
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,
             ..defaults

@@ -318,12 +318,19 @@ impl ReadPlan {
     /// The sample ranges (of a rank's `rows` samples) of the batches this
     /// plan's stream carries, in order.
     pub fn stream_batches(&self, rows: u64) -> impl Iterator<Item = std::ops::Range<u64>> {
+        (0..).map_while(move |j| self.stream_batch(rows, j))
+    }
+
+    /// The sample range of the `j`-th batch of this plan's stream (of a
+    /// rank's `rows` samples); `None` past the last.
+    pub fn stream_batch(&self, rows: u64, j: u64) -> Option<std::ops::Range<u64>> {
         let batch = u64::from(self.batch_rows.max(1));
         let count = u64::from(self.split.count.max(1));
-        let all = rows.div_ceil(batch);
-        (u64::from(self.split.index)..all)
-            .step_by(count as usize)
-            .map(move |b| b * batch..((b + 1) * batch).min(rows))
+        let b = j
+            .checked_mul(count)?
+            .checked_add(u64::from(self.split.index))?;
+        let start = b.checked_mul(batch)?;
+        (start < rows).then(|| start..start.saturating_add(batch).min(rows))
     }
 
     /// Rows and batches of the stream of a rank with `rows` samples.

@@ -296,9 +296,13 @@ impl Shard {
 
     /// The stream's record batches, in order; the last may be shorter.
     pub fn batches(&self) -> impl Iterator<Item = Result<RecordBatch>> + '_ {
-        self.plan
-            .stream_batches(self.rank_rows())
-            .map(move |samples| self.gather(samples))
+        (0..).map_while(|j| self.batch(j))
+    }
+
+    /// The stream's `j`-th record batch; `None` past the last.
+    pub fn batch(&self, j: u64) -> Option<Result<RecordBatch>> {
+        let samples = self.plan.stream_batch(self.rank_rows(), j)?;
+        Some(self.gather(samples))
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {

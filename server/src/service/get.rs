@@ -208,13 +208,6 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
 
 type Sender = mpsc::Sender<Result<Vec<IpcMessage>>>;
 
-/// Sends one encoded batch; false when the receiver is gone (the client
-/// hung up) or after an error.
-fn send(tx: &Sender, encoded: Result<Vec<IpcMessage>>) -> bool {
-    let failed = encoded.is_err();
-    tx.blocking_send(encoded).is_ok() && !failed
-}
-
 /// The IPC messages of `batch`, the record batch tagged with `tag` (the
 /// batch's index, on streams between members); its rows and body bytes are
 /// added to `rows` and `bytes`.
@@ -272,27 +265,20 @@ pub(super) async fn shard_messages(
         return Err(stale());
     }
     let traffic = state.traffic.clone();
-    let (tx, rx) = mpsc::channel(READ_AHEAD);
+    // Room for the schema, the batches read ahead, and the stream's last word.
+    let (tx, rx) = mpsc::channel(READ_AHEAD + 2);
+    let idle = state.config.stream_idle_timeout;
     if !source.cluster && t.plan.locality == Locality::Global {
         let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
-        let mut messages = Messages::new(&shard.schema())?;
+        let messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
-        spawn_gather(tx.clone(), move || {
-            for batch in shard.batches() {
-                let encoded = batch.and_then(|b| {
-                    encode(
-                        &mut messages,
-                        &b,
-                        None,
-                        &traffic.rows_served,
-                        &traffic.bytes_served,
-                    )
-                });
-                if !send(&tx, encoded) {
-                    break;
-                }
-            }
-        });
+        let stream = ShardStream {
+            shard,
+            next: 0,
+            messages,
+            traffic,
+        };
+        spawn_stream(tx, stream, idle, name);
         return Ok(rx);
     }
     let nodes = source.nodes(&t.plan)?;
@@ -301,7 +287,6 @@ pub(super) async fn shard_messages(
     let gather = Gather::new(data, &t.plan.columns, &name, fixed)?.packing(state.arena().clone());
     let messages = Messages::new(&gather.schema())?;
     start(&tx, &messages)?;
-    let failed = tx.clone();
     let read = MergedRead {
         gather,
         rows,
@@ -309,7 +294,6 @@ pub(super) async fn shard_messages(
         index: source.index,
         messages,
         traffic,
-        tx,
     };
     if let Some(peer) = t.peer {
         if peer as usize != source.index {
@@ -319,7 +303,7 @@ pub(super) async fn shard_messages(
                 source.index
             )));
         }
-        spawn_gather(failed, move || read.serve_peer());
+        spawn_stream(tx, PeerStream { read, next: 0 }, idle, name);
         return Ok(rx);
     }
     let mut feeds = HashMap::new();
@@ -355,28 +339,159 @@ pub(super) async fn shard_messages(
         });
         feeds.insert(m, (source.layout.members[m].location.clone(), frx));
     }
-    spawn_gather(failed, move || read.serve_rank(feeds));
+    let stream = RankStream {
+        read,
+        feeds,
+        next: 0,
+    };
+    spawn_stream(tx, stream, idle, name);
     Ok(rx)
 }
 
-/// Runs `gather` (the work of one stream) on a blocking thread. Should it
-/// panic, the stream fails with `INTERNAL` through `tx` instead of ending as
-/// if it were complete.
-fn spawn_gather(tx: Sender, gather: impl FnOnce() + Send + 'static) {
-    tokio::task::spawn_blocking(move || {
-        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(gather)) {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(panic = %what, "a read stream's gather panicked");
-            let _ = tx.blocking_send(Err(Error::Internal(format!(
-                "this stream failed inside the server ({what}) and is incomplete; read the shard \
-                 again, and report the failure with the server's log"
-            ))));
+/// One stream's work, a batch at a time.
+trait Batches: Send + 'static {
+    /// The messages of the stream's next batch; `None` at its end.
+    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>>;
+}
+
+/// The message of a caught panic.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
+/// Runs a stream. It waits, on no thread, until the client has taken what
+/// was sent, and only then gathers the next batch on a blocking thread: a
+/// client that stops reading holds no thread, so slow readers cannot
+/// starve others (or spills and training, which share the pool). A gather
+/// that panics fails the stream with `INTERNAL`; a client that takes
+/// nothing for `idle` gets `ABORTED` after what was already sent. Neither
+/// ends the stream as if it were complete.
+fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, dataset: String) {
+    // Room for the stream's last word was made when the channel was.
+    let Ok(last_word) = tx.clone().try_reserve_owned() else {
+        return;
+    };
+    let fail = move |e: Error| {
+        last_word.send(Err(e));
+    };
+    tokio::spawn(async move {
+        loop {
+            let permit = match tokio::time::timeout(idle, tx.reserve()).await {
+                Ok(Ok(permit)) => permit,
+                // The client hung up.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::info!(dataset = %dataset, ?idle, "ending a stream whose reader stopped reading");
+                    return fail(Error::Aborted(format!(
+                        "this stream of dataset '{dataset}' was ended after its reader took \
+                         nothing for {idle:?} (--stream-idle-timeout); read again from the \
+                         next start_sample"
+                    )));
+                }
+            };
+            let gathered = tokio::task::spawn_blocking(move || {
+                let next =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.next_messages()));
+                (work, next)
+            })
+            .await;
+            let next = match gathered {
+                Ok((back, next)) => {
+                    work = back;
+                    next
+                }
+                Err(e) => {
+                    return fail(Error::Internal(format!(
+                        "this stream of dataset '{dataset}' lost its gather ({e}) and is \
+                         incomplete; read the shard again"
+                    )));
+                }
+            };
+            match next {
+                Ok(None) => return,
+                Ok(Some(item)) => {
+                    let failed = item.is_err();
+                    permit.send(item);
+                    if failed {
+                        return;
+                    }
+                }
+                Err(panic) => {
+                    let what = panic_message(panic.as_ref());
+                    tracing::error!(dataset = %dataset, panic = %what, "a read stream's gather panicked");
+                    return fail(Error::Internal(format!(
+                        "this stream of dataset '{dataset}' failed inside the server ({what}) and \
+                         is incomplete; read the shard again, and report the failure with the \
+                         server's log"
+                    )));
+                }
+            }
         }
     });
+}
+
+/// A rank's stream from a server that holds the whole dataset.
+struct ShardStream {
+    shard: Shard,
+    next: u64,
+    messages: Messages,
+    traffic: Arc<Traffic>,
+}
+
+impl Batches for ShardStream {
+    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        let batch = self.shard.batch(self.next)?;
+        self.next += 1;
+        let t = &self.traffic;
+        Some(batch.and_then(|b| {
+            encode(
+                &mut self.messages,
+                &b,
+                None,
+                &t.rows_served,
+                &t.bytes_served,
+            )
+        }))
+    }
+}
+
+/// This member's rows of another member's rank stream.
+struct PeerStream {
+    read: MergedRead,
+    next: u64,
+}
+
+impl Batches for PeerStream {
+    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        loop {
+            let b = self.next;
+            let samples = self.read.plan.stream_batch(self.read.rows.len(), b)?;
+            self.next += 1;
+            if let Some(messages) = self.read.peer_batch(b, samples) {
+                return Some(messages);
+            }
+        }
+    }
+}
+
+/// A rank's stream over a layout, read at its own member.
+struct RankStream {
+    read: MergedRead,
+    feeds: Feeds,
+    next: u64,
+}
+
+impl Batches for RankStream {
+    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        let b = self.next;
+        let samples = self.read.plan.stream_batch(self.read.rows.len(), b)?;
+        self.next += 1;
+        Some(self.read.rank_batch(b, samples, &mut self.feeds))
+    }
 }
 
 /// Queues the schema message, the first of every stream.
@@ -394,66 +509,63 @@ struct MergedRead {
     index: usize,
     messages: Messages,
     traffic: Arc<Traffic>,
-    tx: Sender,
 }
 
 /// Per member: its location and the batches it streams.
 type Feeds = HashMap<usize, (String, mpsc::Receiver<Result<PeerBatch>>)>;
 
 impl MergedRead {
-    /// For another member's rank: only this member's rows of each batch,
-    /// each batch tagged with its index; batches without such rows are
-    /// left out.
-    fn serve_peer(mut self) {
-        for (b, samples) in self.plan.stream_batches(self.rows.len()).enumerate() {
-            let data = self.gather.data();
-            let local: Vec<(usize, usize)> = samples
-                .filter_map(|k| {
-                    let (m, row) = self.rows.sample(k);
-                    (m == self.index).then(|| data.locate(row))
-                })
-                .collect();
-            if local.is_empty() {
-                continue;
-            }
-            let t = &self.traffic;
-            let encoded = self
-                .gather
+    /// For another member's rank: only this member's rows of batch `b`,
+    /// tagged with its index; `None` when it has no such rows (the batch is
+    /// left out of the stream).
+    fn peer_batch(
+        &mut self,
+        b: u64,
+        samples: std::ops::Range<u64>,
+    ) -> Option<Result<Vec<IpcMessage>>> {
+        let data = self.gather.data();
+        let local: Vec<(usize, usize)> = samples
+            .filter_map(|k| {
+                let (m, row) = self.rows.sample(k);
+                (m == self.index).then(|| data.locate(row))
+            })
+            .collect();
+        if local.is_empty() {
+            return None;
+        }
+        let t = &self.traffic;
+        Some(
+            self.gather
                 .batch(&Picks::new(local), &[])
                 .and_then(|batch| {
-                    let tag = Some(b as u64);
                     encode(
                         &mut self.messages,
                         &batch,
-                        tag,
+                        Some(b),
                         &t.rows_to_peers,
                         &t.bytes_to_peers,
                     )
-                });
-            if !send(&self.tx, encoded) {
-                break;
-            }
-        }
+                }),
+        )
     }
 
-    /// For a rank reading here: each batch in order, merging this member's
-    /// rows with those fetched from the others.
-    fn serve_rank(mut self, mut feeds: Feeds) {
-        for (b, samples) in self.plan.stream_batches(self.rows.len()).enumerate() {
-            let t = &self.traffic;
-            let encoded = self.merge(b as u64, samples, &mut feeds).and_then(|batch| {
-                encode(
-                    &mut self.messages,
-                    &batch,
-                    None,
-                    &t.rows_served,
-                    &t.bytes_served,
-                )
-            });
-            if !send(&self.tx, encoded) {
-                break;
-            }
-        }
+    /// For a rank reading here: batch `b`, merging this member's rows with
+    /// those fetched from the others.
+    fn rank_batch(
+        &mut self,
+        b: u64,
+        samples: std::ops::Range<u64>,
+        feeds: &mut Feeds,
+    ) -> Result<Vec<IpcMessage>> {
+        let batch = self.merge(b, samples, feeds)?;
+        let t = &self.traffic;
+        encode(
+            &mut self.messages,
+            &batch,
+            None,
+            &t.rows_served,
+            &t.bytes_served,
+        )
     }
 
     fn merge(
@@ -544,20 +656,55 @@ pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<Flig
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// One empty batch, then a panic.
+    struct PanicsSecond(u32);
+
+    impl Batches for PanicsSecond {
+        fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+            self.0 += 1;
+            assert!(self.0 < 2, "gather bug");
+            Some(Ok(Vec::new()))
+        }
+    }
+
+    /// Empty batches without end.
+    struct Endless;
+
+    impl Batches for Endless {
+        fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+            Some(Ok(Vec::new()))
+        }
+    }
 
     #[tokio::test]
     async fn a_gather_that_panics_fails_its_stream_with_internal() {
-        let (tx, mut rx) = mpsc::channel(READ_AHEAD);
-        let sent = tx.clone();
-        spawn_gather(tx, move || {
-            assert!(send(&sent, Ok(Vec::new())));
-            panic!("gather bug");
-        });
+        let (tx, mut rx) = mpsc::channel(READ_AHEAD + 2);
+        spawn_stream(tx, PanicsSecond(0), Duration::from_secs(60), "d".into());
         assert!(matches!(rx.recv().await, Some(Ok(_))));
         match rx.recv().await {
             Some(Err(Error::Internal(m))) => assert!(m.contains("gather bug"), "{m}"),
             other => panic!("expected INTERNAL, got {other:?}"),
         }
         assert!(rx.recv().await.is_none(), "then the stream ends");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_takes_nothing_is_aborted_after_what_was_sent() {
+        let (tx, mut rx) = mpsc::channel(READ_AHEAD + 2);
+        spawn_stream(tx, Endless, Duration::from_millis(100), "d".into());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut got = Vec::new();
+        while let Some(item) = rx.recv().await {
+            got.push(item);
+        }
+        // The batches that filled the channel, then the last word.
+        assert_eq!(got.len(), READ_AHEAD + 2, "{got:?}");
+        assert!(got[..READ_AHEAD + 1].iter().all(Result::is_ok));
+        match got.last() {
+            Some(Err(Error::Aborted(m))) => assert!(m.contains("--stream-idle-timeout"), "{m}"),
+            other => panic!("expected ABORTED, got {other:?}"),
+        }
     }
 }

@@ -51,7 +51,17 @@ fn with_padding(bytes: u64) -> u64 {
 }
 
 pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> Result<pb::PutAck> {
-    let first = match input.message().await {
+    let idle = state.config.stream_idle_timeout;
+    let stalled = |what: String| {
+        Error::Aborted(format!(
+            "DoPut stream of {what} sent nothing for {idle:?} (--stream-idle-timeout); nothing \
+             was stored, send the attempt again"
+        ))
+    };
+    let first = tokio::time::timeout(idle, input.message())
+        .await
+        .map_err(|_| stalled("a partition".into()))?;
+    let first = match first {
         Ok(Some(first)) => first,
         Ok(None) => {
             return Err(Error::invalid(
@@ -110,10 +120,12 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
         // Arrow's IPC reader validates what it decodes, but some malformed
         // bodies (buffers past the body, misaligned or overflowing ones)
         // still panic inside it: those are the writer's fault, not ours.
-        let item = match AssertUnwindSafe(decoder.next()).catch_unwind().await {
-            Ok(Some(item)) => item,
-            Ok(None) => break,
-            Err(_) => {
+        let next = AssertUnwindSafe(decoder.next()).catch_unwind();
+        let item = match tokio::time::timeout(idle, next).await {
+            Err(_) => return Err(stalled(what())),
+            Ok(Ok(Some(item))) => item,
+            Ok(Ok(None)) => break,
+            Ok(Err(_)) => {
                 return Err(Error::invalid(format!(
                     "DoPut stream of {} is malformed: a record batch's IPC body does not match \
                      its header (buffers past the body, misaligned or overflowing); nothing was \
