@@ -654,3 +654,99 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
     assert!(rest.is_disjoint(&seen), "no row read twice");
     assert_eq!(rest.len() + seen.len(), total, "every remaining row once");
 }
+
+/// Members started with a token file send its writer token on their calls
+/// to each other: a writer seals a cluster dataset through one member (which
+/// prepares and commits the others), and a reader's ranks read their shards,
+/// rows fetched from the other member included. Without a token nothing is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_tokens_call_each_other_with_the_clusters_token() {
+    let dir = temp_dir("tokens");
+    let file = dir.join("tokens");
+    std::fs::write(&file, "writer w-secret\nreader r-secret\n").expect("token file");
+    let file = file.display().to_string();
+    let members: Vec<MemberProcess> = (0..2)
+        .map(|_| MemberProcess::start("127.0.0.1:0", &["--auth-token-file", file.as_str()]))
+        .collect();
+    let ds = "guarded";
+    let mut seal = Vec::new();
+    for (p, member) in members.iter().enumerate() {
+        let mut c = member.client().await.with_token("w-secret").expect("token");
+        let ids = (p as i64) * 1_000..(p as i64 + 1) * 1_000;
+        c.put_partition(
+            ds,
+            p as u32,
+            0,
+            schema(),
+            stream::iter(partition_batches(ids, 0, 100).into_iter().map(Ok)),
+        )
+        .await
+        .expect("a writer puts");
+        seal.push(MemberPartitions {
+            location: member.location(),
+            partitions: vec![PartitionAttempt {
+                partition: p as u32,
+                attempt: 0,
+            }],
+        });
+    }
+    let mut w = members[0]
+        .client()
+        .await
+        .with_token("w-secret")
+        .expect("token");
+    let err = members[0]
+        .client()
+        .await
+        .with_token("r-secret")
+        .expect("token")
+        .seal_cluster(ds, 2, seal.clone())
+        .await
+        .expect_err("a reader cannot seal");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err}");
+    timed("seal", w.seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal");
+    let mut r = members[1]
+        .client()
+        .await
+        .with_token("r-secret")
+        .expect("token");
+    let plan = r
+        .plan(ReadPlan {
+            dataset: ds.into(),
+            world_size: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("plan");
+    let mut seen = HashSet::new();
+    for shard in &plan.shards {
+        let batches: Vec<RecordBatch> = timed("read", async {
+            r.read_shard(shard)
+                .await
+                .expect("read")
+                .try_collect()
+                .await
+                .expect("batches")
+        })
+        .await;
+        for b in &batches {
+            seen.extend(check_batch(b, &|_| 0));
+        }
+    }
+    assert_eq!(seen, (0..2_000).collect::<HashSet<i64>>());
+    let mut none = members[1].client().await;
+    assert_eq!(
+        none.plan(ReadPlan {
+            dataset: ds.into(),
+            world_size: 2,
+            ..Default::default()
+        })
+        .await
+        .expect_err("no token")
+        .code(),
+        Code::Unauthenticated
+    );
+}

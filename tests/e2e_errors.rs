@@ -826,3 +826,169 @@ async fn stalled_streams_end_after_the_idle_timeout() {
     );
     server.stop().await;
 }
+
+/// Every call × {no token, a wrong token, a reader's, a writer's}: no or a
+/// wrong token is UNAUTHENTICATED, a reader's is PERMISSION_DENIED on calls
+/// that change the server, and a token with the role gets past both (to the
+/// call's own answer). `DoGet` is checked on the hand-written edge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_needs_a_token_with_its_role() {
+    use flightdeck_client::TrainJob;
+    use flightdeck_client::actions;
+    let dir = flightdeck_tests::temp_dir("auth");
+    let file = dir.join("tokens");
+    std::fs::write(&file, "# test tokens\nreader r-token\nwriter w-token\n").expect("file");
+    let server = TestServer::start_with(ServerConfig {
+        auth_token_file: Some(file),
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let writer = || async { server.client().await.with_token("w-token").expect("token") };
+    let mut w = writer().await;
+    put(&mut w, "d", 0, 0, 0..100).await.expect("a writer puts");
+    w.seal(SealDataset {
+        dataset: "d".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("a writer seals");
+    let ticket = w.plan(plan("d")).await.expect("plan").shards[0]
+        .ticket
+        .clone();
+
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum Need {
+        Reader,
+        Writer,
+    }
+    let calls: Vec<(&str, Need)> = vec![
+        ("ListFlights", Need::Reader),
+        ("GetFlightInfo", Need::Reader),
+        ("GetSchema", Need::Reader),
+        ("DoGet", Need::Reader),
+        ("ListActions", Need::Reader),
+        ("Handshake", Need::Reader),
+        ("describe", Need::Reader),
+        ("stats", Need::Reader),
+        ("job", Need::Reader),
+        ("DoPut", Need::Writer),
+        ("DoExchange", Need::Writer),
+        ("seal", Need::Writer),
+        ("drop", Need::Writer),
+        ("place", Need::Writer),
+        ("evict", Need::Writer),
+        ("train", Need::Writer),
+        ("member_prepare", Need::Writer),
+        ("member_commit", Need::Writer),
+    ];
+    let mut attempt = 0;
+    for (name, need) in calls {
+        for who in ["none", "wrong", "reader", "writer"] {
+            let c = server.client().await;
+            let mut c = match who {
+                "none" => c,
+                "wrong" => c.with_token("r-tokenX").expect("token"),
+                "reader" => c.with_token("r-token").expect("token"),
+                _ => c.with_token("w-token").expect("token"),
+            };
+            attempt += 1;
+            let raw_action = |kind: &'static str| {
+                let mut c = c.clone();
+                async move {
+                    c.flight()
+                        .do_action(Action::new(kind, Bytes::new()))
+                        .await
+                        .map_err(ClientError::from)?
+                        .try_collect::<Vec<_>>()
+                        .await
+                        .map(|_| ())
+                        .map_err(ClientError::from)
+                }
+            };
+            let outcome: Result<(), ClientError> = match name {
+                "ListFlights" => c.list_datasets().await.map(|_| ()),
+                "GetFlightInfo" => c.plan(plan("d")).await.map(|_| ()),
+                "GetSchema" => c
+                    .flight()
+                    .get_schema(FlightDescriptor::new_cmd(
+                        flightdeck_client::ReadPlan {
+                            dataset: "d".into(),
+                            ..Default::default()
+                        }
+                        .encode_to_vec(),
+                    ))
+                    .await
+                    .map(|_| ())
+                    .map_err(ClientError::from),
+                "DoGet" => match c.flight().do_get(Ticket::new(ticket.clone())).await {
+                    Ok(s) => s.try_collect::<Vec<_>>().await.map(|_| ()),
+                    Err(e) => Err(e),
+                }
+                .map_err(ClientError::from),
+                "ListActions" => c
+                    .flight()
+                    .list_actions()
+                    .await
+                    .map(|_| ())
+                    .map_err(ClientError::from),
+                "Handshake" => c
+                    .flight()
+                    .handshake(Bytes::new())
+                    .await
+                    .map(|_| ())
+                    .map_err(ClientError::from),
+                "describe" => c.describe("d").await.map(|_| ()),
+                "stats" => c.stats().await.map(|_| ()),
+                "job" => c.jobs(0).await.map(|_| ()),
+                "DoPut" => put(&mut c, "open", attempt, 0, 0..10).await.map(|_| ()),
+                "DoExchange" => {
+                    let mut sent = tonic::Request::new(stream::iter(Vec::<FlightData>::new()));
+                    *sent.metadata_mut() = c.flight().metadata().clone();
+                    match c.flight().inner_mut().do_exchange(sent).await {
+                        Ok(_) => Ok(()),
+                        Err(s) => Err(ClientError::from(s)),
+                    }
+                }
+                "seal" => c
+                    .seal(SealDataset {
+                        dataset: "nope".into(),
+                        ..Default::default()
+                    })
+                    .await
+                    .map(|_| ()),
+                "drop" => c.drop_dataset("nope").await.map(|_| ()),
+                "place" => c.place("nope", &["x"], &[0]).await.map(|_| ()),
+                "evict" => c.evict("nope", &[0]).await.map(|_| ()),
+                "train" => match c
+                    .train(TrainJob {
+                        dataset: "nope".into(),
+                        ..Default::default()
+                    })
+                    .await
+                {
+                    Ok(s) => s.try_collect::<Vec<_>>().await.map(|_| ()),
+                    Err(e) => Err(e),
+                },
+                "member_prepare" => raw_action(actions::MEMBER_PREPARE).await,
+                "member_commit" => raw_action(actions::MEMBER_COMMIT).await,
+                other => panic!("no call {other}"),
+            };
+            let code = outcome.err().map(|e| e.code());
+            let case = format!("{name} with {who} token: {code:?}");
+            match who {
+                "none" | "wrong" => assert_eq!(code, Some(Code::Unauthenticated), "{case}"),
+                "reader" if need == Need::Writer => {
+                    assert_eq!(code, Some(Code::PermissionDenied), "{case}")
+                }
+                _ => assert!(
+                    !matches!(code, Some(Code::Unauthenticated | Code::PermissionDenied)),
+                    "{case}"
+                ),
+            }
+        }
+    }
+    // Nothing a refused caller sent was stored: only writers' attempts.
+    let open = w.describe("open").await.expect("open");
+    assert_eq!(open.committed_partitions, 1);
+    server.stop().await;
+}

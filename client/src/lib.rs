@@ -180,16 +180,19 @@ pub struct Client {
 
 impl Clone for Client {
     fn clone(&self) -> Self {
-        Self {
+        let mut clone = Self {
             uri: self.uri.clone(),
             ..Self::from_channel(self.channel.clone())
-        }
+        };
+        clone.share_headers(self);
+        clone
     }
 }
 
 impl Client {
     /// Connects to `uri` (`http://host:port`; `grpc://` and `grpc+tcp://`
-    /// are accepted as aliases).
+    /// are accepted as aliases). The token in `FLIGHTDECK_TOKEN`, if set, is
+    /// sent on every call ([`Client::with_token`]).
     pub async fn connect(uri: impl AsRef<str>) -> Result<Self> {
         let given = uri.as_ref().to_string();
         let uri = uri.as_ref();
@@ -205,10 +208,31 @@ impl Client {
             .max_frame_size(Some(1 << 20))
             .connect()
             .await?;
-        Ok(Self {
+        let client = Self {
             uri: Some(given),
             ..Self::from_channel(channel)
-        })
+        };
+        match std::env::var("FLIGHTDECK_TOKEN") {
+            Ok(token) if !token.is_empty() => client.with_token(&token),
+            _ => Ok(client),
+        }
+    }
+
+    /// This client, sending `token` as its bearer token on every call (and
+    /// on its connections to the other members of a cluster): servers
+    /// started with `--auth-token-file` need one.
+    pub fn with_token(mut self, token: &str) -> Result<Self> {
+        self.inner
+            .add_header("authorization", &format!("Bearer {token}"))
+            .map_err(|_| {
+                ClientError::Protocol("a token must be printable ASCII without spaces".into())
+            })?;
+        Ok(self)
+    }
+
+    /// Sends what `other` sends with every call (its token).
+    fn share_headers(&mut self, other: &Client) {
+        *self.inner.metadata_mut() = other.inner.metadata().clone();
     }
 
     /// A client over an existing channel.
@@ -327,9 +351,11 @@ impl Client {
             grpc.ready()
                 .await
                 .map_err(|e| tonic::Status::unavailable(format!("connection not ready: {e}")))?;
+            let mut request = tonic::Request::new(request);
+            *request.metadata_mut() = self.inner.metadata().clone();
             let response = grpc
                 .streaming(
-                    tonic::Request::new(request),
+                    request,
                     PathAndQuery::from_static("/arrow.flight.protocol.FlightService/DoPut"),
                     AbortingCodec,
                 )
@@ -460,7 +486,9 @@ impl Client {
         let ticket = Ticket::new(shard.ticket.clone());
         let stream = match &shard.location {
             Some(at) if self.uri.as_deref() != Some(at.as_str()) => {
-                Client::connect(at).await?.inner.do_get(ticket).await?
+                let mut member = Client::connect(at).await?;
+                member.share_headers(self);
+                member.inner.do_get(ticket).await?
             }
             _ => self.inner.do_get(ticket).await?,
         };

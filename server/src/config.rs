@@ -64,6 +64,9 @@ pub struct ServerConfig {
     /// Object-store URL prefixes (`s3://bucket/ckpt`, `memory://`) jobs may
     /// also use for checkpoints.
     pub checkpoint_prefixes: Vec<String>,
+    /// Bearer tokens and their roles ([`crate::auth::Tokens::parse`]);
+    /// `None` = every caller may do everything.
+    pub auth_token_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -84,6 +87,7 @@ impl Default for ServerConfig {
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
+            auth_token_file: None,
         }
     }
 }

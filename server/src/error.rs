@@ -100,8 +100,13 @@ pub enum Error {
     #[error("{0}")]
     Unavailable(String),
 
-    /// The request names something the server may not touch (a checkpoint
-    /// outside `--checkpoint-root` and the allowed prefixes).
+    /// The call carries no token, or one this server does not accept.
+    #[error("{0}")]
+    Unauthenticated(String),
+
+    /// The caller's role may not make the call, or the request names
+    /// something the server may not touch (a checkpoint outside
+    /// `--checkpoint-root` and the allowed prefixes).
     #[error("{0}")]
     PermissionDenied(String),
 
@@ -131,6 +136,7 @@ impl Error {
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Unavailable(_) => Code::Unavailable,
             Self::PermissionDenied(_) => Code::PermissionDenied,
+            Self::Unauthenticated(_) => Code::Unauthenticated,
             Self::Internal(_) => Code::Internal,
         }
     }

@@ -33,6 +33,7 @@
 //! Embedders and tests start a server with [`serve`] on a listener they bound
 //! (port 0 for a free port).
 
+pub mod auth;
 pub mod catalog;
 pub mod cluster;
 pub mod config;

@@ -88,6 +88,12 @@ struct ServeArgs {
     /// s3://models/checkpoints, memory://); repeat for several.
     #[arg(long = "checkpoint-prefix")]
     checkpoint_prefixes: Vec<String>,
+    /// A file of bearer tokens, one 'reader TOKEN' or 'writer TOKEN' per
+    /// line: every call then needs one (readers plan, read, describe; writers
+    /// also put, seal, drop, place, evict, train). Members of a cluster share
+    /// the file and send its first writer token to each other.
+    #[arg(long)]
+    auth_token_file: Option<std::path::PathBuf>,
 }
 
 impl ServeArgs {
@@ -110,6 +116,7 @@ impl ServeArgs {
             stream_idle_timeout: self.stream_idle_timeout,
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,
+            auth_token_file: self.auth_token_file,
             ..defaults
         }
     }

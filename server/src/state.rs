@@ -147,6 +147,8 @@ pub struct State {
     pub peers: Arc<Peers>,
     /// What this server streamed.
     pub traffic: Arc<Traffic>,
+    /// The tokens callers must send (`--auth-token-file`); `None` = none.
+    pub tokens: Option<crate::auth::Tokens>,
 }
 
 impl State {
@@ -154,6 +156,10 @@ impl State {
     /// the CUDA driver, and with `persist` reloads the datasets an earlier
     /// run sealed.
     pub async fn open(config: ServerConfig, location: String) -> Result<Self> {
+        let tokens = match &config.auth_token_file {
+            Some(path) => Some(crate::auth::Tokens::load(path)?),
+            None => None,
+        };
         let store = Store::open(&config.spill_url())?;
         let cuda = if config.use_cuda {
             CudaHost::probe()
@@ -196,7 +202,8 @@ impl State {
             jobs: crate::jobs::Jobs::default(),
             config,
             location,
-            peers: Arc::new(Peers::default()),
+            peers: Arc::new(Peers::new(tokens.as_ref().map(|t| t.peer_token()))),
+            tokens,
             traffic: Arc::new(Traffic::default()),
         })
     }

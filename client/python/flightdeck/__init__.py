@@ -24,6 +24,7 @@ from .errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     Unimplemented,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "ResourceExhausted",
     "Shard",
     "ShardedDataset",
+    "Unauthenticated",
     "Unavailable",
     "Unimplemented",
     "connect",

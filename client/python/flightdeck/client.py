@@ -166,8 +166,13 @@ class Client:
         *,
         timeout: float | None = None,
         headers: Mapping[str, str] | None = None,
+        token: str | None = None,
     ) -> None:
         self.uri = normalize_uri(uri)
+        # Servers started with --auth-token-file need a bearer token.
+        token = token if token is not None else os.environ.get("FLIGHTDECK_TOKEN") or None
+        if token:
+            headers = {**(headers or {}), "authorization": f"Bearer {token}"}
         check_not_forked_after_connect()
         self._flight = translate(lambda: flight.FlightClient(self.uri))
         _CONNECTED_PIDS.add(os.getpid())
@@ -501,8 +506,16 @@ class Client:
 
 
 def connect(
-    uri: str, *, timeout: float | None = None, headers: Mapping[str, str] | None = None
+    uri: str,
+    *,
+    timeout: float | None = None,
+    headers: Mapping[str, str] | None = None,
+    token: str | None = None,
 ) -> Client:
     """Connects to a flightdeck server: `host:port`, `grpc://host:port`, or
-    `local` for this node's server (`FLIGHTDECK_URI`, else loopback)."""
-    return Client(uri, timeout=timeout, headers=headers)
+    `local` for this node's server (`FLIGHTDECK_URI`, else loopback).
+
+    `token` (default: the `FLIGHTDECK_TOKEN` environment variable) is sent as
+    a bearer token on every call; servers started with `--auth-token-file`
+    need one."""
+    return Client(uri, timeout=timeout, headers=headers, token=token)

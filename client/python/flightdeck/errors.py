@@ -63,6 +63,13 @@ class FailedPrecondition(FlightDeckError):
     code = "FAILED_PRECONDITION"
 
 
+class Unauthenticated(FlightDeckError, PermissionError):
+    """The server needs a token (``token=``, or ``FLIGHTDECK_TOKEN``), or
+    does not accept the one sent."""
+
+    code = "UNAUTHENTICATED"
+
+
 class PermissionDenied(FlightDeckError, PermissionError):
     """The call names something the server may not touch (e.g. a checkpoint
     outside its checkpoint root)."""
@@ -102,6 +109,7 @@ _CLASSES = {
         AlreadyExists,
         FailedPrecondition,
         PermissionDenied,
+        Unauthenticated,
         ResourceExhausted,
         Aborted,
         Unavailable,

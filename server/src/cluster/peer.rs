@@ -39,9 +39,19 @@ const MAX_MESSAGE_BYTES: usize = 1 << 30;
 pub type PeerBatch = (u64, RecordBatch, u64);
 
 /// Connections to other members, opened on first use and shared.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Peers {
     channels: Mutex<HashMap<String, Channel>>,
+    /// `Bearer <token>` for members that need a token.
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers")
+            .field("token", &self.authorization.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// `http://…` for a member location (`grpc://`, `grpc+tcp://`, `http://`).
@@ -76,6 +86,27 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
 }
 
 impl Peers {
+    /// Connections that send `token` (the cluster's token, if any) on every
+    /// call. A token that is not valid header text is left out (members
+    /// then answer `UNAUTHENTICATED`, naming the problem).
+    pub fn new(token: Option<String>) -> Self {
+        Self {
+            channels: Mutex::default(),
+            authorization: token.and_then(|t| format!("Bearer {t}").parse().ok()),
+        }
+    }
+
+    /// `message` as a request carrying the cluster's token.
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        request
+    }
+
     fn client(&self, location: &str, dataset: &str) -> Result<FlightServiceClient<Channel>> {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let channel = match channels.get(location) {
@@ -116,7 +147,7 @@ impl Peers {
         let mut client = self.client(location, dataset)?;
         let call = async {
             let mut results = client
-                .do_action(Action::new(kind, body.encode_to_vec()))
+                .do_action(self.request(Action::new(kind, body.encode_to_vec())))
                 .await?
                 .into_inner();
             results.message().await
@@ -148,16 +179,19 @@ impl Peers {
         ticket: Bytes,
     ) -> Result<impl Stream<Item = Result<PeerBatch>> + Send + 'static> {
         let mut client = self.client(location, dataset)?;
-        let response = tokio::time::timeout(ACTION_TIMEOUT, client.do_get(Ticket::new(ticket)))
-            .await
-            .map_err(|_| {
-                from_peer(
-                    &Status::deadline_exceeded("no answer to DoGet"),
-                    location,
-                    dataset,
-                )
-            })?
-            .map_err(|s| from_peer(&s, location, dataset))?;
+        let response = tokio::time::timeout(
+            ACTION_TIMEOUT,
+            client.do_get(self.request(Ticket::new(ticket))),
+        )
+        .await
+        .map_err(|_| {
+            from_peer(
+                &Status::deadline_exceeded("no answer to DoGet"),
+                location,
+                dataset,
+            )
+        })?
+        .map_err(|s| from_peer(&s, location, dataset))?;
         let (location, dataset) = (location.to_string(), dataset.to_string());
         let messages = response
             .into_inner()

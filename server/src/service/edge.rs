@@ -26,6 +26,7 @@ use tonic::server::NamedService;
 
 use super::get;
 use super::ipc::IpcMessage;
+use crate::auth;
 use crate::error::Result;
 use crate::state::State;
 
@@ -73,7 +74,28 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        // Every call, DoGet here included, proves its role first.
+        if let Some(tokens) = &self.state.tokens {
+            let header = req
+                .headers()
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes());
+            let path = req.uri().path();
+            let allowed = tokens.role_of(header).and_then(|role| {
+                let call = path.rsplit('/').next().unwrap_or(path);
+                auth::check(role, auth::needed(path, None), call).map(|()| role)
+            });
+            match allowed {
+                Ok(role) => {
+                    req.extensions_mut().insert(role);
+                }
+                Err(e) => {
+                    let status = Status::from(e);
+                    return Box::pin(async move { Ok(status.into_http()) });
+                }
+            }
+        }
         if req.uri().path() != DO_GET {
             let fut = self.inner.call(req);
             return Box::pin(fut);

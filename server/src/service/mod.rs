@@ -62,7 +62,8 @@ impl FlightService for FlightdeckService {
         _request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
         Err(Status::unimplemented(
-            "Handshake is not used by flightdeck: no authentication is configured on this server",
+            "Handshake is not used by flightdeck: send 'authorization: Bearer TOKEN' on every \
+             call when the server has --auth-token-file",
         ))
     }
 
@@ -127,6 +128,17 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
+        if self.state.tokens.is_some() {
+            // The edge checked the token and left its role here.
+            let role = request
+                .extensions()
+                .get::<crate::auth::Role>()
+                .copied()
+                .ok_or_else(|| Status::internal("the call's role was not checked"))?;
+            let kind = &request.get_ref().r#type;
+            let need = crate::auth::needed("", Some(kind));
+            crate::auth::check(role, need, &format!("action '{kind}'"))?;
+        }
         let action = request.into_inner();
         if action.r#type == flightdeck_protos::actions::TRAIN {
             return Ok(Response::new(actions::train(&self.state, &action).await?));

@@ -1,0 +1,51 @@
+"""A server started with --auth-token-file: no token or a wrong one is
+UNAUTHENTICATED, a reader's token reads but cannot write, a writer's does
+everything; flightdeck's client takes `token=` or FLIGHTDECK_TOKEN, and a
+plain pyarrow client sends the header itself."""
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+import flightdeck
+from conftest import RunningServer
+
+
+@pytest.fixture
+def guarded(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# roles\nwriter w-py\nreader r-py\n")
+    server = RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+    yield server
+    assert server.stop() == 0
+
+
+def test_tokens_give_roles(guarded, monkeypatch):
+    monkeypatch.delenv("FLIGHTDECK_TOKEN", raising=False)
+    table = pa.table({"id": pa.array(range(100), pa.int64())})
+    with flightdeck.connect(guarded.uri) as c:
+        with pytest.raises(flightdeck.Unauthenticated, match="needs a token"):
+            c.stats()
+    with flightdeck.connect(guarded.uri, token="w-pyX") as c:
+        with pytest.raises(flightdeck.Unauthenticated, match="not one this server accepts"):
+            c.list_datasets()
+    with flightdeck.connect(guarded.uri, token="w-py") as w:
+        w.put_partition("d", 0, table)
+        w.seal("d", partitions=1)
+    with flightdeck.connect(guarded.uri, token="r-py") as r:
+        with pytest.raises(flightdeck.PermissionDenied, match="a reader token may not call DoPut"):
+            r.put_partition("e", 0, table)
+        with pytest.raises(flightdeck.PermissionDenied, match="action 'drop'"):
+            r.drop("d")
+        plan = r.plan("d", world_size=2)
+        assert sum(r.read_table(s).num_rows for s in plan.shards) == 100
+    monkeypatch.setenv("FLIGHTDECK_TOKEN", "r-py")
+    with flightdeck.connect(guarded.uri) as r:
+        assert r.describe("d").rows == 100
+
+    plain = flight.FlightClient(guarded.uri)
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        list(plain.list_flights())
+    options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer r-py")])
+    assert [i.descriptor.path for i in plain.list_flights(options=options)] == [[b"d"]]
+    plain.close()
