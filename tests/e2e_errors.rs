@@ -992,3 +992,72 @@ async fn every_call_needs_a_token_with_its_role() {
     assert_eq!(open.committed_partitions, 1);
     server.stop().await;
 }
+
+/// Over TLS (`--tls-cert`/`--tls-key`) a client that trusts the server's
+/// authority writes, seals and reads; a client without TLS, or without the
+/// authority, gets a clear failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_clients_that_trust_it_and_no_others() {
+    let dir = flightdeck_tests::temp_dir("tls");
+    let certs = flightdeck_tests::TestCerts::make(&dir);
+    let server = TestServer::start_with(ServerConfig {
+        tls_cert: Some(certs.cert.clone()),
+        tls_key: Some(certs.key.clone()),
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let ca = std::fs::read(&certs.ca).expect("ca");
+    let uri = format!("grpc+tls://127.0.0.1:{}", server.addr().port());
+    let mut c = timed("connect over TLS", Client::connect_with(&uri, Some(&ca)))
+        .await
+        .expect("connect");
+    put(&mut c, "d", 0, 0, 0..500).await.expect("put over TLS");
+    c.seal(SealDataset {
+        dataset: "d".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    let p = c.plan(plan("d")).await.expect("plan");
+    let mut rows = 0;
+    for shard in &p.shards {
+        let batches: Vec<RecordBatch> = c
+            .read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect()
+            .await
+            .expect("batches");
+        rows += batches.iter().map(RecordBatch::num_rows).sum::<usize>();
+    }
+    assert_eq!(rows, 500);
+    let stats = c.stats().await.expect("stats");
+    assert_eq!(stats.location, uri, "the server advertises TLS");
+
+    let err = Client::connect(&uri).await.expect_err("no roots");
+    assert!(err.to_string().contains("tls_root_certs"), "{err}");
+    let plain = format!("http://127.0.0.1:{}", server.addr().port());
+    let failed = match timed("plaintext connect", Client::connect(&plain)).await {
+        Err(e) => e.to_string(),
+        Ok(mut c) => timed("plaintext call", c.stats())
+            .await
+            .expect_err("a plaintext call to a TLS server fails")
+            .to_string(),
+    };
+    assert!(!failed.is_empty());
+    let stranger = std::fs::read(&certs.cert).expect("cert");
+    let untrusted = match timed(
+        "connect with other roots",
+        Client::connect_with(&uri, Some(&stranger)),
+    )
+    .await
+    {
+        Err(e) => e.to_string(),
+        Ok(mut c) => timed("untrusted call", c.stats())
+            .await
+            .expect_err("the server's certificate is not trusted")
+            .to_string(),
+    };
+    assert!(!untrusted.is_empty());
+    server.stop().await;
+}

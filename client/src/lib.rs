@@ -176,12 +176,15 @@ pub struct Client {
     inner: FlightClient,
     /// The location this client connected to, when known.
     uri: Option<String>,
+    /// The root certificates it checks servers' TLS certificates with.
+    tls_roots: Option<Vec<u8>>,
 }
 
 impl Clone for Client {
     fn clone(&self) -> Self {
         let mut clone = Self {
             uri: self.uri.clone(),
+            tls_roots: self.tls_roots.clone(),
             ..Self::from_channel(self.channel.clone())
         };
         clone.share_headers(self);
@@ -194,13 +197,35 @@ impl Client {
     /// are accepted as aliases). The token in `FLIGHTDECK_TOKEN`, if set, is
     /// sent on every call ([`Client::with_token`]).
     pub async fn connect(uri: impl AsRef<str>) -> Result<Self> {
+        Self::connect_with(uri, None).await
+    }
+
+    /// Connects to `uri`; `grpc+tls://` and `https://` connect over TLS,
+    /// checking the server's certificate against `tls_root_certs` (PEM).
+    pub async fn connect_with(uri: impl AsRef<str>, tls_root_certs: Option<&[u8]>) -> Result<Self> {
         let given = uri.as_ref().to_string();
         let uri = uri.as_ref();
-        let uri = uri
-            .strip_prefix("grpc+tcp://")
-            .or_else(|| uri.strip_prefix("grpc://"))
-            .map_or_else(|| uri.to_string(), |rest| format!("http://{rest}"));
-        let channel = Endpoint::from_shared(uri)?
+        let tls = uri.starts_with("grpc+tls://") || uri.starts_with("https://");
+        let uri = if let Some(rest) = uri.strip_prefix("grpc+tls://") {
+            format!("https://{rest}")
+        } else {
+            uri.strip_prefix("grpc+tcp://")
+                .or_else(|| uri.strip_prefix("grpc://"))
+                .map_or_else(|| uri.to_string(), |rest| format!("http://{rest}"))
+        };
+        let mut endpoint = Endpoint::from_shared(uri)?;
+        if tls {
+            let roots = tls_root_certs.ok_or_else(|| {
+                ClientError::Protocol(format!(
+                    "{given} is served over TLS: pass its root certificates (tls_root_certs)"
+                ))
+            })?;
+            endpoint = endpoint.tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(roots)),
+            )?;
+        }
+        let channel = endpoint
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))
@@ -210,6 +235,7 @@ impl Client {
             .await?;
         let client = Self {
             uri: Some(given),
+            tls_roots: tls_root_certs.map(<[u8]>::to_vec),
             ..Self::from_channel(channel)
         };
         match std::env::var("FLIGHTDECK_TOKEN") {
@@ -244,6 +270,7 @@ impl Client {
             channel,
             inner: FlightClient::new_from_inner(inner),
             uri: None,
+            tls_roots: None,
         }
     }
 
@@ -486,7 +513,7 @@ impl Client {
         let ticket = Ticket::new(shard.ticket.clone());
         let stream = match &shard.location {
             Some(at) if self.uri.as_deref() != Some(at.as_str()) => {
-                let mut member = Client::connect(at).await?;
+                let mut member = Client::connect_with(at, self.tls_roots.as_deref()).await?;
                 member.share_headers(self);
                 member.inner.do_get(ticket).await?
             }

@@ -67,6 +67,13 @@ pub struct ServerConfig {
     /// Bearer tokens and their roles ([`crate::auth::Tokens::parse`]);
     /// `None` = every caller may do everything.
     pub auth_token_file: Option<std::path::PathBuf>,
+    /// PEM certificate (chain) and private key: serve over TLS.
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `tls_cert`.
+    pub tls_key: Option<std::path::PathBuf>,
+    /// PEM root certificates this server trusts in other members; `None` =
+    /// its own certificate (members sharing one certificate).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -88,6 +95,9 @@ impl Default for ServerConfig {
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
             auth_token_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -98,15 +108,20 @@ impl ServerConfig {
         if let Some(a) = &self.advertise {
             return a.clone();
         }
+        let scheme = if self.tls_cert.is_some() {
+            "grpc+tls"
+        } else {
+            "grpc"
+        };
         if bound.ip().is_unspecified() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
                 .ok()
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| "127.0.0.1".to_string());
-            return format!("grpc://{host}:{}", bound.port());
+            return format!("{scheme}://{host}:{}", bound.port());
         }
-        format!("grpc://{bound}")
+        format!("{scheme}://{bound}")
     }
 
     /// The spill store URL in effect.
@@ -182,6 +197,11 @@ impl ServerConfig {
 
     /// Checks that the configuration can run.
     pub fn validate(&self) -> Result<()> {
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(Error::invalid(
+                "--tls-cert and --tls-key go together: give both to serve over TLS, or neither",
+            ));
+        }
         if self.memory_limit == 0 {
             return Err(Error::invalid("--memory-limit must be greater than 0"));
         }

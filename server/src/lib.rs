@@ -81,6 +81,38 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// A PEM file the configuration names, read whole.
+fn read_pem(path: &std::path::Path, flag: &str) -> std::result::Result<Vec<u8>, Error> {
+    std::fs::read(path)
+        .map_err(|e| Error::invalid(format!("{flag} {} cannot be read: {e}", path.display())))
+}
+
+/// The server's TLS settings, when `--tls-cert` and `--tls-key` are given.
+fn tls_config(
+    config: &ServerConfig,
+) -> std::result::Result<Option<tonic::transport::ServerTlsConfig>, Error> {
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
+        return Ok(None);
+    };
+    let identity = tonic::transport::Identity::from_pem(
+        read_pem(cert, "--tls-cert")?,
+        read_pem(key, "--tls-key")?,
+    );
+    Ok(Some(
+        tonic::transport::ServerTlsConfig::new().identity(identity),
+    ))
+}
+
+/// The root certificates members trust in each other: `--tls-ca`, else the
+/// server's own certificate; `None` without TLS.
+pub fn peer_roots(config: &ServerConfig) -> std::result::Result<Option<Vec<u8>>, Error> {
+    match (&config.tls_ca, &config.tls_cert) {
+        (Some(ca), _) => read_pem(ca, "--tls-ca").map(Some),
+        (None, Some(cert)) => read_pem(cert, "--tls-cert").map(Some),
+        (None, None) => Ok(None),
+    }
+}
+
 /// Serves the Flight service on `listener` until `shutdown` completes, then
 /// stops accepting, lets in-flight calls finish and returns.
 pub async fn serve(
@@ -97,6 +129,7 @@ pub async fn serve(
     })?;
     let location = config.location(bound);
     info!(addr = %bound, %location, memory_limit = config.memory_limit, "flightdeck serving");
+    let tls = tls_config(&config)?;
     let state = std::sync::Arc::new(state::State::open(config, location).await?);
     let service = FlightServiceServer::new(FlightdeckService::new(state.clone()))
         .max_decoding_message_size(max_message)
@@ -107,7 +140,11 @@ pub async fn serve(
             let _ = stream.set_nodelay(true);
         })
     });
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(MAX_FRAME_BYTES))

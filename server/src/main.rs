@@ -94,6 +94,17 @@ struct ServeArgs {
     /// the file and send its first writer token to each other.
     #[arg(long)]
     auth_token_file: Option<std::path::PathBuf>,
+    /// Serve over TLS with this PEM certificate (chain); needs --tls-key.
+    /// The server then advertises grpc+tls://.
+    #[arg(long)]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long)]
+    tls_key: Option<std::path::PathBuf>,
+    /// PEM root certificates to trust in other members (default: the
+    /// server's own --tls-cert, for members that share one certificate).
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 impl ServeArgs {
@@ -117,6 +128,9 @@ impl ServeArgs {
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,
             auth_token_file: self.auth_token_file,
+            tls_cert: self.tls_cert,
+            tls_key: self.tls_key,
+            tls_ca: self.tls_ca,
             ..defaults
         }
     }

@@ -160,6 +160,7 @@ impl State {
             Some(path) => Some(crate::auth::Tokens::load(path)?),
             None => None,
         };
+        let peer_roots = crate::peer_roots(&config)?;
         let store = Store::open(&config.spill_url())?;
         let cuda = if config.use_cuda {
             CudaHost::probe()
@@ -202,7 +203,10 @@ impl State {
             jobs: crate::jobs::Jobs::default(),
             config,
             location,
-            peers: Arc::new(Peers::new(tokens.as_ref().map(|t| t.peer_token()))),
+            peers: Arc::new(Peers::new(
+                tokens.as_ref().map(|t| t.peer_token()),
+                peer_roots,
+            )),
             tokens,
             traffic: Arc::new(Traffic::default()),
         })

@@ -547,3 +547,95 @@ impl Drop for MemberProcess {
         }
     }
 }
+
+/// A test certificate authority and a server certificate it signed, for
+/// `127.0.0.1` and `localhost`, made with the `openssl` command in `dir`.
+pub struct TestCerts {
+    /// The authority's certificate (PEM): what clients trust.
+    pub ca: std::path::PathBuf,
+    /// The server's certificate (PEM).
+    pub cert: std::path::PathBuf,
+    /// The server's private key (PEM).
+    pub key: std::path::PathBuf,
+}
+
+impl TestCerts {
+    /// Makes them; fails the test if `openssl` cannot.
+    pub fn make(dir: &std::path::Path) -> Self {
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("run openssl (needed for the TLS tests)");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        run(&[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-days",
+                "2",
+                "-subj",
+                "/CN=flightdeck test CA",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+            ],
+        ]
+        .concat());
+        run(&[
+            &["req"][..],
+            &ec,
+            &[
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                "key.pem",
+                "-out",
+                "server.csr",
+            ],
+        ]
+        .concat());
+        std::fs::write(
+            dir.join("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+        )
+        .expect("extensions");
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+            "-out",
+            "cert.pem",
+        ]);
+        Self {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+        }
+    }
+}

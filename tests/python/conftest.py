@@ -149,3 +149,24 @@ def spark():
     assert pyspark.__version__
     yield session
     session.stop()
+
+
+def make_test_certs(folder: Path) -> dict[str, Path]:
+    """A test certificate authority and a server certificate it signed for
+    127.0.0.1 and localhost, made with the `openssl` command in `folder`:
+    paths `ca`, `cert` and `key`."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=flightdeck test CA",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    run("req", *ec, "-subj", "/CN=localhost", "-keyout", "key.pem", "-out", "server.csr")
+    (folder / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n"
+    )
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "server.ext", "-out", "cert.pem")
+    return {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "key.pem"}

@@ -1,14 +1,15 @@
-"""A server started with --auth-token-file: no token or a wrong one is
-UNAUTHENTICATED, a reader's token reads but cannot write, a writer's does
-everything; flightdeck's client takes `token=` or FLIGHTDECK_TOKEN, and a
-plain pyarrow client sends the header itself."""
+"""Security: a server started with --auth-token-file (no token or a wrong
+one is UNAUTHENTICATED, a reader's token reads but cannot write, a writer's
+does everything; flightdeck's client takes `token=` or FLIGHTDECK_TOKEN, and
+a plain pyarrow client sends the header itself), and one serving over TLS
+(--tls-cert/--tls-key) to clients given its authority's certificate."""
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer
+from conftest import RunningServer, make_test_certs
 
 
 @pytest.fixture
@@ -49,3 +50,33 @@ def test_tokens_give_roles(guarded, monkeypatch):
     options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer r-py")])
     assert [i.descriptor.path for i in plain.list_flights(options=options)] == [[b"d"]]
     plain.close()
+
+
+def test_tls_serves_clients_that_trust_it(tmp_path):
+    certs = make_test_certs(tmp_path)
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])
+    )
+    try:
+        uri = f"grpc+tls://{server.addr}"
+        ca = certs["ca"].read_bytes()
+        table = pa.table({"id": pa.array(range(300), pa.int64())})
+        with flightdeck.connect(uri, tls_root_certs=ca) as c:
+            c.put_partition("d", 0, table)
+            c.seal("d", partitions=1)
+            assert c.stats().location == uri
+            plan = c.plan("d", world_size=3, shuffle="global")
+            assert sum(c.read_table(s).num_rows for s in plan.shards) == 300
+
+        plain = flight.FlightClient(uri, tls_root_certs=ca)
+        assert [i.descriptor.path for i in plain.list_flights()] == [[b"d"]]
+        plain.close()
+
+        with pytest.raises(flightdeck.InvalidArgument, match="tls_root_certs"):
+            flightdeck.connect(uri)
+        # Plaintext against TLS fails; it never hangs or reads data.
+        with flightdeck.connect(f"grpc://{server.addr}", timeout=5) as c:
+            with pytest.raises(flightdeck.FlightDeckError):
+                c.stats()
+    finally:
+        assert server.stop() == 0

@@ -55,7 +55,11 @@ def normalize_uri(uri: str) -> str:
     scheme, rest = uri.split("://", 1)
     if scheme in ("http", "grpc", "grpc+tcp"):
         return f"grpc://{rest}"
-    raise InvalidArgument(f"unsupported URI scheme in {uri!r}: use host:port or grpc://host:port")
+    if scheme in ("https", "grpc+tls"):
+        return f"grpc+tls://{rest}"
+    raise InvalidArgument(
+        f"unsupported URI scheme in {uri!r}: use host:port, grpc://host:port or grpc+tls://host:port"
+    )
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class Client:
         timeout: float | None = None,
         headers: Mapping[str, str] | None = None,
         token: str | None = None,
+        tls_root_certs: bytes | None = None,
     ) -> None:
         self.uri = normalize_uri(uri)
         # Servers started with --auth-token-file need a bearer token.
@@ -174,7 +179,13 @@ class Client:
         if token:
             headers = {**(headers or {}), "authorization": f"Bearer {token}"}
         check_not_forked_after_connect()
-        self._flight = translate(lambda: flight.FlightClient(self.uri))
+        if self.uri.startswith("grpc+tls://") and not tls_root_certs:
+            raise InvalidArgument(
+                f"{self.uri} is served over TLS: pass its root certificates (tls_root_certs)"
+            )
+        self._tls_root_certs = tls_root_certs
+        tls = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+        self._flight = translate(lambda: flight.FlightClient(self.uri, **tls))
         _CONNECTED_PIDS.add(os.getpid())
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
@@ -480,7 +491,10 @@ class Client:
             return self
         if shard.location not in self._members:
             self._members[shard.location] = Client(
-                shard.location, timeout=self._timeout, headers=self._headers
+                shard.location,
+                timeout=self._timeout,
+                headers=self._headers,
+                tls_root_certs=self._tls_root_certs,
             )
         return self._members[shard.location]
 
@@ -511,11 +525,13 @@ def connect(
     timeout: float | None = None,
     headers: Mapping[str, str] | None = None,
     token: str | None = None,
+    tls_root_certs: bytes | None = None,
 ) -> Client:
     """Connects to a flightdeck server: `host:port`, `grpc://host:port`, or
     `local` for this node's server (`FLIGHTDECK_URI`, else loopback).
 
     `token` (default: the `FLIGHTDECK_TOKEN` environment variable) is sent as
     a bearer token on every call; servers started with `--auth-token-file`
-    need one."""
-    return Client(uri, timeout=timeout, headers=headers, token=token)
+    need one. `grpc+tls://host:port` connects over TLS, checking the server
+    against `tls_root_certs` (PEM)."""
+    return Client(uri, timeout=timeout, headers=headers, token=token, tls_root_certs=tls_root_certs)

@@ -44,6 +44,8 @@ pub struct Peers {
     channels: Mutex<HashMap<String, Channel>>,
     /// `Bearer <token>` for members that need a token.
     authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    /// PEM roots to trust in members served over TLS (`grpc+tls://`).
+    tls_roots: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -54,8 +56,15 @@ impl std::fmt::Debug for Peers {
     }
 }
 
-/// `http://…` for a member location (`grpc://`, `grpc+tcp://`, `http://`).
+/// `http://…` for a member location (`grpc://`, `grpc+tcp://`, `http://`),
+/// `https://…` for one served over TLS (`grpc+tls://`, `https://`).
 fn endpoint_uri(location: &str) -> String {
+    if let Some(rest) = location
+        .strip_prefix("grpc+tls://")
+        .or_else(|| location.strip_prefix("https://"))
+    {
+        return format!("https://{rest}");
+    }
     let rest = location
         .strip_prefix("grpc+tcp://")
         .or_else(|| location.strip_prefix("grpc://"))
@@ -89,10 +98,13 @@ impl Peers {
     /// Connections that send `token` (the cluster's token, if any) on every
     /// call. A token that is not valid header text is left out (members
     /// then answer `UNAUTHENTICATED`, naming the problem).
-    pub fn new(token: Option<String>) -> Self {
+    /// `tls_roots` are the root certificates members served over TLS are
+    /// checked against.
+    pub fn new(token: Option<String>, tls_roots: Option<Vec<u8>>) -> Self {
         Self {
             channels: Mutex::default(),
             authorization: token.and_then(|t| format!("Bearer {t}").parse().ok()),
+            tls_roots,
         }
     }
 
@@ -112,12 +124,27 @@ impl Peers {
         let channel = match channels.get(location) {
             Some(c) => c.clone(),
             None => {
-                let c = Endpoint::from_shared(endpoint_uri(location))
-                    .map_err(|e| {
-                        Error::invalid(format!(
-                            "member location '{location}' of dataset '{dataset}' is not a URI: {e}"
+                let uri = endpoint_uri(location);
+                let mut endpoint = Endpoint::from_shared(uri.clone()).map_err(|e| {
+                    Error::invalid(format!(
+                        "member location '{location}' of dataset '{dataset}' is not a URI: {e}"
+                    ))
+                })?;
+                if uri.starts_with("https://") {
+                    let roots = self.tls_roots.as_ref().ok_or_else(|| {
+                        Error::FailedPrecondition(format!(
+                            "member {location} of dataset '{dataset}' serves over TLS, but this \
+                             server has no certificates to check it with: start it with \
+                             --tls-cert/--tls-key (and --tls-ca)"
                         ))
-                    })?
+                    })?;
+                    let tls = tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(roots));
+                    endpoint = endpoint.tls_config(tls).map_err(|e| {
+                        Error::invalid(format!("TLS settings for member {location}: {e}"))
+                    })?;
+                }
+                let c = endpoint
                     .connect_timeout(CONNECT_TIMEOUT)
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(KEEPALIVE)
@@ -228,6 +255,7 @@ mod tests {
         );
         assert_eq!(endpoint_uri("grpc+tcp://h:1"), "http://h:1");
         assert_eq!(endpoint_uri("http://h:1"), "http://h:1");
+        assert_eq!(endpoint_uri("grpc+tls://h:1"), "https://h:1");
     }
 
     #[test]
