@@ -196,8 +196,19 @@ impl Client {
     /// Connects to `uri` (`http://host:port`; `grpc://` and `grpc+tcp://`
     /// are accepted as aliases). The token in `FLIGHTDECK_TOKEN`, if set, is
     /// sent on every call ([`Client::with_token`]).
+    /// Over TLS (`grpc+tls://`), the server is checked against the PEM
+    /// file `FLIGHTDECK_TLS_ROOT_CERTS` names.
     pub async fn connect(uri: impl AsRef<str>) -> Result<Self> {
-        Self::connect_with(uri, None).await
+        let roots = match std::env::var_os("FLIGHTDECK_TLS_ROOT_CERTS") {
+            Some(path) => Some(std::fs::read(&path).map_err(|e| {
+                ClientError::Protocol(format!(
+                    "FLIGHTDECK_TLS_ROOT_CERTS {}: {e}",
+                    std::path::Path::new(&path).display()
+                ))
+            })?),
+            None => None,
+        };
+        Self::connect_with(uri, roots.as_deref()).await
     }
 
     /// Connects to `uri`; `grpc+tls://` and `https://` connect over TLS,
@@ -217,7 +228,8 @@ impl Client {
         if tls {
             let roots = tls_root_certs.ok_or_else(|| {
                 ClientError::Protocol(format!(
-                    "{given} is served over TLS: pass its root certificates (tls_root_certs)"
+                    "{given} is served over TLS: pass its root certificates (tls_root_certs, \
+                     or the file FLIGHTDECK_TLS_ROOT_CERTS names)"
                 ))
             })?;
             endpoint = endpoint.tls_config(

@@ -68,6 +68,12 @@ def test_tls_serves_clients_that_trust_it(tmp_path):
             plan = c.plan("d", world_size=3, shuffle="global")
             assert sum(c.read_table(s).num_rows for s in plan.shards) == 300
 
+        with pytest.MonkeyPatch.context() as env:
+            # As a Spark executor gets it: through the environment.
+            env.setenv("FLIGHTDECK_TLS_ROOT_CERTS", str(certs["ca"]))
+            with flightdeck.connect(uri) as c:
+                assert c.describe("d").rows == 300
+
         plain = flight.FlightClient(uri, tls_root_certs=ca)
         assert [i.descriptor.path for i in plain.list_flights()] == [[b"d"]]
         plain.close()

@@ -179,6 +179,10 @@ class Client:
         if token:
             headers = {**(headers or {}), "authorization": f"Bearer {token}"}
         check_not_forked_after_connect()
+        roots_file = os.environ.get("FLIGHTDECK_TLS_ROOT_CERTS")
+        if tls_root_certs is None and roots_file:
+            with open(roots_file, "rb") as f:
+                tls_root_certs = f.read()
         if self.uri.startswith("grpc+tls://") and not tls_root_certs:
             raise InvalidArgument(
                 f"{self.uri} is served over TLS: pass its root certificates (tls_root_certs)"
@@ -533,5 +537,7 @@ def connect(
     `token` (default: the `FLIGHTDECK_TOKEN` environment variable) is sent as
     a bearer token on every call; servers started with `--auth-token-file`
     need one. `grpc+tls://host:port` connects over TLS, checking the server
-    against `tls_root_certs` (PEM)."""
+    against `tls_root_certs` (PEM; default: the file `FLIGHTDECK_TLS_ROOT_CERTS`
+    names). Both variables reach the Spark connector's executors through
+    `spark.executorEnv.*`."""
     return Client(uri, timeout=timeout, headers=headers, token=token, tls_root_certs=tls_root_certs)
