@@ -503,6 +503,33 @@ async fn messages_over_the_size_limit_are_invalid_not_retryable() {
         &["larger than this server accepts", "smaller record batches"],
     );
     timed("stats", c.stats()).await.expect("still serving");
+    // A read plan whose batches could not be sent is refused when planned.
+    sealed_rows(&mut c, "d", 20_000).await;
+    let huge = ReadPlan {
+        dataset: "d".into(),
+        world_size: 1,
+        batch_rows: 1 << 24,
+        ..Default::default()
+    };
+    assert_code(
+        c.plan(huge).await,
+        Code::InvalidArgument,
+        &[
+            "batch_rows 16777216",
+            "--max-message-size 1048576",
+            "at most",
+        ],
+    );
+    let fits = c
+        .plan(ReadPlan {
+            dataset: "d".into(),
+            world_size: 1,
+            batch_rows: 1_000,
+            ..Default::default()
+        })
+        .await
+        .expect("batches that fit");
+    assert_eq!(fits.total_rows, 20_000);
     server.stop().await;
 }
 

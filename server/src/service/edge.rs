@@ -146,6 +146,12 @@ async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
             buf.put(data);
         }
     }
+    parse_ticket_request(&buf)
+}
+
+/// The `Ticket` of a whole `DoGet` request body: one uncompressed gRPC
+/// message (a flag byte, a 4-byte length, the protobuf).
+pub fn parse_ticket_request(buf: &[u8]) -> std::result::Result<Ticket, Status> {
     if buf.len() < 5 {
         return Err(Status::invalid_argument(
             "the DoGet request holds no ticket; send the ticket of a FlightInfo endpoint",

@@ -152,6 +152,7 @@ fn plan_info(
 pub(super) async fn flight_info(state: &State, descriptor: FlightDescriptor) -> Result<FlightInfo> {
     let plan = convert::read_plan(&descriptor, &state.config)?;
     let summary = sealed_summary(state, &plan.dataset)?;
+    check_batch_bytes(&plan, &summary, state.config.max_message_bytes)?;
     let source = Source::of(state, &summary)?;
     if source.cluster {
         state
@@ -159,6 +160,29 @@ pub(super) async fn flight_info(state: &State, descriptor: FlightDescriptor) -> 
             .await?;
     }
     plan_info(&plan, &summary, &source, descriptor)
+}
+
+/// Refuses a plan whose record batches would not fit in one message:
+/// `batch_rows` rows of the dataset's mean row size. Caught here, it is an
+/// answer to the plan, not a stream that fails halfway.
+fn check_batch_bytes(plan: &ReadPlan, summary: &DatasetSummary, max_message: usize) -> Result<()> {
+    if summary.rows == 0 {
+        return Ok(());
+    }
+    let row = summary.bytes.div_ceil(summary.rows).max(1);
+    let batch = u64::from(plan.batch_rows).saturating_mul(row);
+    let max = max_message as u64;
+    if batch <= max {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "batch_rows {} makes record batches of about {batch} bytes (rows of dataset '{}' are \
+         about {row} bytes), more than one message may carry (--max-message-size {max}); use \
+         batch_rows of at most {}",
+        plan.batch_rows,
+        plan.dataset,
+        (max / row).max(1)
+    )))
 }
 
 /// The summary of a dataset that must be sealed.
@@ -239,6 +263,7 @@ pub(super) async fn shard_messages(
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
     let name = t.plan.dataset.clone();
     let summary = sealed_summary(state, &name)?;
+    check_batch_bytes(&t.plan, &summary, state.config.max_message_bytes)?;
     let source = Source::of(state, &summary)?;
     let stale = || {
         Error::FailedPrecondition(format!(

@@ -12,7 +12,8 @@ mod get;
 mod ipc;
 mod put;
 
-pub use edge::Edge;
+pub use edge::{Edge, parse_ticket_request};
+pub use put::do_put;
 
 use std::sync::Arc;
 

@@ -12,7 +12,6 @@ use arrow_flight::error::FlightError;
 use bytes::Bytes;
 use flightdeck_protos as pb;
 use futures::{FutureExt, StreamExt, TryStreamExt, stream};
-use tonic::Streaming;
 use tracing::info;
 
 use crate::catalog::AttemptData;
@@ -50,7 +49,15 @@ fn with_padding(bytes: u64) -> u64 {
     bytes.saturating_add(bytes / 128).saturating_add(256 << 10)
 }
 
-pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> Result<pb::PutAck> {
+/// `DoPut`: receives the attempt `input` carries (its first message names the
+/// dataset and partition) and commits it whole, or stores nothing.
+pub async fn do_put<S>(state: &State, mut input: S) -> Result<pb::PutAck>
+where
+    S: futures::Stream<Item = std::result::Result<FlightData, tonic::Status>>
+        + Unpin
+        + Send
+        + 'static,
+{
     let idle = state.config.stream_idle_timeout;
     let stalled = |what: String| {
         Error::Aborted(format!(
@@ -58,10 +65,10 @@ pub(super) async fn do_put(state: &State, mut input: Streaming<FlightData>) -> R
              was stored, send the attempt again"
         ))
     };
-    let first = tokio::time::timeout(idle, input.message())
+    let first = tokio::time::timeout(idle, input.next())
         .await
         .map_err(|_| stalled("a partition".into()))?;
-    let first = match first {
+    let first = match first.transpose() {
         Ok(Some(first)) => first,
         Ok(None) => {
             return Err(Error::invalid(
