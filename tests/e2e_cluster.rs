@@ -655,129 +655,15 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
     assert_eq!(rest.len() + seen.len(), total, "every remaining row once");
 }
 
-/// Members started with a token file send its writer token on their calls
-/// to each other: a writer seals a cluster dataset through one member (which
-/// prepares and commits the others), and a reader's ranks read their shards,
-/// rows fetched from the other member included. Without a token nothing is
-/// served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn members_with_tokens_call_each_other_with_the_clusters_token() {
-    let dir = temp_dir("tokens");
-    let file = dir.join("tokens");
-    std::fs::write(&file, "writer w-secret\nreader r-secret\n").expect("token file");
-    let file = file.display().to_string();
-    let members: Vec<MemberProcess> = (0..2)
-        .map(|_| MemberProcess::start("127.0.0.1:0", &["--auth-token-file", file.as_str()]))
-        .collect();
-    let ds = "guarded";
+/// Writes partition `p` of `ds` (ids `p*1000..(p+1)*1000`) through
+/// `clients[p]`; returns the seal's layout, naming `locations[p]` for it.
+async fn one_partition_each(
+    clients: &mut [Client],
+    locations: &[String],
+    ds: &str,
+) -> Vec<MemberPartitions> {
     let mut seal = Vec::new();
-    for (p, member) in members.iter().enumerate() {
-        let mut c = member.client().await.with_token("w-secret").expect("token");
-        let ids = (p as i64) * 1_000..(p as i64 + 1) * 1_000;
-        c.put_partition(
-            ds,
-            p as u32,
-            0,
-            schema(),
-            stream::iter(partition_batches(ids, 0, 100).into_iter().map(Ok)),
-        )
-        .await
-        .expect("a writer puts");
-        seal.push(MemberPartitions {
-            location: member.location(),
-            partitions: vec![PartitionAttempt {
-                partition: p as u32,
-                attempt: 0,
-            }],
-        });
-    }
-    let mut w = members[0]
-        .client()
-        .await
-        .with_token("w-secret")
-        .expect("token");
-    let err = members[0]
-        .client()
-        .await
-        .with_token("r-secret")
-        .expect("token")
-        .seal_cluster(ds, 2, seal.clone())
-        .await
-        .expect_err("a reader cannot seal");
-    assert_eq!(err.code(), Code::PermissionDenied, "{err}");
-    timed("seal", w.seal_cluster(ds, 2, seal))
-        .await
-        .expect("seal");
-    let mut r = members[1]
-        .client()
-        .await
-        .with_token("r-secret")
-        .expect("token");
-    let plan = r
-        .plan(ReadPlan {
-            dataset: ds.into(),
-            world_size: 2,
-            ..Default::default()
-        })
-        .await
-        .expect("plan");
-    let mut seen = HashSet::new();
-    for shard in &plan.shards {
-        let batches: Vec<RecordBatch> = timed("read", async {
-            r.read_shard(shard)
-                .await
-                .expect("read")
-                .try_collect()
-                .await
-                .expect("batches")
-        })
-        .await;
-        for b in &batches {
-            seen.extend(check_batch(b, &|_| 0));
-        }
-    }
-    assert_eq!(seen, (0..2_000).collect::<HashSet<i64>>());
-    let mut none = members[1].client().await;
-    assert_eq!(
-        none.plan(ReadPlan {
-            dataset: ds.into(),
-            world_size: 2,
-            ..Default::default()
-        })
-        .await
-        .expect_err("no token")
-        .code(),
-        Code::Unauthenticated
-    );
-}
-
-/// Members served over TLS reach each other over TLS (trusting `--tls-ca`):
-/// a seal through one member seals the other, and ranks read rows that one
-/// member fetches from the other.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn members_over_tls_call_each_other_over_tls() {
-    let dir = temp_dir("cluster-tls");
-    let certs = flightdeck_tests::TestCerts::make(&dir);
-    let paths = [&certs.cert, &certs.key, &certs.ca].map(|p| p.display().to_string());
-    let args = [
-        "--tls-cert",
-        paths[0].as_str(),
-        "--tls-key",
-        paths[1].as_str(),
-        "--tls-ca",
-        paths[2].as_str(),
-    ];
-    let members: Vec<MemberProcess> = (0..2)
-        .map(|_| MemberProcess::start("127.0.0.1:0", &args))
-        .collect();
-    let ca = std::fs::read(&certs.ca).expect("ca");
-    let location = |m: &MemberProcess| format!("grpc+tls://{}", m.addr());
-    let ds = "private";
-    let mut seal = Vec::new();
-    for (p, member) in members.iter().enumerate() {
-        let mut c = Client::connect_with(location(member), Some(&ca))
-            .await
-            .expect("connect");
+    for (p, (c, location)) in clients.iter_mut().zip(locations).enumerate() {
         let ids = (p as i64) * 1_000..(p as i64 + 1) * 1_000;
         c.put_partition(
             ds,
@@ -789,19 +675,18 @@ async fn members_over_tls_call_each_other_over_tls() {
         .await
         .expect("put");
         seal.push(MemberPartitions {
-            location: location(member),
+            location: location.clone(),
             partitions: vec![PartitionAttempt {
                 partition: p as u32,
                 attempt: 0,
             }],
         });
     }
-    let mut c = Client::connect_with(location(&members[0]), Some(&ca))
-        .await
-        .expect("connect");
-    timed("seal", c.seal_cluster(ds, 2, seal))
-        .await
-        .expect("seal");
+    seal
+}
+
+/// The ids of every row of every shard of a two-rank plan of `ds`.
+async fn ids_of_two_ranks(c: &mut Client, ds: &str) -> HashSet<i64> {
     let plan = c
         .plan(ReadPlan {
             dataset: ds.into(),
@@ -825,5 +710,100 @@ async fn members_over_tls_call_each_other_over_tls() {
             seen.extend(check_batch(b, &|_| 0));
         }
     }
-    assert_eq!(seen, (0..2_000).collect::<HashSet<i64>>());
+    seen
+}
+
+/// Members started with a token file send its writer token on their calls
+/// to each other: a writer seals a cluster dataset through one member (which
+/// prepares and commits the others), and a reader's ranks read their shards,
+/// rows fetched from the other member included. Without a token nothing is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_tokens_call_each_other_with_the_clusters_token() {
+    let dir = temp_dir("tokens");
+    let file = dir.join("tokens");
+    std::fs::write(&file, "writer w-secret\nreader r-secret\n").expect("token file");
+    let file = file.display().to_string();
+    let members: Vec<MemberProcess> = (0..2)
+        .map(|_| MemberProcess::start("127.0.0.1:0", &["--auth-token-file", file.as_str()]))
+        .collect();
+    let ds = "guarded";
+    let mut writers = Vec::new();
+    for m in &members {
+        writers.push(m.client().await.with_token("w-secret").expect("token"));
+    }
+    let locations: Vec<String> = members.iter().map(MemberProcess::location).collect();
+    let seal = one_partition_each(&mut writers, &locations, ds).await;
+    let mut reader = members[0]
+        .client()
+        .await
+        .with_token("r-secret")
+        .expect("token");
+    let err = reader
+        .seal_cluster(ds, 2, seal.clone())
+        .await
+        .expect_err("a reader cannot seal");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err}");
+    timed("seal", writers[0].seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal");
+    let mut reader = members[1]
+        .client()
+        .await
+        .with_token("r-secret")
+        .expect("token");
+    assert_eq!(
+        ids_of_two_ranks(&mut reader, ds).await,
+        (0..2_000).collect::<HashSet<i64>>()
+    );
+    let err = members[1]
+        .client()
+        .await
+        .plan(ReadPlan {
+            dataset: ds.into(),
+            world_size: 2,
+            ..Default::default()
+        })
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+}
+
+/// Members served over TLS reach each other over TLS (trusting `--tls-ca`):
+/// a seal through one member seals the other, and ranks read rows that one
+/// member fetches from the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_over_tls_call_each_other_over_tls() {
+    let dir = temp_dir("cluster-tls");
+    let certs = flightdeck_tests::TestCerts::make(&dir);
+    let paths = [&certs.cert, &certs.key, &certs.ca].map(|p| p.display().to_string());
+    let args = [
+        "--tls-cert",
+        paths[0].as_str(),
+        "--tls-key",
+        paths[1].as_str(),
+        "--tls-ca",
+        paths[2].as_str(),
+    ];
+    let members: Vec<MemberProcess> = (0..2)
+        .map(|_| MemberProcess::start("127.0.0.1:0", &args))
+        .collect();
+    let ca = std::fs::read(&certs.ca).expect("ca");
+    let locations: Vec<String> = members
+        .iter()
+        .map(|m| format!("grpc+tls://{}", m.addr()))
+        .collect();
+    let mut clients = Vec::new();
+    for l in &locations {
+        clients.push(Client::connect_with(l, Some(&ca)).await.expect("connect"));
+    }
+    let ds = "private";
+    let seal = one_partition_each(&mut clients, &locations, ds).await;
+    timed("seal", clients[0].seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal");
+    assert_eq!(
+        ids_of_two_ranks(&mut clients[1], ds).await,
+        (0..2_000).collect::<HashSet<i64>>()
+    );
 }
