@@ -388,10 +388,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
-/// Runs a stream. It waits, on no thread, until the client has taken what
-/// was sent, and only then gathers the next batch on a blocking thread: a
-/// client that stops reading holds no thread, so slow readers cannot
-/// starve others (or spills and training, which share the pool). A gather
+/// Runs a stream. It gathers batches on a blocking thread while the channel
+/// has room, and waits, on no thread, when it is full until the client has
+/// taken some: a client that stops reading holds no thread, so slow readers
+/// cannot starve others (or spills and training, which share the pool). A gather
 /// that panics fails the stream with `INTERNAL`; a client that takes
 /// nothing for `idle` gets `ABORTED` after what was already sent. Neither
 /// ends the stream as if it were complete.
@@ -405,7 +405,7 @@ fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, d
     };
     tokio::spawn(async move {
         loop {
-            let permit = match tokio::time::timeout(idle, tx.reserve()).await {
+            let permit = match tokio::time::timeout(idle, tx.clone().reserve_owned()).await {
                 Ok(Ok(permit)) => permit,
                 // The client hung up.
                 Ok(Err(_)) => return,
@@ -418,35 +418,38 @@ fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, d
                     )));
                 }
             };
+            // Gathers while there is room, as one thread; gives the thread
+            // back when the channel is full.
             let gathered = tokio::task::spawn_blocking(move || {
-                let next =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.next_messages()));
-                (work, next)
-            })
-            .await;
-            let next = match gathered {
-                Ok((back, next)) => {
-                    work = back;
-                    next
-                }
-                Err(e) => {
-                    return fail(Error::Internal(format!(
-                        "this stream of dataset '{dataset}' lost its gather ({e}) and is \
-                         incomplete; read the shard again"
-                    )));
-                }
-            };
-            match next {
-                Ok(None) => return,
-                Ok(Some(item)) => {
+                let mut permit = permit;
+                loop {
+                    let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        work.next_messages()
+                    }));
+                    let item = match next {
+                        Ok(Some(item)) => item,
+                        Ok(None) => return (work, Gathered::Ended),
+                        Err(panic) => return (work, Gathered::Panicked(panic_message(&*panic))),
+                    };
                     let failed = item.is_err();
-                    permit.send(item);
+                    let tx = permit.send(item);
                     if failed {
-                        return;
+                        return (work, Gathered::Ended);
+                    }
+                    match tx.try_reserve_owned() {
+                        Ok(more) => permit = more,
+                        Err(mpsc::error::TrySendError::Full(_)) => return (work, Gathered::Full),
+                        Err(mpsc::error::TrySendError::Closed(_)) => {
+                            return (work, Gathered::Ended);
+                        }
                     }
                 }
-                Err(panic) => {
-                    let what = panic_message(panic.as_ref());
+            })
+            .await;
+            match gathered {
+                Ok((back, Gathered::Full)) => work = back,
+                Ok((_, Gathered::Ended)) => return,
+                Ok((_, Gathered::Panicked(what))) => {
                     tracing::error!(dataset = %dataset, panic = %what, "a read stream's gather panicked");
                     return fail(Error::Internal(format!(
                         "this stream of dataset '{dataset}' failed inside the server ({what}) and \
@@ -454,9 +457,25 @@ fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, d
                          server's log"
                     )));
                 }
+                Err(e) => {
+                    return fail(Error::Internal(format!(
+                        "this stream of dataset '{dataset}' lost its gather ({e}) and is \
+                         incomplete; read the shard again"
+                    )));
+                }
             }
         }
     });
+}
+
+/// How a run of gathering on a blocking thread ended.
+enum Gathered {
+    /// The channel is full: wait for the client.
+    Full,
+    /// The stream is over (done, failed and told, or the client left).
+    Ended,
+    /// A gather panicked, with this message.
+    Panicked(String),
 }
 
 /// A rank's stream from a server that holds the whole dataset.
