@@ -46,6 +46,16 @@ async fn put(
     .map(|ack| ack.rows)
 }
 
+/// A plan of `ds` for `world_size` ranks in batches of `batch_rows`.
+fn plan_rows(ds: &str, world_size: u32, batch_rows: u32) -> ReadPlan {
+    ReadPlan {
+        dataset: ds.into(),
+        world_size,
+        batch_rows,
+        ..Default::default()
+    }
+}
+
 fn plan(ds: &str) -> ReadPlan {
     ReadPlan {
         dataset: ds.into(),
@@ -505,14 +515,8 @@ async fn messages_over_the_size_limit_are_invalid_not_retryable() {
     timed("stats", c.stats()).await.expect("still serving");
     // A read plan whose batches could not be sent is refused when planned.
     sealed_rows(&mut c, "d", 20_000).await;
-    let huge = ReadPlan {
-        dataset: "d".into(),
-        world_size: 1,
-        batch_rows: 1 << 24,
-        ..Default::default()
-    };
     assert_code(
-        c.plan(huge).await,
+        c.plan(plan_rows("d", 1, 1 << 24)).await,
         Code::InvalidArgument,
         &[
             "batch_rows 16777216",
@@ -521,12 +525,7 @@ async fn messages_over_the_size_limit_are_invalid_not_retryable() {
         ],
     );
     let fits = c
-        .plan(ReadPlan {
-            dataset: "d".into(),
-            world_size: 1,
-            batch_rows: 1_000,
-            ..Default::default()
-        })
+        .plan(plan_rows("d", 1, 1_000))
         .await
         .expect("batches that fit");
     assert_eq!(fits.total_rows, 20_000);
@@ -644,17 +643,9 @@ async fn claimed_row_and_partition_counts_cannot_wedge_the_server() {
     )
     .await
     .expect("seal");
-    let planned = timed(
-        "plan 2^40 rows",
-        c.plan(ReadPlan {
-            dataset: "nulls".into(),
-            world_size: 2,
-            batch_rows: 1,
-            ..Default::default()
-        }),
-    )
-    .await
-    .expect("plan");
+    let planned = timed("plan 2^40 rows", c.plan(plan_rows("nulls", 2, 1)))
+        .await
+        .expect("plan");
     assert_eq!(planned.total_rows, 1 << 40);
     assert_eq!(planned.shards[1].rows, 1 << 39);
     assert_eq!(planned.shards[1].batches, 1 << 39);
@@ -734,15 +725,7 @@ fn readers_that_never_read_do_not_starve_the_others() {
         let server = TestServer::start().await;
         let mut c = server.client().await;
         sealed_rows(&mut c, "d", 160_000).await;
-        let plan = c
-            .plan(ReadPlan {
-                dataset: "d".into(),
-                world_size: 8,
-                batch_rows: 1_000,
-                ..Default::default()
-            })
-            .await
-            .expect("plan");
+        let plan = c.plan(plan_rows("d", 8, 1_000)).await.expect("plan");
         // Plain HTTP/2 windows (64 KiB): the server soon has to wait.
         let mut raw = plain_flight(&server).await;
         let mut stalled = Vec::new();
@@ -814,15 +797,7 @@ async fn stalled_streams_end_after_the_idle_timeout() {
     assert_code(c.describe("stalled").await, Code::NotFound, &["'stalled'"]);
 
     sealed_rows(&mut c, "d", 100_000).await;
-    let plan = c
-        .plan(ReadPlan {
-            dataset: "d".into(),
-            world_size: 1,
-            batch_rows: 1_000,
-            ..Default::default()
-        })
-        .await
-        .expect("plan");
+    let plan = c.plan(plan_rows("d", 1, 1_000)).await.expect("plan");
     let mut raw = plain_flight(&server).await;
     let mut stream = raw
         .do_get(Ticket::new(plan.shards[0].ticket.clone()))

@@ -428,31 +428,39 @@ mod tests {
         assert!(ShardOrder::new(EpochOrder::new(10, Shuffle::None, 0, 0), shares, 2).is_err());
     }
 
+    /// A one-rank, unshuffled plan of `batch_rows` batches, split by `split`.
+    fn split_plan(batch_rows: u32, split: Split) -> ReadPlan {
+        ReadPlan {
+            dataset: "d".into(),
+            world_size: 1,
+            epoch: 0,
+            seed: 0,
+            shuffle: Shuffle::None,
+            batch_rows,
+            drop_last: false,
+            columns: vec![],
+            start_sample: 0,
+            split,
+            locality: Locality::Global,
+            ranks_per_node: 0,
+            nodes: vec![],
+            resume_world_size: 0,
+        }
+    }
+
     #[test]
     fn splits_partition_a_ranks_batches() {
         for split_count in 1..5u32 {
             let mut seen = Vec::new();
             let mut total = 0;
             for index in 0..split_count {
-                let plan = ReadPlan {
-                    dataset: "d".into(),
-                    world_size: 1,
-                    epoch: 0,
-                    seed: 0,
-                    shuffle: Shuffle::None,
-                    batch_rows: 10,
-                    drop_last: false,
-                    columns: vec![],
-                    start_sample: 0,
-                    split: Split {
+                let plan = split_plan(
+                    10,
+                    Split {
                         count: split_count,
                         index,
                     },
-                    locality: Locality::Global,
-                    ranks_per_node: 0,
-                    nodes: vec![],
-                    resume_world_size: 0,
-                };
+                );
                 let (rows, _) = plan.stream_size(95);
                 total += rows;
                 seen.extend(plan.stream_batches(95).flatten());
@@ -497,22 +505,7 @@ mod tests {
         fn stream_size_counts_the_streamed_batches(
             rows in 0u64..5_000, batch_rows in 0u32..300, count in 0u32..9, index in 0u32..10,
         ) {
-            let plan = ReadPlan {
-                dataset: "d".into(),
-                world_size: 1,
-                epoch: 0,
-                seed: 0,
-                shuffle: Shuffle::None,
-                batch_rows,
-                drop_last: false,
-                columns: vec![],
-                start_sample: 0,
-                split: Split { count, index },
-                locality: Locality::Global,
-                ranks_per_node: 0,
-                nodes: vec![],
-                resume_world_size: 0,
-            };
+            let plan = split_plan(batch_rows, Split { count, index });
             let counted = plan
                 .stream_batches(rows)
                 .fold((0, 0), |(r, b), range| (r + range.end - range.start, b + 1));
