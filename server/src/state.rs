@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arrow::array::RecordBatch;
+use arrow::buffer::Buffer;
 use arrow::datatypes::Schema;
 use futures::TryStreamExt;
 use tracing::{info, warn};
@@ -322,6 +323,28 @@ impl State {
     ) -> Result<(RecordBatch, u64)> {
         loop {
             match self.arena.copy_batch_in(batch, Some(reservation), what) {
+                Err(Error::ResourceExhausted(msg)) => {
+                    if !self.spill_one(None).await? {
+                        return Err(Error::ResourceExhausted(msg));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// [`Arena::copy_body`] for a writer's message body, making room the
+    /// way [`State::admit`] does.
+    ///
+    /// [`Arena::copy_body`]: crate::memory::arena::Arena::copy_body
+    pub async fn land_body(
+        &self,
+        body: &[u8],
+        mut reservation: Option<&mut Reservation>,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<(Buffer, u64)> {
+        loop {
+            match self.arena.copy_body(body, reservation.as_deref_mut(), what) {
                 Err(Error::ResourceExhausted(msg)) => {
                     if !self.spill_one(None).await? {
                         return Err(Error::ResourceExhausted(msg));

@@ -2,21 +2,20 @@
 //! committed — or nothing at all.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use arrow_flight::FlightData;
 use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
-use arrow_flight::error::FlightError;
 use bytes::Bytes;
 use flightdeck_protos as pb;
-use futures::{FutureExt, StreamExt, TryStreamExt, stream};
+use futures::{FutureExt, StreamExt};
 use tracing::info;
 
 use crate::catalog::AttemptData;
 use crate::convert;
 use crate::error::{Error, Result};
+use crate::memory::arena::Arena;
 use crate::state::State;
 
 /// Checks the writer's `PutCommit` against what arrived.
@@ -42,7 +41,15 @@ fn check_commit_marker(marker: &[u8], rows: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Receives a whole attempt and commits it; any failure stores nothing.
+/// Whether an IPC message header is a record batch's with uncompressed
+/// buffers (one whose body can be decoded in place in the arena).
+fn plain_record_batch(header: &[u8]) -> bool {
+    arrow::ipc::root_as_message(header)
+        .ok()
+        .and_then(|m| m.header_as_record_batch())
+        .is_some_and(|b| b.compression().is_none())
+}
+
 /// What to set aside for a writer that says it sends `bytes`: its buffers
 /// are each padded to 64 bytes in the arena, so a little more.
 fn with_padding(bytes: u64) -> u64 {
@@ -107,32 +114,79 @@ where
         bytes => Some(state.reserve(with_padding(bytes), &what).await?),
     };
 
-    let rest = input.map_err(|status| FlightError::Tonic(Box::new(status)));
+    // Each record batch's body is copied once, into the arena, and decoded
+    // there: the batch is then kept as it came (no second copy, and the
+    // bytes being decoded are already in the budget). Batches that cannot
+    // be kept so (compressed, dictionary-encoded, nulls in fixed-width
+    // columns) are copied into the arena after decoding, and later bodies
+    // of that stream are decoded where they arrived.
+    let (feed, fed) = futures::channel::mpsc::unbounded();
+    let mut decoder = FlightDataDecoder::new(fed);
+    let mut land = true;
+    let mut next_message = Some(first);
     // The app_metadata of the last message seen: the commit marker, if any.
-    let last_metadata = Arc::new(Mutex::new(Bytes::new()));
-    let seen = last_metadata.clone();
-    // Messages without an IPC header only carry a descriptor or app metadata.
-    let messages = stream::once(async { Ok(first) })
-        .chain(rest)
-        .inspect_ok(move |m| {
-            *seen.lock().unwrap_or_else(|p| p.into_inner()) = m.app_metadata.clone();
-        })
-        .try_filter(|m| std::future::ready(!m.data_header.is_empty()));
-    let mut decoder = FlightDataDecoder::new(messages);
+    let mut last_metadata = Bytes::new();
     let mut schema: Option<SchemaRef> = None;
     let mut batches: Vec<RecordBatch> = Vec::new();
     let mut rows = 0u64;
     let mut bytes = 0u64;
     loop {
+        let mut message = match next_message.take() {
+            Some(message) => message,
+            None => match tokio::time::timeout(idle, input.next()).await {
+                Err(_) => return Err(stalled(what())),
+                Ok(None) => break,
+                Ok(Some(Ok(message))) => message,
+                Ok(Some(Err(status))) if status.code() == tonic::Code::OutOfRange => {
+                    // Sending it again would fail again.
+                    return Err(Error::invalid(format!(
+                        "DoPut stream of {}: a message is larger than this server accepts                          ({}); nothing was stored, send the partition in smaller record batches",
+                        what(),
+                        status.message()
+                    )));
+                }
+                Ok(Some(Err(status))) => {
+                    return Err(Error::Aborted(format!(
+                        "DoPut stream of {} broke ({}); nothing was stored, send the attempt \
+                         again",
+                        what(),
+                        status.message()
+                    )));
+                }
+            },
+        };
+        last_metadata = message.app_metadata.clone();
+        // Messages without an IPC header only carry a descriptor or app metadata.
+        if message.data_header.is_empty() {
+            continue;
+        }
+        let mut landed = None;
+        if land && !message.data_body.is_empty() && plain_record_batch(&message.data_header) {
+            let (body, taken) = state
+                .land_body(&message.data_body, reservation.as_mut(), &what)
+                .await?;
+            message.data_body = Bytes::from(body.clone());
+            landed = Some((body, taken));
+        }
+        // The decoder has nothing else to wait for: it decodes this message
+        // now, or it was one (a dictionary) that yields no item.
+        let _ = feed.unbounded_send(Ok(message));
         // Arrow's IPC reader validates what it decodes, but some malformed
         // bodies (buffers past the body, misaligned or overflowing ones)
         // still panic inside it: those are the writer's fault, not ours.
-        let next = AssertUnwindSafe(decoder.next()).catch_unwind();
-        let item = match tokio::time::timeout(idle, next).await {
-            Err(_) => return Err(stalled(what())),
-            Ok(Ok(Some(item))) => item,
-            Ok(Ok(None)) => break,
-            Ok(Err(_)) => {
+        let item = match AssertUnwindSafe(decoder.next())
+            .catch_unwind()
+            .now_or_never()
+        {
+            None => continue,
+            Some(Ok(Some(item))) => item,
+            Some(Ok(None)) => {
+                return Err(Error::Internal(format!(
+                    "the IPC decoder of {} ended before its stream",
+                    what()
+                )));
+            }
+            Some(Err(_)) => {
                 return Err(Error::invalid(format!(
                     "DoPut stream of {} is malformed: a record batch's IPC body does not match \
                      its header (buffers past the body, misaligned or overflowing); nothing was \
@@ -141,31 +195,12 @@ where
                 )));
             }
         };
-        let decoded = match item {
-            Ok(decoded) => decoded,
-            Err(FlightError::Tonic(status)) if status.code() == tonic::Code::OutOfRange => {
-                // Sending it again would fail again.
-                return Err(Error::invalid(format!(
-                    "DoPut stream of {}: a message is larger than this server accepts ({}); \
-                     nothing was stored, send the partition in smaller record batches",
-                    what(),
-                    status.message()
-                )));
-            }
-            Err(FlightError::Tonic(status)) => {
-                return Err(Error::Aborted(format!(
-                    "DoPut stream of {} broke ({}); nothing was stored, send the attempt again",
-                    what(),
-                    status.message()
-                )));
-            }
-            Err(e) => {
-                return Err(Error::invalid(format!(
-                    "DoPut stream of {} is malformed: {e}; nothing was stored",
-                    what()
-                )));
-            }
-        };
+        let decoded = item.map_err(|e| {
+            Error::invalid(format!(
+                "DoPut stream of {} is malformed: {e}; nothing was stored",
+                what()
+            ))
+        })?;
         match decoded.payload {
             DecodedPayload::Schema(s) => {
                 if schema.is_some() {
@@ -180,10 +215,19 @@ where
             DecodedPayload::RecordBatch(batch) => {
                 let more = batch.num_rows() as u64;
                 let total = crate::catalog::add_rows(rows, more, what)?;
-                // Into the arena before it is kept; the decoded copy goes.
-                let (kept, taken) = match reservation.as_mut() {
-                    Some(r) => state.admit_reserved(&batch, r, &what).await?,
-                    None => state.admit(&batch, None, &what).await?,
+                let (kept, taken) = match landed {
+                    Some((body, taken)) if Arena::holds(&body, &batch) => (batch, taken),
+                    landed => {
+                        // Into the arena before it is kept; the decoded copy goes.
+                        if landed.is_some() {
+                            land = false;
+                        }
+                        drop(landed);
+                        match reservation.as_mut() {
+                            Some(r) => state.admit_reserved(&batch, r, &what).await?,
+                            None => state.admit(&batch, None, &what).await?,
+                        }
+                    }
                 };
                 bytes += taken;
                 rows = total;
@@ -199,11 +243,7 @@ where
         ))
     })?;
     if explicit_commit {
-        let marker = last_metadata
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        check_commit_marker(&marker, rows, &what())?;
+        check_commit_marker(&last_metadata, rows, &what())?;
     }
     state.catalog().commit(
         &dataset,
