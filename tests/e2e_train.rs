@@ -221,6 +221,87 @@ async fn checkpoints_resume_over_the_api() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_checkpoints_go_and_memory_ones_count_against_the_budget() {
+    let dir = temp_dir("keep");
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: 16 << 20,
+        checkpoint_root: Some(dir.to_path_buf()),
+        checkpoint_prefixes: vec!["memory://".into()],
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_points(&mut c, "k", 1000, three_classes).await;
+    let mut every_two = job("k");
+    every_two.max_steps = 10;
+    every_two.checkpoint_every = 2;
+    every_two.keep_checkpoints = 2;
+
+    // On disk: the two newest stay.
+    let mut on_disk = every_two.clone();
+    on_disk.checkpoint_url = "run".into();
+    let reports = run_to_end(&mut c, on_disk).await;
+    let written: std::collections::BTreeSet<&str> = reports
+        .iter()
+        .map(|p| p.checkpoint.as_str())
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert_eq!(written.len(), 5, "{written:?}");
+    let mut left: Vec<String> = std::fs::read_dir(dir.join("run"))
+        .expect("the checkpoint folder")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["step-0000000008.safetensors", "step-0000000010.safetensors"]
+    );
+    let size = std::fs::metadata(dir.join("run/step-0000000010.safetensors"))
+        .expect("a checkpoint")
+        .len();
+
+    // In memory: the two newest, in the budget.
+    let before = c.stats().await.expect("stats").memory_used;
+    let mut in_memory = every_two.clone();
+    in_memory.checkpoint_url = "memory://m".into();
+    let last = run_to_end(&mut c, in_memory).await;
+    let after = c.stats().await.expect("stats").memory_used;
+    // (Checkpoints differ by a few bytes of metadata, such as the loss.)
+    assert!(
+        (after - before).abs_diff(2 * size) <= 2 * 64,
+        "{} bytes held for two checkpoints of ~{size}",
+        after - before
+    );
+    // The newest can be resumed from.
+    let mut resumed = every_two.clone();
+    resumed.max_steps = 12;
+    resumed.resume_from = last.last().expect("final").checkpoint.clone();
+    assert_eq!(
+        run_to_end(&mut c, resumed)
+            .await
+            .last()
+            .expect("final")
+            .step,
+        12
+    );
+
+    // A model whose checkpoints do not fit the budget is stopped, and told why.
+    let mut big = every_two;
+    big.hidden = vec![1024, 1024];
+    big.checkpoint_url = "memory://big".into();
+    let stream = c.train(big).await.expect("train starts");
+    let err = stream
+        .try_collect::<Vec<_>>()
+        .await
+        .expect_err("the checkpoint does not fit");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(err.to_string().contains("--checkpoint-root"), "{err}");
+    // (Its first checkpoint fitted, and stays for a resume.)
+    assert!(c.stats().await.expect("stats").memory_used <= 16 << 20);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_jobs_get_invalid_argument_and_hanging_up_cancels() {
     let server = TestServer::start().await;
     let mut c = server.client().await;

@@ -670,6 +670,10 @@ pub fn train_job(body: &[u8], config: &ServerConfig) -> Result<crate::train::Job
         checkpoint_every: j.checkpoint_every,
         resume_from: nonempty(j.resume_from),
         max_steps: j.max_steps,
+        keep_checkpoints: match j.keep_checkpoints {
+            0 => crate::train::DEFAULT_KEEP_CHECKPOINTS,
+            n => n as usize,
+        },
     })
 }
 

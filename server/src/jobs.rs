@@ -171,17 +171,52 @@ impl State {
                 state.jobs.update(id, |s| s.last = p.clone());
                 let _ = tx.send(Ok(p.clone()));
             };
+            // This job's checkpoints, oldest first, with what each holds of
+            // the memory budget (memory:// ones live in this process).
+            let written = Mutex::new(std::collections::VecDeque::new());
+            let in_memory = job
+                .spec
+                .checkpoint_url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("memory:"));
+            let keep = job.spec.keep_checkpoints.max(1);
+            let budget = state.arena().budget().clone();
             let write = |step: u64, c: &Checkpoint| -> Result<String> {
                 let Some((url, (store, dir))) = &checkpoints else {
                     return Err(Error::Internal("no checkpoint store".into()));
                 };
                 let name = format!("step-{step:010}.safetensors");
                 let bytes = c.encode()?;
-                runtime
-                    .block_on(store.put(&dir.clone().join(name.as_str()), PutPayload::from(bytes)))
+                let held = if in_memory { bytes.len() as u64 } else { 0 };
+                budget
+                    .try_take(held, &|| format!("checkpoint {name} in {url}"))
                     .map_err(|e| {
-                        Error::Unavailable(format!("writing checkpoint {name} to {url}: {e}"))
+                        Error::ResourceExhausted(format!(
+                            "{e} (memory:// checkpoints are kept in the server's memory \
+                             budget); write them under --checkpoint-root, or keep fewer \
+                             (keep_checkpoints)"
+                        ))
                     })?;
+                let path = dir.clone().join(name.as_str());
+                if let Err(e) = runtime.block_on(store.put(&path, PutPayload::from(bytes))) {
+                    budget.release(held);
+                    return Err(Error::Unavailable(format!(
+                        "writing checkpoint {name} to {url}: {e}"
+                    )));
+                }
+                let mut written = written.lock().unwrap_or_else(|p| p.into_inner());
+                written.push_back((path, held));
+                while written.len() > keep {
+                    let Some((old, held)) = written.pop_front() else {
+                        break;
+                    };
+                    match runtime.block_on(store.delete(&old)) {
+                        Ok(()) => budget.release(held),
+                        // Left behind, not fatal: the job goes on.
+                        Err(e) => warn!(job = id, checkpoint = %old, error = %e,
+                            "could not delete an old checkpoint"),
+                    }
+                }
                 Ok(format!("{url}/{name}"))
             };
             let hooks = Hooks {

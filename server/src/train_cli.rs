@@ -64,6 +64,10 @@ pub struct TrainArgs {
     /// Checkpoint every N steps (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
+    /// Checkpoints kept (older ones are deleted as newer ones are written);
+    /// 0 = the server's default, 3.
+    #[arg(long, default_value_t = 0)]
+    keep_checkpoints: u32,
     /// Checkpoint file to continue from (as a job's progress names it).
     #[arg(long)]
     resume_from: Option<String>,
@@ -132,6 +136,7 @@ impl TrainArgs {
             checkpoint_every: self.checkpoint_every,
             resume_from: self.resume_from.clone().unwrap_or_default(),
             max_steps: self.max_steps,
+            keep_checkpoints: self.keep_checkpoints,
         })
     }
 }

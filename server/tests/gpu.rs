@@ -243,6 +243,7 @@ fn cuda_training_equals_cpu_training() {
         checkpoint_every: 0,
         resume_from: None,
         max_steps: 100,
+        keep_checkpoints: flightdeck_server::train::DEFAULT_KEEP_CHECKPOINTS,
     };
     // With `placed`, the feature column comes from the device tier.
     let run = |devices: Devices, placed: bool| {

@@ -58,9 +58,13 @@ def test_python_client_trains_and_streams_progress(sealed, tmp_path):
         url = f"file://{sealed.checkpoint_root}/run"
         first = list(
             c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,
-                    checkpoint_url="run", max_steps=50)
+                    checkpoint_url="run", checkpoint_every=20, keep_checkpoints=1, max_steps=50)
         )
         assert first[-1].checkpoint == f"{url}/step-0000000050.safetensors"
+        # Steps 20 and 40 were written, then deleted as newer ones came.
+        assert [p.name for p in (sealed.checkpoint_root / "run").iterdir()] == [
+            "step-0000000050.safetensors"
+        ]
         resumed = list(
             c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,
                     resume_from=first[-1].checkpoint)

@@ -414,6 +414,7 @@ TrainJob = _message(
     Field("checkpoint_every", 19, "uint64"),
     Field("resume_from", 20, "string"),
     Field("max_steps", 21, "uint64"),
+    Field("keep_checkpoints", 22, "uint32"),
 )
 TrainProgress = _message(
     "TrainProgress",

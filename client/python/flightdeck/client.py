@@ -375,11 +375,14 @@ class Client:
         checkpoint_every: int = 0,
         resume_from: str = "",
         max_steps: int = 0,
+        keep_checkpoints: int = 0,
     ) -> Iterator[wire.Message]:
         """Trains a model on a sealed dataset inside the server and yields its
         `TrainProgress` reports; the last has `done` set (and, for
         classification, the training `accuracy`). `classes=None` means
-        regression. Closing the iterator early cancels the job."""
+        regression. Checkpoints go to `checkpoint_url` every `checkpoint_every`
+        steps and at the end; the newest `keep_checkpoints` stay (0 = 3).
+        Closing the iterator early cancels the job."""
         if optimizer not in ("adamw", "sgd"):
             raise InvalidArgument(f"unknown optimizer {optimizer!r}: use 'adamw' or 'sgd'", "INVALID_ARGUMENT")
         job = wire.TrainJob(
@@ -403,6 +406,7 @@ class Client:
             checkpoint_every=checkpoint_every,
             resume_from=resume_from,
             max_steps=max_steps,
+            keep_checkpoints=keep_checkpoints,
         )
         results = translate(
             lambda: self._flight.do_action(flight.Action("train", job.encode()), options=self._options)

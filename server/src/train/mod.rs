@@ -95,7 +95,13 @@ pub struct JobSpec {
     pub resume_from: Option<String>,
     /// Stop after this many steps in total (0 = run every epoch).
     pub max_steps: u64,
+    /// The newest checkpoints of the job kept in `checkpoint_url`; older
+    /// ones are deleted as newer ones are written.
+    pub keep_checkpoints: usize,
 }
+
+/// [`JobSpec::keep_checkpoints`] when the request leaves it 0.
+pub const DEFAULT_KEEP_CHECKPOINTS: usize = 3;
 
 /// The task as the job names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -98,6 +98,7 @@ fn spec(world: u32) -> JobSpec {
         devices: Devices::Cpu(world),
         checkpoint_url: None,
         checkpoint_every: 0,
+        keep_checkpoints: DEFAULT_KEEP_CHECKPOINTS,
         resume_from: None,
         max_steps: 0,
     }
