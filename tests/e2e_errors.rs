@@ -1063,3 +1063,83 @@ async fn tls_serves_clients_that_trust_it_and_no_others() {
     assert!(!untrusted.is_empty());
     server.stop().await;
 }
+
+/// A `DoGet` request as raw HTTP/2: `body` as sent, `encoding` in its
+/// `grpc-encoding` header; the status of its trailers-only answer, and the
+/// answer's headers.
+async fn raw_do_get(
+    uri: &str,
+    body: Vec<u8>,
+    encoding: Option<&str>,
+) -> (tonic::Status, tonic::codegen::http::HeaderMap) {
+    use tonic::codegen::{Service, http};
+    let mut channel = tonic::transport::Channel::from_shared(uri.to_string())
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut request = http::Request::builder()
+        .method("POST")
+        .uri(format!("{uri}/arrow.flight.protocol.FlightService/DoGet"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(e) = encoding {
+        request = request.header("grpc-encoding", e);
+    }
+    let body = String::from_utf8(body).expect("the test's bodies are ASCII");
+    let request = request.body(tonic::body::Body::new(body)).expect("request");
+    std::future::poll_fn(|cx| channel.poll_ready(cx))
+        .await
+        .expect("ready");
+    let response = timed("raw DoGet", channel.call(request))
+        .await
+        .expect("an answer");
+    let headers = response.headers().clone();
+    let status = tonic::Status::from_header_map(&headers).expect("a trailers-only answer");
+    (status, headers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_do_get_requests_get_the_codes_grpc_gives_them() {
+    let server = TestServer::start().await;
+    let uri = server.uri();
+    // One gRPC message holding `Ticket{ticket: "abc"}`, with `flag`.
+    let framed = |flag: u8| {
+        let mut m = vec![flag, 0, 0, 0, 5];
+        m.extend_from_slice(b"\x0a\x03abc");
+        m
+    };
+    // An encoding this server does not take: refused before the body is
+    // read, saying what it takes.
+    let (status, headers) = raw_do_get(&uri, framed(1), Some("gzip")).await;
+    assert_eq!(status.code(), Code::Unimplemented, "{status}");
+    assert!(status.message().contains("`gzip`"), "{status}");
+    assert_eq!(headers["grpc-accept-encoding"], "identity");
+    // Marked compressed without an encoding: a protocol error.
+    let (status, headers) = raw_do_get(&uri, framed(1), None).await;
+    assert_eq!(status.code(), Code::Internal, "{status}");
+    assert!(status.message().contains("no grpc-encoding"), "{status}");
+    assert_eq!(headers["grpc-accept-encoding"], "identity");
+    let (status, _) = raw_do_get(&uri, framed(7), Some("identity")).await;
+    assert_eq!(status.code(), Code::Internal, "{status}");
+    assert!(status.message().contains("flag 7"), "{status}");
+    // Uncompressed, with an identity encoding: read, and the ticket judged.
+    let (status, _) = raw_do_get(&uri, framed(0), Some("identity")).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status}");
+    // Calls the generated service answers say so too.
+    let mut c = server.client().await;
+    let stats = c
+        .flight()
+        .inner_mut()
+        .do_action(arrow_flight::Action::new("stats", Bytes::new()))
+        .await
+        .expect("stats");
+    assert_eq!(
+        stats
+            .metadata()
+            .get("grpc-accept-encoding")
+            .expect("advertised"),
+        "identity"
+    );
+    server.stop().await;
+}

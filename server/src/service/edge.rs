@@ -34,6 +34,34 @@ use crate::state::State;
 const DO_GET: &str = "/arrow.flight.protocol.FlightService/DoGet";
 /// Largest `DoGet` request (a ticket) read.
 const MAX_TICKET_BYTES: usize = 1 << 20;
+/// The message encodings this server accepts: uncompressed only, which
+/// every response says (`grpc-accept-encoding`), as gRPC's compression
+/// negotiation asks.
+const ACCEPT_ENCODING: &str = "identity";
+
+/// Tells the client which message encodings this server accepts.
+fn advertise(mut response: http::Response<Body>) -> http::Response<Body> {
+    response
+        .headers_mut()
+        .entry("grpc-accept-encoding")
+        .or_insert(http::HeaderValue::from_static(ACCEPT_ENCODING));
+    response
+}
+
+/// `UNIMPLEMENTED` when the request says its messages are compressed (as
+/// tonic answers for its own calls).
+fn check_encoding(headers: &http::HeaderMap) -> std::result::Result<(), Status> {
+    match headers.get("grpc-encoding").map(|v| v.as_bytes()) {
+        None | Some(b"identity") => Ok(()),
+        Some(other) => {
+            let shown: String = String::from_utf8_lossy(other).chars().take(64).collect();
+            Err(Status::unimplemented(format!(
+                "the DoGet request is compressed with `{shown}`, which this server does not \
+                 accept; send it uncompressed (grpc-accept-encoding: {ACCEPT_ENCODING})"
+            )))
+        }
+    }
+}
 
 /// The generated Flight service `S`, with `DoGet` answered by hand.
 #[derive(Debug, Clone)]
@@ -92,28 +120,33 @@ where
                 }
                 Err(e) => {
                     let status = Status::from(e);
-                    return Box::pin(async move { Ok(status.into_http()) });
+                    return Box::pin(async move { Ok(advertise(status.into_http())) });
                 }
             }
         }
         if req.uri().path() != DO_GET {
             let fut = self.inner.call(req);
-            return Box::pin(fut);
+            return Box::pin(async move { fut.await.map(advertise) });
+        }
+        if let Err(status) = check_encoding(req.headers()) {
+            return Box::pin(async move { Ok(advertise(status.into_http())) });
         }
         let state = self.state.clone();
         let max_message = self.max_message;
         Box::pin(async move {
-            Ok(match do_get(&state, req.into_body(), max_message).await {
-                Ok(body) => {
-                    let mut response = http::Response::new(Body::new(body));
-                    response.headers_mut().insert(
-                        http::header::CONTENT_TYPE,
-                        http::HeaderValue::from_static("application/grpc"),
-                    );
-                    response
-                }
-                Err(status) => status.into_http(),
-            })
+            Ok(advertise(
+                match do_get(&state, req.into_body(), max_message).await {
+                    Ok(body) => {
+                        let mut response = http::Response::new(Body::new(body));
+                        response.headers_mut().insert(
+                            http::header::CONTENT_TYPE,
+                            http::HeaderValue::from_static("application/grpc"),
+                        );
+                        response
+                    }
+                    Err(status) => status.into_http(),
+                },
+            ))
         })
     }
 }
@@ -150,17 +183,29 @@ async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
 }
 
 /// The `Ticket` of a whole `DoGet` request body: one uncompressed gRPC
-/// message (a flag byte, a 4-byte length, the protobuf).
+/// message (a flag byte, a 4-byte length, the protobuf). A message marked
+/// compressed (the request named no encoding, or it would have been refused
+/// before) is a protocol error, `INTERNAL` as gRPC's compression spec says.
 pub fn parse_ticket_request(buf: &[u8]) -> std::result::Result<Ticket, Status> {
     if buf.len() < 5 {
         return Err(Status::invalid_argument(
             "the DoGet request holds no ticket; send the ticket of a FlightInfo endpoint",
         ));
     }
-    if buf[0] != 0 {
-        return Err(Status::unimplemented(
-            "compressed requests are not supported by this server; send DoGet uncompressed",
-        ));
+    match buf[0] {
+        0 => {}
+        1 => {
+            return Err(Status::internal(
+                "protocol error: the DoGet message is marked compressed but the request names \
+                 no grpc-encoding; send it uncompressed",
+            ));
+        }
+        flag => {
+            return Err(Status::internal(format!(
+                "protocol error: the DoGet message has compression flag {flag} (valid flags are 0 \
+                 and 1)"
+            )));
+        }
     }
     let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
     if buf.len() != 5 + len {
