@@ -4,8 +4,11 @@
 # IPC decode, admission and commit). Needs a nightly toolchain; installs
 # cargo-fuzz on first use.
 #
-#   scripts/fuzz.sh smoke          # each target for 30 s (CI)
+#   scripts/fuzz.sh smoke          # each target for 30 s
 #   scripts/fuzz.sh run N          # each target for N executions
+#
+# CI runs the same targets' bodies (fuzz/targets/) on the stable toolchain:
+# tests/fuzz_smoke.rs replays each corpus and seeded mutations of it.
 #
 # New corpus entries go to a temporary folder; crashes to fuzz/artifacts/.
 set -euo pipefail
