@@ -92,6 +92,17 @@ struct Args {
     /// single server holding every partition.
     #[arg(long, default_value_t = 3)]
     members: usize,
+    /// Serve the started server over TLS with this certificate (PEM); the
+    /// bench's clients trust the file `FLIGHTDECK_TLS_ROOT_CERTS` names.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Start the server with this `--auth-token-file`; the bench's clients
+    /// send the token `FLIGHTDECK_TOKEN` holds.
+    #[arg(long)]
+    auth_token_file: Option<PathBuf>,
 }
 
 /// A server child process, killed on drop.
@@ -261,7 +272,31 @@ async fn run(args: Args) -> Result<(), BoxError> {
             let mut cmd = Command::new(&bin);
             cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
                 .arg(limit.to_string());
-            let server = ChildServer::start(cmd, &format!("flightdeck server {}", bin.display()))?;
+            if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+                if std::env::var_os("FLIGHTDECK_TLS_ROOT_CERTS").is_none() {
+                    return Err(
+                        "--tls-cert: set FLIGHTDECK_TLS_ROOT_CERTS to a certificate the \
+                                clients trust (the same file, for a self-signed one)"
+                            .into(),
+                    );
+                }
+                cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+            }
+            if let Some(tokens) = &args.auth_token_file {
+                if std::env::var_os("FLIGHTDECK_TOKEN").is_none() {
+                    return Err(
+                        "--auth-token-file: set FLIGHTDECK_TOKEN to a writer token of \
+                                that file"
+                            .into(),
+                    );
+                }
+                cmd.arg("--auth-token-file").arg(tokens);
+            }
+            let mut server =
+                ChildServer::start(cmd, &format!("flightdeck server {}", bin.display()))?;
+            if args.tls_cert.is_some() {
+                server.uri = server.uri.replacen("http://", "https://", 1);
+            }
             let uri = server.uri.clone();
             child = Some(server);
             uri
