@@ -65,18 +65,28 @@ const MAX_MESSAGE_BYTES: usize = 1 << 30;
 /// What can go wrong talking to a flightdeck server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The server answered with an error status.
-    #[error("server error {}: {}", .0.code(), .0.message())]
+    /// The server answered with an error status: its message, then the
+    /// code's name, e.g. `no dataset 'd' on this server; … (NotFound)`.
+    #[error("{} ({:?})", .0.message(), .0.code())]
     Status(Box<tonic::Status>),
     /// The connection could not be set up.
     #[error("cannot connect: {0}")]
     Transport(#[from] tonic::transport::Error),
-    /// The Flight stream could not be encoded or decoded.
-    #[error("flight error: {0}")]
+    /// The Flight stream could not be encoded or decoded, or the server
+    /// ended it with an error status (shown as [`ClientError::Status`] is).
+    #[error("{}", flight_text(.0))]
     Flight(FlightError),
     /// The server's reply does not follow the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+}
+
+/// A Flight error for a person: a server status as its message and code.
+fn flight_text(e: &FlightError) -> String {
+    match e {
+        FlightError::Tonic(s) => format!("{} ({:?})", s.message(), s.code()),
+        other => format!("flight error: {other}"),
+    }
 }
 
 impl ClientError {
@@ -632,4 +642,22 @@ fn plan_from_info(info: FlightInfo) -> Result<Plan> {
         total_rows: shards.iter().map(|s| s.rows).sum(),
         shards,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_read_as_the_server_said_them_then_their_code() {
+        let status = tonic::Status::not_found("no dataset 'd' on this server");
+        let direct = ClientError::from(status.clone());
+        assert_eq!(
+            direct.to_string(),
+            "no dataset 'd' on this server (NotFound)"
+        );
+        let streamed = ClientError::Flight(FlightError::Tonic(Box::new(status)));
+        assert_eq!(streamed.to_string(), direct.to_string());
+        assert_eq!(streamed.code(), Code::NotFound);
+    }
 }

@@ -202,8 +202,24 @@ impl ServerConfig {
                 "--tls-cert and --tls-key go together: give both to serve over TLS, or neither",
             ));
         }
-        if self.memory_limit == 0 {
-            return Err(Error::invalid("--memory-limit must be greater than 0"));
+        if self.memory_limit < MIN_MEMORY_LIMIT {
+            return Err(Error::invalid(format!(
+                "--memory-limit {} bytes is less than one slab of the cache ({}); give a unit, \
+                 e.g. --memory-limit {}MiB",
+                self.memory_limit,
+                show_size(MIN_MEMORY_LIMIT),
+                self.memory_limit
+            )));
+        }
+        if let Some(machine) = machine_memory()
+            && self.memory_limit > machine
+        {
+            return Err(Error::invalid(format!(
+                "--memory-limit {} is more than this machine's memory and swap ({}); leave it \
+                 out for half the memory, or give less",
+                show_size(self.memory_limit),
+                show_size(machine)
+            )));
         }
         if self.max_message_bytes < 1 << 20 {
             return Err(Error::invalid("--max-message-size must be at least 1MiB"));
@@ -267,14 +283,46 @@ pub fn default_memory_limit() -> u64 {
 }
 
 fn parse_meminfo_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    meminfo_field(meminfo, "MemTotal:")
+}
+
+/// A `/proc/meminfo` field in bytes.
+fn meminfo_field(meminfo: &str, field: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
 
-/// Parses a byte size: a plain number of bytes or a number with a unit
-/// (`K`, `M`, `G`, `T`, with or without `iB`/`B`; powers of 1024), e.g.
-/// `8GiB`, `512m`, `1.5G`.
+/// The smallest `--memory-limit`: one slab of the smallest size.
+pub const MIN_MEMORY_LIMIT: u64 = 64 << 10;
+
+/// Physical memory plus swap, where the system says.
+fn machine_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let swap = meminfo_field(&meminfo, "SwapTotal:").unwrap_or(0);
+    meminfo_field(&meminfo, "MemTotal:")?.checked_add(swap)
+}
+
+/// `bytes` in the largest binary unit that keeps one decimal, e.g. `8.0GiB`.
+fn show_size(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes}B")
+    } else {
+        format!("{value:.1}{}", units[unit])
+    }
+}
+
+/// Parses a byte size: a plain number of bytes, or a number with a binary
+/// unit (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`: powers of 1024) or a
+/// decimal one (`KB`, `MB`, `GB`, `TB`: powers of 1000), any case, e.g.
+/// `8GiB`, `512m`, `1.5G`, `100MB`.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
     let split = t
@@ -284,19 +332,24 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let value: f64 = num
         .parse()
         .map_err(|_| format!("'{s}' is not a size; write e.g. 8GiB, 512MiB or 1073741824"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "ki" | "kib" => 1024.0,
+        "m" | "mi" | "mib" => 1024f64.powi(2),
+        "g" | "gi" | "gib" => 1024f64.powi(3),
+        "t" | "ti" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
         other => {
             return Err(format!(
-                "unknown size unit '{other}' in '{s}'; use K, M, G or T"
+                "unknown size unit '{other}' in '{s}'; use KiB, MiB, GiB or TiB (powers of 1024) \
+                 or KB, MB, GB, TB (powers of 1000)"
             ));
         }
     };
-    let bytes = value * (1u64 << shift) as f64;
+    let bytes = (value * scale).round();
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("size '{s}' is out of range"));
     }
@@ -385,6 +438,34 @@ mod tests {
         assert_eq!(parse_size("1.5G"), Ok(3 << 29));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("5 parsecs").is_err());
+        // Decimal units mean decimal.
+        assert_eq!(parse_size("8GB"), Ok(8_000_000_000));
+        assert_eq!(parse_size("100MB"), Ok(100_000_000));
+        assert_eq!(parse_size("2Gi"), Ok(2 << 30));
+        let err = parse_size("8 gigs").expect_err("no such unit");
+        assert!(err.contains("GiB") && err.contains("GB"), "{err}");
+        assert!(parse_size("1e30TiB").is_err());
+    }
+
+    #[test]
+    fn memory_limits_below_a_slab_or_above_the_machine_are_refused() {
+        let with = |memory_limit| ServerConfig {
+            memory_limit,
+            ..ServerConfig::default()
+        };
+        let err = with(100).validate().expect_err("100 bytes");
+        assert!(err.to_string().contains("--memory-limit 100MiB"), "{err}");
+        with(MIN_MEMORY_LIMIT).validate().expect("one slab");
+        if let Some(machine) = machine_memory() {
+            let err = with(machine + 1)
+                .validate()
+                .expect_err("more than the machine");
+            assert!(err.to_string().contains("memory and swap"), "{err}");
+            with(machine).validate().expect("all of it");
+        }
+        assert_eq!(show_size(8 << 30), "8.0GiB");
+        assert_eq!(show_size(1536), "1.5KiB");
+        assert_eq!(show_size(100), "100B");
     }
 
     #[test]

@@ -200,7 +200,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e}");
+            // Once, for the person at the terminal (the log has the context).
             eprintln!("flightdeck: {e}");
             ExitCode::FAILURE
         }

@@ -101,4 +101,6 @@ def test_the_train_command(sealed):
         timeout=60,
     )
     assert bad.returncode == 1
-    assert "feature column 'nope' is not in the dataset" in bad.stderr
+    # Said once, as the server said it, with the code's name.
+    assert bad.stderr.count("feature column 'nope' is not in the dataset") == 1, bad.stderr
+    assert "(InvalidArgument)" in bad.stderr, bad.stderr
