@@ -25,9 +25,7 @@ fn partition(p: i64, rows: i64) -> RecordBatch {
 
 #[tokio::main]
 async fn main() -> Result<(), ClientError> {
-    let uri = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "http://127.0.0.1:50051".into());
+    let uri = std::env::args().nth(1).unwrap_or_else(|| "local".into());
     let mut client = Client::connect(&uri).await?;
     // Start from a clean slate when the tour is run twice.
     let _ = client.drop_dataset("tour").await;

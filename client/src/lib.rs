@@ -81,6 +81,88 @@ pub enum ClientError {
     Protocol(String),
 }
 
+/// The port a flightdeck server listens on when a name gives none.
+pub const DEFAULT_PORT: u16 = 50051;
+
+/// The location a server name names, `grpc://HOST:PORT` or
+/// `grpc+tls://HOST:PORT`: `local` (this node's server: the location
+/// `FLIGHTDECK_URI` holds where it is set, else `127.0.0.1`), `local:PORT`,
+/// `HOST`, `HOST:PORT`, IPv6 literals (`[::1]:PORT`, or `::1` without a port),
+/// and `grpc://`, `grpc+tcp://`, `http://`, `grpc+tls://` or `https://`
+/// followed by any of those; [`DEFAULT_PORT`] wherever none is given. The
+/// Python client reads names the same way (one table of cases tests both:
+/// `tests/server_names.tsv`).
+pub fn server_location(name: &str) -> Result<String> {
+    let local = std::env::var("FLIGHTDECK_URI").ok();
+    server_location_with(name, local.as_deref())
+}
+
+/// [`server_location`] with `local` standing for the location in `local`.
+fn server_location_with(name: &str, local: Option<&str>) -> Result<String> {
+    let bad = || {
+        ClientError::Protocol(format!(
+            "'{name}' does not name a server: give host[:port], grpc://host[:port], \
+             grpc+tls://host[:port] or local (the default port is {DEFAULT_PORT})"
+        ))
+    };
+    let name = name.trim();
+    if name == "local" {
+        return match local.map(str::trim) {
+            Some(at) if !at.is_empty() && at != "local" && !at.starts_with("local:") => {
+                server_location_with(at, None)
+            }
+            _ => Ok(format!("grpc://127.0.0.1:{DEFAULT_PORT}")),
+        };
+    }
+    if let Some(port) = name.strip_prefix("local:") {
+        let port = parse_port(port).ok_or_else(bad)?;
+        return Ok(format!("grpc://127.0.0.1:{port}"));
+    }
+    let (scheme, rest) = name.split_once("://").unwrap_or(("grpc", name));
+    let scheme = match scheme {
+        "grpc" | "grpc+tcp" | "http" => "grpc",
+        "grpc+tls" | "https" => "grpc+tls",
+        _ => return Err(bad()),
+    };
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    let (host, port) = split_authority(authority).ok_or_else(bad)?;
+    Ok(format!("{scheme}://{host}:{port}"))
+}
+
+/// A port number: digits only, 1 to 65535.
+fn parse_port(s: &str) -> Option<u16> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok().filter(|&p| p > 0)
+}
+
+/// `HOST[:PORT]` (IPv6 hosts in brackets, or bare without a port) as the
+/// host to put in a URI and the port.
+fn split_authority(a: &str) -> Option<(String, u16)> {
+    if a.is_empty() || a.contains(['/', '?', '#', '@']) || a.contains(char::is_whitespace) {
+        return None;
+    }
+    if let Some(rest) = a.strip_prefix('[') {
+        let (host, after) = rest.split_once(']')?;
+        host.parse::<std::net::Ipv6Addr>().ok()?;
+        let port = match after {
+            "" => DEFAULT_PORT,
+            p => parse_port(p.strip_prefix(':')?)?,
+        };
+        return Some((format!("[{host}]"), port));
+    }
+    if a.matches(':').count() > 1 {
+        a.parse::<std::net::Ipv6Addr>().ok()?;
+        return Some((format!("[{a}]"), DEFAULT_PORT));
+    }
+    match a.split_once(':') {
+        Some(("", _)) => None,
+        Some((host, port)) => Some((host.to_string(), parse_port(port)?)),
+        None => Some((a.to_string(), DEFAULT_PORT)),
+    }
+}
+
 /// A Flight error for a person: a server status as its message and code.
 fn flight_text(e: &FlightError) -> String {
     match e {
@@ -221,18 +303,15 @@ impl Client {
         Self::connect_with(uri, roots.as_deref()).await
     }
 
-    /// Connects to `uri`; `grpc+tls://` and `https://` connect over TLS,
-    /// checking the server's certificate against `tls_root_certs` (PEM).
+    /// Connects to the server `uri` names (any name [`server_location`]
+    /// takes); `grpc+tls://` and `https://` connect over TLS, checking the
+    /// server's certificate against `tls_root_certs` (PEM).
     pub async fn connect_with(uri: impl AsRef<str>, tls_root_certs: Option<&[u8]>) -> Result<Self> {
-        let given = uri.as_ref().to_string();
-        let uri = uri.as_ref();
-        let tls = uri.starts_with("grpc+tls://") || uri.starts_with("https://");
-        let uri = if let Some(rest) = uri.strip_prefix("grpc+tls://") {
-            format!("https://{rest}")
-        } else {
-            uri.strip_prefix("grpc+tcp://")
-                .or_else(|| uri.strip_prefix("grpc://"))
-                .map_or_else(|| uri.to_string(), |rest| format!("http://{rest}"))
+        let given = uri.as_ref().trim().to_string();
+        let location = server_location(&given)?;
+        let (tls, uri) = match location.strip_prefix("grpc+tls://") {
+            Some(rest) => (true, format!("https://{rest}")),
+            None => (false, location.replacen("grpc://", "http://", 1)),
         };
         let mut endpoint = Endpoint::from_shared(uri)?;
         if tls {
@@ -256,7 +335,7 @@ impl Client {
             .connect()
             .await?;
         let client = Self {
-            uri: Some(given),
+            uri: Some(location),
             tls_roots: tls_root_certs.map(<[u8]>::to_vec),
             ..Self::from_channel(channel)
         };
@@ -647,6 +726,29 @@ fn plan_from_info(info: FlightInfo) -> Result<Plan> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_names_read_as_the_shared_table_says() {
+        let table = include_str!("../../tests/server_names.tsv");
+        let mut cases = 0;
+        for line in table.lines().filter(|l| !l.starts_with('#')) {
+            let fields: Vec<&str> = line.split('\t').collect();
+            let [name, local, want] = fields[..] else {
+                panic!("a case is three tab-separated fields: {line:?}");
+            };
+            let local = (local != "-").then_some(local);
+            let got = server_location_with(name, local);
+            match want {
+                "error" => {
+                    let err = got.expect_err(name);
+                    assert!(err.to_string().contains("does not name a server"), "{err}");
+                }
+                want => assert_eq!(got.expect(name), want, "{name:?}"),
+            }
+            cases += 1;
+        }
+        assert!(cases >= 30, "{cases} cases");
+    }
 
     #[test]
     fn errors_read_as_the_server_said_them_then_their_code() {

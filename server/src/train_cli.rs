@@ -9,8 +9,10 @@ use futures::StreamExt;
 /// Flags of `flightdeck train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
-    /// Server to train on.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    /// Server to train on: `local` (this node's: FLIGHTDECK_URI, else
+    /// 127.0.0.1), `host`, `host:port`, `grpc://…` or `grpc+tls://…`; port
+    /// 50051 when none is given.
+    #[arg(long, default_value = "local")]
     server: String,
     /// Sealed dataset.
     #[arg(long)]

@@ -8,6 +8,7 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 import pytest
+from pathlib import Path
 
 import flightdeck
 from conftest import strided_order
@@ -179,12 +180,21 @@ def test_numpy_views_share_arrow_memory():
         to_numpy(batch, "s")
 
 
-def test_uri_forms():
+def test_server_names_read_as_the_shared_table_says():
+    """The same table the Rust client's parser is tested with."""
     from flightdeck.client import normalize_uri
 
-    assert normalize_uri("local") == "grpc://127.0.0.1:50051"
-    assert normalize_uri("local:6000") == "grpc://127.0.0.1:6000"
-    assert normalize_uri("node7:50051") == "grpc://node7:50051"
-    assert normalize_uri("grpc+tcp://node7:1") == "grpc://node7:1"
-    with pytest.raises(flightdeck.InvalidArgument, match="scheme"):
-        normalize_uri("s3://bucket")
+    table = Path(__file__).resolve().parents[1] / "server_names.tsv"
+    cases = 0
+    for line in table.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, local, want = line.split("\t")
+        local = None if local == "-" else local
+        if want == "error":
+            with pytest.raises(flightdeck.InvalidArgument, match="does not name a server"):
+                normalize_uri(name, local if local is not None else "")
+        else:
+            assert normalize_uri(name, local if local is not None else "") == want, name
+        cases += 1
+    assert cases >= 30

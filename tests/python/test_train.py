@@ -78,7 +78,8 @@ def test_python_client_trains_and_streams_progress(sealed, tmp_path):
 def test_the_train_command(sealed):
     run = subprocess.run(
         [
-            str(server_binary()), "train", "--server", sealed.uri.replace("grpc://", "http://"),
+            # host:port, as Python takes it too.
+            str(server_binary()), "train", "--server", sealed.uri.replace("grpc://", ""),
             "--dataset", "blobs", "--features", "features", "--label", "label", "--classes", "3",
             "--hidden", "8", "--lr", "0.02", "--batch-size", "64", "--epochs", "2", "--devices", "cpu:2",
         ],

@@ -4,6 +4,7 @@ read_shard."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence, Union
@@ -38,28 +39,86 @@ _TABLE_CHUNK_ROWS = 65_536
 Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
 
 
-def normalize_uri(uri: str) -> str:
-    """`grpc://host:port` for `host:port`, `grpc://…`, `grpc+tcp://…`, or
-    `local` / `local:PORT`: this node's server — `FLIGHTDECK_URI` where it
-    is set (as a DaemonSet's pod template sets it on every executor and
-    training pod), else loopback."""
-    if uri == "local":
-        target = os.environ.get("FLIGHTDECK_URI", "")
+def normalize_uri(uri: str, local: str | None = None) -> str:
+    """The location a server name names, `grpc://HOST:PORT` or
+    `grpc+tls://HOST:PORT`: `local` (this node's server: the location in
+    `FLIGHTDECK_URI` where it is set, as a DaemonSet's pod template sets it on
+    every executor and training pod, else 127.0.0.1), `local:PORT`, `HOST`,
+    `HOST:PORT`, IPv6 literals (`[::1]:PORT`, or `::1` without a port), and
+    `grpc://`, `grpc+tcp://`, `http://`, `grpc+tls://` or `https://` followed
+    by any of those; port 50051 wherever none is given. The Rust client reads
+    names the same way (one table of cases tests both:
+    `tests/server_names.tsv`). `local` overrides `FLIGHTDECK_URI`."""
+    name = uri.strip()
+
+    def bad() -> InvalidArgument:
+        return InvalidArgument(
+            f"{uri!r} does not name a server: give host[:port], grpc://host[:port], "
+            f"grpc+tls://host[:port] or local (the default port is {DEFAULT_PORT})"
+        )
+
+    if name == "local":
+        target = (os.environ.get("FLIGHTDECK_URI", "") if local is None else local).strip()
         if not target or target == "local" or target.startswith("local:"):
-            target = f"127.0.0.1:{DEFAULT_PORT}"
-        return normalize_uri(target)
-    if uri.startswith("local:"):
-        return f"grpc://127.0.0.1:{uri.split(':', 1)[1]}"
-    if "://" not in uri:
-        return f"grpc://{uri}"
-    scheme, rest = uri.split("://", 1)
-    if scheme in ("http", "grpc", "grpc+tcp"):
-        return f"grpc://{rest}"
-    if scheme in ("https", "grpc+tls"):
-        return f"grpc+tls://{rest}"
-    raise InvalidArgument(
-        f"unsupported URI scheme in {uri!r}: use host:port, grpc://host:port or grpc+tls://host:port"
-    )
+            return f"grpc://127.0.0.1:{DEFAULT_PORT}"
+        return normalize_uri(target, "")
+    if name.startswith("local:"):
+        port = _port(name[len("local:"):])
+        if port is None:
+            raise bad()
+        return f"grpc://127.0.0.1:{port}"
+    scheme, rest = name.split("://", 1) if "://" in name else ("grpc", name)
+    if scheme in ("grpc", "grpc+tcp", "http"):
+        scheme = "grpc"
+    elif scheme in ("grpc+tls", "https"):
+        scheme = "grpc+tls"
+    else:
+        raise bad()
+    authority = rest[:-1] if rest.endswith("/") else rest
+    parts = _split_authority(authority)
+    if parts is None:
+        raise bad()
+    return f"{scheme}://{parts[0]}:{parts[1]}"
+
+
+def _port(s: str) -> int | None:
+    """A port number: digits only, 1 to 65535."""
+    if not s or not all("0" <= c <= "9" for c in s):
+        return None
+    port = int(s)
+    return port if 0 < port < 65536 else None
+
+
+def _ipv6(s: str) -> bool:
+    try:
+        ipaddress.IPv6Address(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_authority(a: str) -> tuple[str, int] | None:
+    """`HOST[:PORT]` (IPv6 hosts in brackets, or bare without a port) as the
+    host to put in a URI and the port."""
+    if not a or any(c in a for c in "/?#@") or any(c.isspace() for c in a):
+        return None
+    if a.startswith("["):
+        host, sep, after = a[1:].partition("]")
+        if not sep or not _ipv6(host):
+            return None
+        if not after:
+            return f"[{host}]", DEFAULT_PORT
+        port = _port(after[1:]) if after.startswith(":") else None
+        return None if port is None else (f"[{host}]", port)
+    if a.count(":") > 1:
+        return (f"[{a}]", DEFAULT_PORT) if _ipv6(a) else None
+    host, sep, port_text = a.partition(":")
+    if not host:
+        return None
+    if not sep:
+        return host, DEFAULT_PORT
+    port = _port(port_text)
+    return None if port is None else (host, port)
 
 
 @dataclass(frozen=True)
@@ -535,8 +594,9 @@ def connect(
     token: str | None = None,
     tls_root_certs: bytes | None = None,
 ) -> Client:
-    """Connects to a flightdeck server: `host:port`, `grpc://host:port`, or
-    `local` for this node's server (`FLIGHTDECK_URI`, else loopback).
+    """Connects to a flightdeck server: `host`, `host:port`, `grpc://…`,
+    `grpc+tls://…`, or `local` for this node's server (`FLIGHTDECK_URI`, else
+    loopback); port 50051 wherever none is given (see `normalize_uri`).
 
     `token` (default: the `FLIGHTDECK_TOKEN` environment variable) is sent as
     a bearer token on every call; servers started with `--auth-token-file`
