@@ -4,6 +4,9 @@ codes, sharded epochs with exact resume, and zero-copy tensors."""
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -155,6 +158,38 @@ def test_split_streams_partition_a_rank(flightdeck_server):
     whole = [b.column("id").to_pylist() for b in ds.iter_batches()]
     parts = [[b.column("id").to_pylist() for b in ds.iter_batches(3, i)] for i in range(3)]
     assert strided_order(parts) == whole
+
+
+def test_a_child_forked_after_the_parent_connected_gets_the_clear_error(flightdeck_server):
+    """A DataLoader worker forked after the parent called len(data): its copy
+    of the parent's connection would hang; it raises within seconds."""
+    client = flightdeck.connect(flightdeck_server.uri)
+    write(client, "fk", [500])
+    ds = ShardedDataset(flightdeck_server.uri, "fk", rank=0, world_size=1, batch_rows=64)
+    assert sum(b.num_rows for b in ds.iter_batches()) == 500  # the parent connects
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit, whatever happens
+        code = 3
+        try:
+            next(iter(ds.iter_batches()))
+        except RuntimeError as e:
+            code = 0 if "forked" in str(e) and "spawn" in str(e) else 2
+        except BaseException:
+            code = 4
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung instead of raising")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    # The parent's connection still works.
+    assert sum(b.num_rows for b in ds.iter_batches()) == 500
 
 
 def test_numpy_views_share_arrow_memory():

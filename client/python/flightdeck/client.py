@@ -248,20 +248,34 @@ class Client:
             )
         self._tls_root_certs = tls_root_certs
         tls = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
-        self._flight = translate(lambda: flight.FlightClient(self.uri, **tls))
-        _CONNECTED_PIDS.add(os.getpid())
+        self._connection = translate(lambda: flight.FlightClient(self.uri, **tls))
+        self._pid = os.getpid()
+        _CONNECTED_PIDS.add(self._pid)
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
         self._timeout, self._headers = timeout, headers
         # Connections to other members, for shards they serve.
         self._members: dict[str, Client] = {}
 
+    @property
+    def _flight(self) -> flight.FlightClient:
+        """The connection, in the process that opened it. A process forked
+        from that one (a DataLoader worker started with `fork`, after the
+        parent touched the dataset) gets the clear error instead: its copy of
+        the connection would hang, and gRPC cannot open a new one after fork
+        either."""
+        if os.getpid() != self._pid:
+            check_not_forked_after_connect()
+        return self._connection
+
     def close(self) -> None:
         """Closes the connection (and those opened to other members)."""
         for member in self._members.values():
             member.close()
         self._members.clear()
-        self._flight.close()
+        # A forked child leaves the parent's connection alone.
+        if os.getpid() == self._pid:
+            self._connection.close()
 
     def __enter__(self) -> Client:
         return self
