@@ -302,6 +302,48 @@ async fn old_checkpoints_go_and_memory_ones_count_against_the_budget() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unwritable_places_fail_before_the_work_not_after() {
+    let dir = temp_dir("unwritable");
+    // A file where a folder would have to be: nothing can be written under it.
+    std::fs::write(dir.join("blocked"), b"a file").expect("write");
+    let err = flightdeck_server::state::State::open(
+        ServerConfig {
+            spill_url: Some(dir.join("blocked/store").display().to_string()),
+            ..test_config()
+        },
+        "grpc://test".into(),
+    )
+    .await
+    .expect_err("the spill store cannot be written");
+    assert!(err.to_string().contains("--spill-url"), "{err}");
+    assert!(err.to_string().contains("blocked/store"), "{err}");
+
+    let server = TestServer::start_with(ServerConfig {
+        checkpoint_root: Some(dir.to_path_buf()),
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_points(&mut c, "u", 500, three_classes).await;
+    let mut j = job("u");
+    j.checkpoint_url = "blocked/run".into();
+    let refused = match c.train(j).await {
+        Err(e) => e,
+        Ok(stream) => stream
+            .try_collect::<Vec<_>>()
+            .await
+            .expect_err("refused before it starts"),
+    };
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
+    assert!(refused.to_string().contains("blocked/run"), "{refused}");
+    assert!(
+        refused.to_string().contains("cannot be written"),
+        "{refused}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_jobs_get_invalid_argument_and_hanging_up_cancels() {
     let server = TestServer::start().await;
     let mut c = server.client().await;

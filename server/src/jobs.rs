@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::error::{Error, Result};
-use crate::memory::spill::open_location;
+use crate::memory::spill::{check_writable, open_location};
 use crate::state::State;
 use crate::train::checkpoint::Checkpoint;
 use crate::train::{Devices, Hooks, Job, JobSpec, Progress};
@@ -127,12 +127,19 @@ impl State {
             None => None,
         };
         let checkpoints = match &job.spec.checkpoint_url {
-            Some(url) => Some((
-                url.trim_end_matches('/').to_string(),
-                open_location(url, true).map_err(|e| {
+            Some(url) => {
+                let (store, dir) = open_location(url, true).map_err(|e| {
                     Error::invalid(format!("checkpoint_url '{url}' is not usable: {e}"))
-                })?,
-            )),
+                })?;
+                // Now, not at the first checkpoint minutes in.
+                check_writable(store.as_ref(), &dir).await.map_err(|e| {
+                    Error::invalid(format!(
+                        "checkpoint_url '{url}' cannot be written: {e}; give a folder under \
+                         --checkpoint-root this server may write"
+                    ))
+                })?;
+                Some((url.trim_end_matches('/').to_string(), (store, dir)))
+            }
             None => None,
         };
         let id = self.jobs.next.fetch_add(1, Ordering::Relaxed) + 1;

@@ -163,6 +163,7 @@ impl State {
         };
         let peer_roots = crate::peer_roots(&config)?;
         let store = Store::open(&config.spill_url())?;
+        store.check_writable().await?;
         let cuda = if config.use_cuda {
             CudaHost::probe()
         } else {

@@ -147,6 +147,30 @@ fn cloud_options() -> Vec<(String, String)> {
         .collect()
 }
 
+/// How long [`check_writable`] waits for a store's answer.
+pub const WRITE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Writes and deletes a small object under `dir` of `store`: whether
+/// anything can be written there, checked before work that would write there
+/// much later (a server's spills, a job's checkpoints). The reason when not.
+pub async fn check_writable(
+    store: &dyn ObjectStore,
+    dir: &Path,
+) -> std::result::Result<(), String> {
+    let probe = dir.clone().join(".flightdeck-write-check");
+    let round_trip = async {
+        store
+            .put(&probe, PutPayload::from_static(b"flightdeck"))
+            .await?;
+        store.delete(&probe).await
+    };
+    match tokio::time::timeout(WRITE_CHECK_TIMEOUT, round_trip).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {WRITE_CHECK_TIMEOUT:?}")),
+    }
+}
+
 impl Store {
     /// Opens the store at `url`: `file:///abs/dir`, `memory://`, `s3://bucket/prefix`,
     /// `gs://…`, `az://…` (credentials from the environment), or a plain
@@ -168,6 +192,20 @@ impl Store {
             session: format!("{}-{nanos}", std::process::id()),
             url: url.to_string(),
         })
+    }
+
+    /// Fails, naming the URL, when nothing can be written under the store's
+    /// root (checked at server start, not at the first spill).
+    pub async fn check_writable(&self) -> Result<()> {
+        check_writable(self.store.as_ref(), &self.root)
+            .await
+            .map_err(|e| {
+                Error::invalid(format!(
+                    "--spill-url '{}' cannot be written: {e}; give a folder or prefix this \
+                     server may write",
+                    self.url
+                ))
+            })
     }
 
     /// The URL it was opened with.
