@@ -23,10 +23,16 @@ pub struct TrainArgs {
     /// Label column.
     #[arg(long)]
     label: String,
-    /// Classes of a classification task (integer labels in 0..classes).
-    #[arg(long, conflicts_with = "regression")]
+    /// Classes of a classification task (integer labels 0 ≤ label <
+    /// classes). One of --classes and --regression is required.
+    #[arg(
+        long,
+        conflicts_with = "regression",
+        required_unless_present = "regression"
+    )]
     classes: Option<u32>,
-    /// Regression (squared error) instead of classification.
+    /// Regression (squared error on a numeric label) instead of
+    /// classification. One of --classes and --regression is required.
     #[arg(long)]
     regression: bool,
     /// Hidden layer sizes of an MLP, comma-separated; none = linear.
@@ -73,7 +79,7 @@ pub struct TrainArgs {
     /// Checkpoint file to continue from (as a job's progress names it).
     #[arg(long)]
     resume_from: Option<String>,
-    /// Stop after this many steps in total.
+    /// Stop after this many steps in total (0: run every epoch).
     #[arg(long, default_value_t = 0)]
     max_steps: u64,
 }
@@ -149,8 +155,13 @@ fn line(p: &TrainProgress) -> String {
         .checked_div(p.total_steps)
         .unwrap_or(0)
         .min(width as u64) as usize;
+    let checkpoint = if p.checkpoint.is_empty() {
+        String::new()
+    } else {
+        format!(" checkpoint {}", p.checkpoint)
+    };
     format!(
-        "[{}{}] step {}/{} epoch {} loss {:.4} {:.0} samples/s data stall {:.0}%",
+        "[{}{}] step {}/{} epoch {} loss {:.4} {:.0} samples/s data stall {:.0}%{checkpoint}",
         "#".repeat(filled),
         "-".repeat(width - filled),
         p.step,

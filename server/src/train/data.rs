@@ -116,7 +116,8 @@ impl TrainData {
             {
                 return Err(Error::invalid(format!(
                     "label column '{label}' holds {v} at row {}, outside the {classes} \
-                     classes 0..{classes}",
+                     classes (0 ≤ label < {classes}); give --classes/classes as one more than \
+                     the largest label",
                     rows + row as u64
                 )));
             }

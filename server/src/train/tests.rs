@@ -344,7 +344,7 @@ fn bad_jobs_are_refused_before_they_start() {
     refuse(&|s| s.label = "missing".into(), "label column 'missing'");
     refuse(
         &|s| s.task = TaskSpec::Classification(2),
-        "outside the 2 classes",
+        "outside the 2 classes (0 ≤ label < 2)",
     );
     refuse(
         &|s| s.label = "target".into(),
