@@ -89,7 +89,12 @@ async fn cut_off_attempt(server: &TestServer, ids: std::ops::Range<i64>) {
         .await
         .expect("writer task")
         .expect_err("a cut stream cannot succeed");
-    assert_ne!(err.code(), tonic::Code::Ok);
+    // The connection broke under it (how tonic reports a broken pipe), not
+    // a verdict of the server's.
+    assert!(
+        matches!(err.code(), tonic::Code::Unknown | tonic::Code::Unavailable),
+        "{err:?}"
+    );
     wait_for(&mut probe, "freeing the cut-off attempt", |used| used == 0).await;
     let err = probe
         .describe(DATASET)

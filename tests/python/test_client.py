@@ -192,6 +192,23 @@ def test_a_child_forked_after_the_parent_connected_gets_the_clear_error(flightde
     assert sum(b.num_rows for b in ds.iter_batches()) == 500
 
 
+def test_dataset_info_prints_readably(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    write(client, "pr", [300, 200])
+    info = client.describe("pr")
+    lines = str(info).splitlines()
+    assert lines[0] == (
+        f"dataset 'pr': sealed, 500 rows, {info.bytes:,} bytes in memory, 2 partitions"
+    ), lines[0]
+    assert lines[1:] == str(mixed_table(range(1)).schema).splitlines()[: len(lines) - 1]
+    shown = repr(info)
+    assert "state=DATASET_STATE_SEALED" in shown and "schema=<" in shown, shown
+    assert len(shown) < 800, shown
+    # An open dataset, before anything was sealed.
+    client.put_partition("open", 0, mixed_table(range(10)))
+    assert str(client.describe("open")).startswith("dataset 'open': open, 10 rows")
+
+
 def test_numpy_views_share_arrow_memory():
     table = mixed_table(range(10, 20))
     batch = table.to_batches()[0]

@@ -123,7 +123,7 @@ def test_spark_modes(flightdeck_server, spark):
     writer(spark.range(30, numPartitions=3), "overwrite")
     client = flightdeck.connect(uri)
     assert client.describe("m").rows == 30
-    with pytest.raises(Exception, match="dataset"):
+    with pytest.raises(Exception, match=r"set the dataset to write: \.option\('dataset', NAME\)"):
         small.write.format("flightdeck").option("uri", uri).mode("overwrite").save()
 
 

@@ -55,6 +55,10 @@ def test_python_client_trains_and_streams_progress(sealed, tmp_path):
             list(c.train("blobs", ["features"], "label", classes=3, batch_size=100,
                          checkpoint_url=f"file://{tmp_path}"))
 
+        # One feature column may be named as a string.
+        assert list(c.train("blobs", "features", "label", classes=3, batch_size=100,
+                            max_steps=2))[-1].done
+
         url = f"file://{sealed.checkpoint_root}/run"
         first = list(
             c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3,

@@ -95,8 +95,7 @@ class Message:
         )
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in self.FIELDS)
-        return f"{self.NAME}({parts})"
+        return f"{self.NAME}({', '.join(f'{f.name}={_shown(f, getattr(self, f.name))}' for f in self.FIELDS)})"
 
     def encode(self) -> bytes:
         """The message's protobuf encoding."""
@@ -184,6 +183,16 @@ class Message:
     @classmethod
     def FromString(cls, data: bytes) -> Message:  # noqa: N802 - protobuf spelling
         return cls.decode(data)
+
+
+def _shown(field: Field, value: Any) -> str:
+    """A field's value for reading: enums by name, long bytes by length."""
+    if field.kind == "enum" and not field.repeated:
+        names = {number: name for name, number in ENUMS.get(field.message or "", {}).items()}
+        return names.get(value, repr(value))
+    if field.kind == "bytes" and len(value) > 32:
+        return f"<{len(value)} bytes>"
+    return repr(value)
 
 
 def _message(name: str, *fields: Field) -> type[Message]:

@@ -179,6 +179,33 @@ def dataset_schema(info: wire.Message) -> pa.Schema | None:
     return pa.ipc.read_schema(pa.py_buffer(info.schema))
 
 
+def _describe_dataset(info: wire.Message) -> str:
+    """`print(info)` of a `DatasetInfo`: one summary line, then the schema as
+    Arrow prints it."""
+    state = {wire.DATASET_STATE_OPEN: "open", wire.DATASET_STATE_SEALED: "sealed"}.get(
+        info.state, "unknown state"
+    )
+    where = []
+    if info.spilled:
+        where.append("spilled")
+    if info.persisted:
+        where.append("persisted")
+    if info.placements:
+        where.append(f"on GPUs {sorted(p.device for p in info.placements)}")
+    if info.layout is not None:
+        where.append(f"across {len(info.layout.members)} servers")
+    line = (
+        f"dataset {info.dataset!r}: {state}, {info.rows:,} rows, {info.bytes:,} bytes in memory, "
+        f"{info.committed_partitions} partitions" + "".join(f", {w}" for w in where)
+    )
+    schema = dataset_schema(info)
+    return line if schema is None else f"{line}\n{schema.to_string(show_schema_metadata=False)}"
+
+
+# What `seal()`, `describe()`, `place()` and `evict()` return prints readably.
+wire.DatasetInfo.__str__ = _describe_dataset  # type: ignore[method-assign]
+
+
 def _expected(data: Data) -> tuple[int, int]:
     """Bytes and rows `data` will send, where it holds them already (a
     table, a batch or a list of batches); 0, 0 for a stream."""
@@ -456,6 +483,8 @@ class Client:
         regression. Checkpoints go to `checkpoint_url` every `checkpoint_every`
         steps and at the end; the newest `keep_checkpoints` stay (0 = 3).
         Closing the iterator early cancels the job."""
+        if isinstance(features, str):
+            features = [features]  # one column, not its letters
         if optimizer not in ("adamw", "sgd"):
             raise InvalidArgument(f"unknown optimizer {optimizer!r}: use 'adamw' or 'sgd'", "INVALID_ARGUMENT")
         job = wire.TrainJob(
