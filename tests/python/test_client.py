@@ -207,6 +207,10 @@ def test_dataset_info_prints_readably(flightdeck_server):
     # An open dataset, before anything was sealed.
     client.put_partition("open", 0, mixed_table(range(10)))
     assert str(client.describe("open")).startswith("dataset 'open': open, 10 rows")
+    # Advice in this client's terms, not Flight's.
+    with pytest.raises(flightdeck.NotFound, match=r"client\.list_datasets\(\)") as info:
+        client.describe("nope")
+    assert "ListFlights" not in str(info.value)
 
 
 def test_numpy_views_share_arrow_memory():

@@ -141,13 +141,29 @@ _PATTERN = re.compile(
 )
 
 
+#: Advice the server gives in Flight's words, as a Python user acts on it.
+_IN_PYTHON_TERMS = {
+    "write it with DoPut, or list datasets with ListFlights": (
+        "write it with client.put_partition(), or list datasets with client.list_datasets()"
+    ),
+    "call GetFlightInfo again": "plan again (client.plan())",
+}
+
+
+def in_python_terms(message: str) -> str:
+    """`message` with the server's protocol advice said as this client's calls."""
+    for flight_words, python_words in _IN_PYTHON_TERMS.items():
+        message = message.replace(flight_words, python_words)
+    return message
+
+
 def from_exception(exc: BaseException) -> FlightDeckError:
     """The :class:`FlightDeckError` for an exception raised by pyarrow."""
     text = str(exc)
     m = _PATTERN.search(text)
     if m:
         code = _PYARROW_NAMES.get(m.group("name"), "UNKNOWN")
-        message = m.group("msg")
+        message = in_python_terms(m.group("msg"))
     elif isinstance(exc, flight.FlightUnavailableError):
         code, message = "UNAVAILABLE", text
     elif isinstance(exc, flight.FlightCancelledError):
