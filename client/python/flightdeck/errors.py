@@ -147,6 +147,9 @@ _IN_PYTHON_TERMS = {
         "write it with client.put_partition(), or list datasets with client.list_datasets()"
     ),
     "call GetFlightInfo again": "plan again (client.plan())",
+    "read the dataset with DoGet instead": (
+        "read the dataset with ShardedDataset or client.read_shard() instead"
+    ),
 }
 
 
