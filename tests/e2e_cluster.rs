@@ -620,7 +620,7 @@ async fn a_killed_member_is_unavailable_and_a_restart_resumes_the_epoch() {
         }
     };
     assert!(
-        died.elapsed() < Duration::from_secs(10),
+        died.elapsed() < flightdeck_tests::scaled(Duration::from_secs(10)),
         "{:?}",
         died.elapsed()
     );

@@ -52,7 +52,7 @@ async fn live_bytes(client: &mut Client) -> u64 {
 }
 
 async fn wait_for(client: &mut Client, what: &str, pred: impl Fn(u64) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + flightdeck_tests::scaled(Duration::from_secs(30));
     loop {
         let used = live_bytes(client).await;
         if pred(used) {

@@ -334,7 +334,8 @@ async fn a_reader_that_hangs_up_lets_go_of_the_dataset() {
     );
     drop(stream);
     drop(reader);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline =
+        std::time::Instant::now() + flightdeck_tests::scaled(std::time::Duration::from_secs(10));
     loop {
         let stats = c.stats().await.expect("stats");
         if stats.host_live_bytes == 0 {

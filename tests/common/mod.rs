@@ -22,15 +22,28 @@ use flightdeck_server::{ServeError, ServerConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// Upper bound for any single step of a test; a hung server fails the test
-/// instead of hanging CI.
+/// Upper bound for any single step of a test on this machine (see
+/// [`scaled`]); a hung server fails the test instead of hanging CI.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs `f` under [`STEP_TIMEOUT`].
+/// `d` times `FLIGHTDECK_TEST_TIME_SCALE` (default 1): every wall-clock
+/// bound in the tests goes through it, so a slower machine (or a sanitizer
+/// build) scales them all with one variable instead of failing.
+pub fn scaled(d: Duration) -> Duration {
+    let scale = std::env::var("FLIGHTDECK_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(1.0);
+    d.mul_f64(scale)
+}
+
+/// Runs `f` under [`STEP_TIMEOUT`], [`scaled`].
 pub async fn timed<T>(what: &str, f: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(STEP_TIMEOUT, f).await {
+    let limit = scaled(STEP_TIMEOUT);
+    match tokio::time::timeout(limit, f).await {
         Ok(v) => v,
-        Err(_) => panic!("{what} did not finish within {STEP_TIMEOUT:?}"),
+        Err(_) => panic!("{what} did not finish within {limit:?}"),
     }
 }
 
@@ -475,7 +488,7 @@ impl MemberProcess {
                 }
             }
         });
-        let addr = match rx.recv_timeout(STEP_TIMEOUT) {
+        let addr = match rx.recv_timeout(scaled(STEP_TIMEOUT)) {
             Ok(a) => a.parse().expect("address"),
             Err(_) => {
                 let _ = child.kill();
@@ -523,7 +536,7 @@ impl MemberProcess {
         let listen = self.addr.to_string();
         let extra: Vec<&str> = self.args[3..].iter().map(String::as_str).collect();
         // The port may linger briefly after the kill.
-        let deadline = std::time::Instant::now() + STEP_TIMEOUT;
+        let deadline = std::time::Instant::now() + scaled(STEP_TIMEOUT);
         loop {
             if std::net::TcpListener::bind(self.addr).is_ok() {
                 break;

@@ -19,7 +19,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 30
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` times `FLIGHTDECK_TEST_TIME_SCALE` (default 1): every
+    wall-clock bound in the tests goes through it, so a slower machine
+    scales them all with one variable instead of failing."""
+    try:
+        scale = float(os.environ.get("FLIGHTDECK_TEST_TIME_SCALE", "1"))
+    except ValueError:
+        scale = 1.0
+    return seconds * (scale if scale > 0 else 1.0)
+
+
+START_TIMEOUT_S = scaled(30)
 
 
 def strided_order(per_rank: list[list], count: int | None = None) -> list:
@@ -86,7 +99,7 @@ class RunningServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=scaled(15))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

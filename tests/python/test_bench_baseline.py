@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, scaled
 
 
 def test_pyarrow_baseline_runs_the_same_workload(tmp_path):
@@ -22,7 +22,7 @@ def test_pyarrow_baseline_runs_the_same_workload(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())["results"]

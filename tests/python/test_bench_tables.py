@@ -8,7 +8,7 @@ import importlib.util
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, scaled
 
 
 def load_tables():
@@ -23,7 +23,7 @@ def test_the_documents_tables_match_the_runs():
         [sys.executable, str(REPO / "bench" / "tables.py"), "--check"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
 

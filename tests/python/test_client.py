@@ -14,7 +14,7 @@ import pytest
 from pathlib import Path
 
 import flightdeck
-from conftest import strided_order
+from conftest import strided_order, scaled
 from flightdeck import ShardedDataset, to_numpy
 
 
@@ -177,7 +177,7 @@ def test_a_child_forked_after_the_parent_connected_gets_the_clear_error(flightde
         except BaseException:
             code = 4
         os._exit(code)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer
+from conftest import RunningServer, scaled
 from flightdeck import ShardedDataset
 from flightdeck import _wire as wire
 
@@ -222,7 +222,7 @@ def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        out, err = p.communicate(timeout=scaled(300))
         assert p.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert len({r["steps"] for r in results}) == 1, "equal steps on every rank"

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from conftest import strided_order
+from conftest import strided_order, scaled
 
 SIZES = [300, 0, 1, 250, 777, 64]
 
@@ -266,16 +266,16 @@ def test_writer_killed_mid_stream_leaves_nothing(flightdeck_server, pb):
     )
     try:
         assert child.stdout.readline().strip() == "sent"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while action(client, pb, "stats", None, pb.ServerStats).host_live_bytes == 0:
             assert time.monotonic() < deadline, "the server never staged the attempt"
             time.sleep(0.02)
         child.stdin.write("\n")
         child.stdin.flush()
-        assert child.wait(timeout=30) == 1
+        assert child.wait(timeout=scaled(30)) == 1
     finally:
         child.kill()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while action(client, pb, "stats", None, pb.ServerStats).host_live_bytes != 0:
         assert time.monotonic() < deadline, "the broken attempt was never freed"
         time.sleep(0.02)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 import flightdeck
-from conftest import server_binary
+from conftest import server_binary, scaled
 
 
 def three_classes(n: int, seed: int) -> pa.Table:
@@ -89,7 +89,7 @@ def test_the_train_command(sealed):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert run.returncode == 0, run.stderr
     assert "step 124/124" in run.stderr  # a progress line per report on a pipe
@@ -103,7 +103,7 @@ def test_the_train_command(sealed):
          "--dataset", "blobs", "--features", "nope", "--label", "label", "--classes", "3"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert bad.returncode == 1
     # Said once, as the server said it, with the code's name.
