@@ -10,6 +10,18 @@ use tonic::{Code, Status};
 /// Result with the server's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Which partitions a seal found without a committed attempt, in words:
+/// `partition 1 has`, or `3 partitions have … (the first: [..])`.
+fn missing_text(count: u64, first: &[u32]) -> String {
+    match first {
+        [one] if count == 1 => format!("partition {one} has no committed attempt"),
+        _ if count == first.len() as u64 => {
+            format!("partitions {first:?} have no committed attempt")
+        }
+        _ => format!("{count} partitions have no committed attempt (the first: {first:?})"),
+    }
+}
+
 /// Everything that can go wrong serving a request.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -59,9 +71,9 @@ pub enum Error {
 
     /// Seal found partitions missing.
     #[error(
-        "cannot seal dataset '{dataset}': expected {expected} partitions but {count} have no \
-         committed attempt (the first: {missing:?}); write them, or seal with the right partition \
-         count"
+        "cannot seal dataset '{dataset}': expected {expected} partitions but {}; write them, or \
+         seal with the right partition count",
+        missing_text(*count, missing)
     )]
     MissingPartitions {
         /// The dataset being sealed.

@@ -184,7 +184,7 @@ def test_errors_keep_their_codes(flightdeck_server, pb):
         put(client, pb, "e", 0, 0, partition_table(range(10), 0))
     with grpc_error("FAILED_PRECONDITION", "not sealed"):
         read_plan(client, pb, dataset="e", world_size=1)
-    with grpc_error("FAILED_PRECONDITION", r"2 have no committed attempt \(the first: \[1, 2\]\)"):
+    with grpc_error("FAILED_PRECONDITION", r"partitions \[1, 2\] have no committed attempt"):
         action(client, pb, "seal", pb.SealDataset(dataset="e", partitions=3), pb.DatasetInfo)
     with grpc_error("NOT_FOUND", "'missing' does not exist"):
         action(client, pb, "describe", pb.DescribeDataset(dataset="missing"), pb.DatasetInfo)
