@@ -140,7 +140,8 @@ where
                 Ok(Some(Err(status))) if status.code() == tonic::Code::OutOfRange => {
                     // Sending it again would fail again.
                     return Err(Error::invalid(format!(
-                        "DoPut stream of {}: a message is larger than this server accepts                          ({}); nothing was stored, send the partition in smaller record batches",
+                        "DoPut stream of {}: a message is larger than this server accepts ({}); \
+                         nothing was stored, send the partition in smaller record batches",
                         what(),
                         status.message()
                     )));
