@@ -23,8 +23,8 @@ use flightdeck_client::{
     SealDataset, ServerStats, Shuffle,
 };
 use flightdeck_tests::{
-    MemberProcess, TestServer, batch, check_batch, layout, partition_batches, raw_bytes, schema,
-    temp_dir, timed,
+    MemberProcess, TestServer, batch, check_batch, layout, partition_batches, raw_bytes, read_all,
+    schema, temp_dir, timed,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -188,16 +188,6 @@ fn plan(ds: &str, world_size: u32, shuffle: Shuffle, epoch: u64) -> ReadPlan {
         block_rows: 7,
         ..Default::default()
     }
-}
-
-/// Every shard of `p`, each read from the member its endpoint names.
-async fn read_all(c: &mut Client, p: &flightdeck_client::Plan) -> Vec<Vec<RecordBatch>> {
-    let mut out = Vec::new();
-    for shard in &p.shards {
-        let stream = timed("read", c.read_shard(shard)).await.expect("read");
-        out.push(timed("rows", stream.try_collect()).await.expect("rows"));
-    }
-    out
 }
 
 /// The raw bytes of every rank of `plan`, each read where its endpoint says.
@@ -695,22 +685,12 @@ async fn ids_of_two_ranks(c: &mut Client, ds: &str) -> HashSet<i64> {
         })
         .await
         .expect("plan");
-    let mut seen = HashSet::new();
-    for shard in &plan.shards {
-        let batches: Vec<RecordBatch> = timed("read", async {
-            c.read_shard(shard)
-                .await
-                .expect("read")
-                .try_collect()
-                .await
-                .expect("batches")
-        })
-        .await;
-        for b in &batches {
-            seen.extend(check_batch(b, &|_| 0));
-        }
-    }
-    seen
+    read_all(c, &plan)
+        .await
+        .iter()
+        .flatten()
+        .flat_map(|b| check_batch(b, &|_| 0))
+        .collect()
 }
 
 /// Members started with a token file send its writer token on their calls

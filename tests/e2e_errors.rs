@@ -9,7 +9,7 @@ use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
 use flightdeck_client::{Client, ClientError, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
-use flightdeck_tests::{TestServer, check_batch, partition_batches, schema, timed};
+use flightdeck_tests::{TestServer, check_batch, partition_batches, read_all, schema, timed};
 use futures::{StreamExt, TryStreamExt, stream};
 use prost::Message;
 use std::sync::Arc;
@@ -433,17 +433,12 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         })
         .await
         .expect("plan");
-    let mut ids = Vec::new();
-    for shard in &p.shards {
-        let batches: Vec<RecordBatch> = c
-            .read_shard(shard)
-            .await
-            .expect("read")
-            .try_collect()
-            .await
-            .expect("batches");
-        ids.extend(batches.iter().flat_map(|b| check_batch(b, &|_| 0)));
-    }
+    let mut ids: Vec<i64> = read_all(&mut c, &p)
+        .await
+        .iter()
+        .flatten()
+        .flat_map(|b| check_batch(b, &|_| 0))
+        .collect();
     ids.sort_unstable();
     assert_eq!(ids, (0..10).collect::<Vec<_>>());
     server.stop().await;
@@ -1023,17 +1018,12 @@ async fn tls_serves_clients_that_trust_it_and_no_others() {
     .await
     .expect("seal");
     let p = c.plan(plan("d")).await.expect("plan");
-    let mut rows = 0;
-    for shard in &p.shards {
-        let batches: Vec<RecordBatch> = c
-            .read_shard(shard)
-            .await
-            .expect("read")
-            .try_collect()
-            .await
-            .expect("batches");
-        rows += batches.iter().map(RecordBatch::num_rows).sum::<usize>();
-    }
+    let rows: usize = read_all(&mut c, &p)
+        .await
+        .iter()
+        .flatten()
+        .map(RecordBatch::num_rows)
+        .sum();
     assert_eq!(rows, 500);
     let stats = c.stats().await.expect("stats");
     assert_eq!(stats.location, uri, "the server advertises TLS");

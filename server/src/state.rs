@@ -235,18 +235,18 @@ impl State {
         self.cuda.as_ref()
     }
 
-    /// Copies `batch` into the arena. When the budget is full (idle slabs
-    /// already given back), least-recently-read sealed datasets (other than
-    /// `except`) are spilled one by one; when nothing is left to spill the
-    /// arena's `ResourceExhausted` stands.
-    pub async fn admit(
+    /// Runs `attempt` (an arena allocation) until it fits: when the budget
+    /// is full (idle slabs already given back), packed copies are given up
+    /// and least-recently-read sealed datasets (other than `except`) are
+    /// spilled one by one; when nothing is left to spill the arena's
+    /// `ResourceExhausted` stands.
+    async fn with_room<T>(
         &self,
-        batch: &RecordBatch,
         except: Option<&str>,
-        what: &(dyn Fn() -> String + Sync),
-    ) -> Result<(RecordBatch, u64)> {
+        mut attempt: impl FnMut() -> Result<T>,
+    ) -> Result<T> {
         loop {
-            match self.arena.copy_batch(batch, what) {
+            match attempt() {
                 Err(Error::ResourceExhausted(msg)) => {
                     if !self.spill_one(except).await? {
                         return Err(Error::ResourceExhausted(msg));
@@ -255,6 +255,22 @@ impl State {
                 other => return other,
             }
         }
+    }
+
+    /// Copies `batch` into the arena, drawing on `reservation` first, making
+    /// room as [`State::with_room`] does.
+    pub async fn admit(
+        &self,
+        batch: &RecordBatch,
+        except: Option<&str>,
+        mut reservation: Option<&mut Reservation>,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<(RecordBatch, u64)> {
+        self.with_room(except, || {
+            self.arena
+                .copy_batch_in(batch, reservation.as_deref_mut(), what)
+        })
+        .await
     }
 
     /// Sets `bytes` of the budget aside for one writer that said its size:
@@ -314,28 +330,8 @@ impl State {
         ))
     }
 
-    /// [`State::admit`] for a writer holding `reservation`: its batches
-    /// draw on what it set aside first.
-    pub async fn admit_reserved(
-        &self,
-        batch: &RecordBatch,
-        reservation: &mut Reservation,
-        what: &(dyn Fn() -> String + Sync),
-    ) -> Result<(RecordBatch, u64)> {
-        loop {
-            match self.arena.copy_batch_in(batch, Some(reservation), what) {
-                Err(Error::ResourceExhausted(msg)) => {
-                    if !self.spill_one(None).await? {
-                        return Err(Error::ResourceExhausted(msg));
-                    }
-                }
-                other => return other,
-            }
-        }
-    }
-
-    /// [`Arena::copy_body`] for a writer's message body, making room the
-    /// way [`State::admit`] does.
+    /// [`Arena::copy_body`] for a writer's message body, making room as
+    /// [`State::admit`] does.
     ///
     /// [`Arena::copy_body`]: crate::memory::arena::Arena::copy_body
     pub async fn land_body(
@@ -344,16 +340,10 @@ impl State {
         mut reservation: Option<&mut Reservation>,
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<(Buffer, u64)> {
-        loop {
-            match self.arena.copy_body(body, reservation.as_deref_mut(), what) {
-                Err(Error::ResourceExhausted(msg)) => {
-                    if !self.spill_one(None).await? {
-                        return Err(Error::ResourceExhausted(msg));
-                    }
-                }
-                other => return other,
-            }
-        }
+        self.with_room(None, || {
+            self.arena.copy_body(body, reservation.as_deref_mut(), what)
+        })
+        .await
     }
 
     /// Makes room: gives up a packed copy of rows (no data lost) or else
@@ -446,7 +436,7 @@ impl State {
         let what = || format!("bringing dataset '{name}' back from the store");
         let mut batches = Vec::new();
         while let Some(batch) = stream.try_next().await? {
-            batches.push(self.admit(&batch, Some(name), &what).await?.0);
+            batches.push(self.admit(&batch, Some(name), None, &what).await?.0);
         }
         let data = SealedData::from_batches(schema, winners, batches);
         let data = self

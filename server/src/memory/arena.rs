@@ -382,6 +382,17 @@ impl ChunkMut {
         }
     }
 
+    /// `bytes` (at most the allocation's length) written at its start, the
+    /// rest zeroed, frozen: the buffer of exactly `bytes`, and the bytes the
+    /// allocation takes.
+    fn fill(mut self, bytes: &[u8]) -> (Buffer, u64) {
+        self.write_at(0, bytes);
+        let padding = self.len - bytes.len();
+        self.zero(bytes.len(), padding);
+        let taken = self.len as u64;
+        (self.freeze().slice_with_length(0, bytes.len()), taken)
+    }
+
     /// The allocation as an immutable Arrow buffer that keeps its slab alive.
     fn freeze(self) -> Buffer {
         // SAFETY: the range is valid, fully initialised by the caller, and
@@ -566,12 +577,9 @@ impl Arena {
     /// budget has no room.
     pub fn copy_bytes(&self, bytes: &[u8], what: &dyn Fn() -> String) -> Result<Buffer> {
         // A slab of its own starts on a huge page (see `heap_align`).
-        let mut chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, None, what)?;
+        let chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, None, what)?;
         chunk.huge_pages();
-        chunk.write_at(0, bytes);
-        let padding = chunk.len - bytes.len();
-        chunk.zero(bytes.len(), padding);
-        Ok(chunk.freeze().slice_with_length(0, bytes.len()))
+        Ok(chunk.fill(bytes).0)
     }
 
     /// A copy of a received IPC message body in one arena allocation (drawn
@@ -585,12 +593,9 @@ impl Arena {
         reservation: Option<&mut Reservation>,
         what: &dyn Fn() -> String,
     ) -> Result<(Buffer, u64)> {
-        let mut chunk = self.alloc_in(bytes.len(), false, reservation, what)?;
-        chunk.write_at(0, bytes);
-        let padding = chunk.len - bytes.len();
-        chunk.zero(bytes.len(), padding);
-        let taken = chunk.len as u64;
-        Ok((chunk.freeze().slice_with_length(0, bytes.len()), taken))
+        Ok(self
+            .alloc_in(bytes.len(), false, reservation, what)?
+            .fill(bytes))
     }
 
     /// Whether `batch`, decoded over `body` (from [`Arena::copy_body`]),
@@ -633,10 +638,8 @@ impl Arena {
         self.copy_batch_in(batch, None, what)
     }
 
-    /// [`Arena::copy_batch`] for a writer holding `reservation`: a new slab
-    /// the copy needs is charged to the reservation first (slabs are
-    /// shared, so one writer may pay for a slab others fill too; what it
-    /// set aside and did not use returns to the budget when it ends).
+    /// [`Arena::copy_batch`] for a writer holding `reservation`: the copy's
+    /// bytes are drawn from it first (see [`Reservation`]).
     pub fn copy_batch_in(
         &self,
         batch: &RecordBatch,

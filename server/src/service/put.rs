@@ -224,10 +224,9 @@ where
                             land = false;
                         }
                         drop(landed);
-                        match reservation.as_mut() {
-                            Some(r) => state.admit_reserved(&batch, r, &what).await?,
-                            None => state.admit(&batch, None, &what).await?,
-                        }
+                        state
+                            .admit(&batch, None, reservation.as_mut(), &what)
+                            .await?
                     }
                 };
                 bytes += taken;
