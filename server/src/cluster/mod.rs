@@ -373,20 +373,22 @@ impl NodeOrder {
         &self.nodes
     }
 
+    /// Pool row `j` as `(member, index into the member's shuffled rows)`.
     fn pool_row(&self, j: u64) -> (usize, u64) {
         // The last member whose surplus starts at or before `j`: members
         // without surplus share their start with the next one.
         let m = self.pool_start.partition_point(|&s| s <= j) - 1;
-        let i = self.kept[m] + (j - self.pool_start[m]);
-        (m, self.member_perm[m].apply(i))
+        (m, self.kept[m] + (j - self.pool_start[m]))
     }
 
-    /// The `i`-th of node `g`'s assigned rows (before the node's shuffle).
+    /// The `i`-th of node `g`'s assigned rows (before the node's shuffle)
+    /// as `(member, index into the member's shuffled rows)`: the member's
+    /// row is `member_perm[member].apply(index)`, computed only by whoever
+    /// needs it.
     fn assigned(&self, g: usize, i: u64) -> (usize, u64) {
         let part = &self.node[g];
         if i < part.kept {
-            let m = part.member.unwrap_or(0);
-            return (m, self.member_perm[m].apply(i));
+            return (part.member.unwrap_or(0), i);
         }
         if i < part.kept + part.received {
             return self.pool_row(part.from + (i - part.kept));
@@ -403,16 +405,31 @@ impl NodeOrder {
         }
         let m = self.member_rows.iter().position(|&n| n > 0).unwrap_or(0);
         let n = self.member_rows.get(m).copied().unwrap_or(0).max(1);
-        (m, self.member_perm[m].apply(pad % n))
+        (m, pad % n)
     }
 
-    /// Rank `rank`'s `k`-th sample of the epoch (`k < per_rank()`).
-    pub fn sample(&self, rank: u64, k: u64) -> (usize, u64) {
+    /// Rank `rank`'s `k`-th sample as `(member, index into the member's
+    /// shuffled rows)`.
+    fn assigned_sample(&self, rank: u64, k: u64) -> (usize, u64) {
         let g = self.nodes.node_of(rank);
         let ranks = self.nodes.ranks_of(g);
         let local = rank - ranks.start;
         let p = local + k * (ranks.end - ranks.start);
         self.assigned(g, self.node[g].perm.apply(p))
+    }
+
+    /// Rank `rank`'s `k`-th sample of the epoch (`k < per_rank()`).
+    pub fn sample(&self, rank: u64, k: u64) -> (usize, u64) {
+        let (m, i) = self.assigned_sample(rank, k);
+        (m, self.member_perm[m].apply(i))
+    }
+
+    /// Member `member`'s row of rank `rank`'s `k`-th sample, `None` when
+    /// another member holds it; half the work of [`Self::sample`] for the
+    /// samples it skips.
+    pub fn sample_from(&self, rank: u64, k: u64, member: usize) -> Option<u64> {
+        let (m, i) = self.assigned_sample(rank, k);
+        (m == member).then(|| self.member_perm[m].apply(i))
     }
 
     /// Members whose rows node `g` reads (a superset, cheap to compute).
@@ -508,6 +525,19 @@ impl RankRows {
         match self {
             Self::Global { order, layout } => layout.locate(order.row(k)),
             Self::Node { order, rank, first } => order.sample(*rank, first + k),
+        }
+    }
+
+    /// Member `member`'s row of the rank's `k`-th sample, `None` when
+    /// another member holds it (cheaper than [`Self::sample`] for the
+    /// samples it skips).
+    pub fn sample_from(&self, k: u64, member: usize) -> Option<u64> {
+        match self {
+            Self::Global { .. } => {
+                let (m, row) = self.sample(k);
+                (m == member).then_some(row)
+            }
+            Self::Node { order, rank, first } => order.sample_from(*rank, first + k, member),
         }
     }
 

@@ -159,6 +159,13 @@ proptest! {
                 let sources = order.sources(g);
                 prop_assert!(sources.contains(&mm), "member {} not among {:?}", mm, sources);
             }
+            // A peer's view of the same samples: its rows, nothing else.
+            for (k, &(mm, row)) in rows.iter().enumerate() {
+                for peer in 0..m {
+                    let from = order.sample_from(r as u64, k as u64, peer);
+                    prop_assert_eq!(from, (peer == mm).then_some(row));
+                }
+            }
         }
         let total = full.per_rank() * u64::from(world);
         if drop_last {

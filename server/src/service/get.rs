@@ -570,8 +570,9 @@ impl MergedRead {
         let data = self.gather.data();
         let local: Vec<(usize, usize)> = samples
             .filter_map(|k| {
-                let (m, row) = self.rows.sample(k);
-                (m == self.index).then(|| data.locate(row))
+                self.rows
+                    .sample_from(k, self.index)
+                    .map(|row| data.locate(row))
             })
             .collect();
         if local.is_empty() {
