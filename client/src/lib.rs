@@ -65,9 +65,10 @@ const MAX_MESSAGE_BYTES: usize = 1 << 30;
 /// What can go wrong talking to a flightdeck server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The server answered with an error status: its message, then the
-    /// code's name, e.g. `no dataset 'd' on this server; … (NotFound)`.
-    #[error("{} ({:?})", .0.message(), .0.code())]
+    /// The server answered with an error status: its message (its advice
+    /// said in this client's calls, see [`RUST_TERMS`]), then the code's
+    /// name, e.g. `dataset 'd' does not exist; … (NotFound)`.
+    #[error("{}", status_text(.0, RUST_TERMS))]
     Status(Box<tonic::Status>),
     /// The connection could not be set up.
     #[error("cannot connect: {0}")]
@@ -166,27 +167,84 @@ fn split_authority(a: &str) -> Option<(String, u16)> {
 /// A Flight error for a person: a server status as its message and code.
 fn flight_text(e: &FlightError) -> String {
     match e {
-        FlightError::Tonic(s) => format!("{} ({:?})", s.message(), s.code()),
+        FlightError::Tonic(s) => status_text(s, RUST_TERMS),
         other => format!("flight error: {other}"),
     }
+}
+
+/// A server status for a person: its message, advice said in `terms`, then
+/// the code's name.
+fn status_text(s: &tonic::Status, terms: &[(&str, &str)]) -> String {
+    format!("{} ({:?})", in_terms(s.message(), terms), s.code())
+}
+
+/// The advice a server gives in Flight's words (left) as a Rust caller acts
+/// on it (right). The server speaks the protocol every client shares; each
+/// client says the advice in its own calls (the Python client's table is
+/// `flightdeck.errors.in_python_terms`).
+pub const RUST_TERMS: &[(&str, &str)] = &[
+    (
+        "write it with DoPut, or list datasets with ListFlights",
+        "write it with Client::put_partition, or list datasets with Client::list_datasets",
+    ),
+    ("call GetFlightInfo again", "plan again (Client::plan)"),
+    (
+        "get tickets from GetFlightInfo",
+        "get tickets from Client::plan",
+    ),
+    (
+        "read the dataset with DoGet instead",
+        "read the dataset with Client::read_shard instead",
+    ),
+    (
+        "read it with DoGet (FlightDeckIterableDataset)",
+        "read it with Client::read_shard (Python: FlightDeckIterableDataset)",
+    ),
+];
+
+/// `message` with each left phrase of `terms` replaced by its right one.
+pub fn in_terms(message: &str, terms: &[(&str, &str)]) -> String {
+    terms.iter().fold(message.to_string(), |m, (flight, ours)| {
+        m.replace(flight, ours)
+    })
 }
 
 impl ClientError {
     /// The gRPC code of a server error; `Unknown` for local failures.
     pub fn code(&self) -> Code {
-        match self {
-            Self::Status(s) => s.code(),
-            Self::Flight(FlightError::Tonic(s)) => s.code(),
-            _ => Code::Unknown,
+        self.status().map_or(Code::Unknown, tonic::Status::code)
+    }
+
+    /// The server's message (its advice in this client's calls), or this
+    /// error's text.
+    pub fn message(&self) -> String {
+        self.message_in(RUST_TERMS)
+    }
+
+    /// The server's message with its advice said in `terms` (a program
+    /// built on this client, such as a command line, says it in its own),
+    /// or this error's text.
+    pub fn message_in(&self, terms: &[(&str, &str)]) -> String {
+        match self.status() {
+            Some(s) => in_terms(s.message(), terms),
+            None => self.to_string(),
         }
     }
 
-    /// The server's message, or this error's text.
-    pub fn message(&self) -> String {
+    /// This error as [`Display`](std::fmt::Display) shows it, with the
+    /// server's advice said in `terms`.
+    pub fn text_in(&self, terms: &[(&str, &str)]) -> String {
+        match self.status() {
+            Some(s) => status_text(s, terms),
+            None => self.to_string(),
+        }
+    }
+
+    /// The server's status, when the server answered with one.
+    fn status(&self) -> Option<&tonic::Status> {
         match self {
-            Self::Status(s) => s.message().to_string(),
-            Self::Flight(FlightError::Tonic(s)) => s.message().to_string(),
-            other => other.to_string(),
+            Self::Status(s) | Self::Flight(FlightError::Tonic(s)) => Some(s),
+            _ => None,
         }
     }
 }
@@ -761,5 +819,27 @@ mod tests {
         let streamed = ClientError::Flight(FlightError::Tonic(Box::new(status)));
         assert_eq!(streamed.to_string(), direct.to_string());
         assert_eq!(streamed.code(), Code::NotFound);
+    }
+
+    #[test]
+    fn server_advice_is_said_in_this_clients_calls() {
+        let status = tonic::Status::not_found(
+            "dataset 'd' does not exist; write it with DoPut, or list datasets with ListFlights",
+        );
+        let err = ClientError::from(status);
+        assert_eq!(
+            err.to_string(),
+            "dataset 'd' does not exist; write it with Client::put_partition, or list datasets \
+             with Client::list_datasets (NotFound)"
+        );
+        assert_eq!(
+            err.message_in(&[("with DoPut", "from Spark")]),
+            "dataset 'd' does not exist; write it from Spark, or list datasets with ListFlights"
+        );
+        assert_eq!(
+            err.text_in(&[]),
+            "dataset 'd' does not exist; write it with DoPut, or list datasets with ListFlights \
+             (NotFound)"
+        );
     }
 }

@@ -173,13 +173,27 @@ fn line(p: &TrainProgress) -> String {
     )
 }
 
+/// The server's advice (in Flight's words, left) as a person at the command
+/// line acts on it: this command writes and lists nothing itself.
+pub const CLI_TERMS: &[(&str, &str)] = &[
+    (
+        "write it with DoPut, or list datasets with ListFlights",
+        "write it first (Spark's flightdeck data source, or a client's put_partition); a \
+         client's list_datasets lists what the server holds",
+    ),
+    (
+        "read it with DoGet (FlightDeckIterableDataset)",
+        "read it with the Python client's FlightDeckIterableDataset",
+    ),
+];
+
 /// Runs `flightdeck train`.
 pub async fn run(args: TrainArgs) -> Result<(), String> {
     let job = args.job()?;
     let mut client = Client::connect(&args.server)
         .await
         .map_err(|e| format!("cannot reach {}: {e}", args.server))?;
-    let mut progress = client.train(job).await.map_err(|e| e.to_string())?;
+    let mut progress = client.train(job).await.map_err(|e| e.text_in(CLI_TERMS))?;
     let tty = std::io::stderr().is_terminal();
     let mut err = std::io::stderr();
     while let Some(p) = progress.next().await {
@@ -187,7 +201,7 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
             if tty {
                 eprintln!();
             }
-            e.to_string()
+            e.text_in(CLI_TERMS)
         })?;
         if p.done {
             if tty {
@@ -215,4 +229,63 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
         }
     }
     Err("the server ended the job's stream without a final report".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server's messages as one text: every `.rs` file under `src`,
+    /// with string line continuations (`\` then a newline and indentation)
+    /// joined as the compiler joins them.
+    fn server_messages() -> String {
+        fn walk(dir: &std::path::Path, out: &mut String) {
+            for entry in std::fs::read_dir(dir).expect("src is readable") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).expect("source");
+                    let mut lines = text.lines().peekable();
+                    while let Some(line) = lines.next() {
+                        out.push_str(line.strip_suffix('\\').unwrap_or(line));
+                        if line.ends_with('\\') {
+                            if let Some(next) = lines.peek_mut() {
+                                *next = next.trim_start();
+                            }
+                        } else {
+                            out.push('\n');
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = String::new();
+        walk(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut out,
+        );
+        out
+    }
+
+    /// Each client's table of advice follows the server's wording: a phrase
+    /// the server no longer says would leave its advice untranslated.
+    #[test]
+    fn every_translated_phrase_is_one_the_server_says() {
+        let said = server_messages();
+        for (table, terms) in [
+            ("CLI_TERMS", CLI_TERMS),
+            ("RUST_TERMS", flightdeck_client::RUST_TERMS),
+        ] {
+            for (flight, ours) in terms {
+                assert!(
+                    said.matches(flight).count() > usize::from(table == "CLI_TERMS"),
+                    "{table}: the server never says {flight:?}"
+                );
+                for word in ["DoPut", "DoGet", "ListFlights", "GetFlightInfo"] {
+                    assert!(!ours.contains(word), "{table}: {ours:?} says {word}");
+                }
+            }
+        }
+    }
 }

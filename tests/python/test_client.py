@@ -213,6 +213,23 @@ def test_dataset_info_prints_readably(flightdeck_server):
     assert "ListFlights" not in str(info.value)
 
 
+def test_every_translated_phrase_is_one_the_server_says():
+    """The Python table follows the server's wording: a phrase the server no
+    longer says would leave its advice in protocol words."""
+    import re
+    from pathlib import Path
+
+    from flightdeck.errors import _IN_PYTHON_TERMS
+
+    src = Path(__file__).resolve().parents[2] / "server" / "src"
+    # String line continuations joined as the Rust compiler joins them.
+    said = "".join(re.sub(r"\\\n\s*", "", p.read_text()) for p in src.rglob("*.rs"))
+    for flight_words, python_words in _IN_PYTHON_TERMS.items():
+        assert flight_words in said, f"the server never says {flight_words!r}"
+        for word in ("DoPut", "DoGet", "ListFlights", "GetFlightInfo"):
+            assert word not in python_words
+
+
 def test_numpy_views_share_arrow_memory():
     table = mixed_table(range(10, 20))
     batch = table.to_batches()[0]

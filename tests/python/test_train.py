@@ -109,3 +109,17 @@ def test_the_train_command(sealed):
     # Said once, as the server said it, with the code's name.
     assert bad.stderr.count("feature column 'nope' is not in the dataset") == 1, bad.stderr
     assert "(InvalidArgument)" in bad.stderr, bad.stderr
+
+    missing = subprocess.run(
+        [str(server_binary()), "train", "--server", sealed.uri,
+         "--dataset", "nope", "--features", "features", "--label", "label", "--classes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
+    assert missing.returncode == 1
+    # The server's advice in terms a person at the command line acts on.
+    assert "dataset 'nope' does not exist; write it first" in missing.stderr, missing.stderr
+    assert "(NotFound)" in missing.stderr, missing.stderr
+    for word in ("DoPut", "ListFlights"):
+        assert word not in missing.stderr, missing.stderr

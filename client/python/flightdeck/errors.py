@@ -147,9 +147,11 @@ _IN_PYTHON_TERMS = {
         "write it with client.put_partition(), or list datasets with client.list_datasets()"
     ),
     "call GetFlightInfo again": "plan again (client.plan())",
+    "get tickets from GetFlightInfo": "get tickets from client.plan()",
     "read the dataset with DoGet instead": (
         "read the dataset with ShardedDataset or client.read_shard() instead"
     ),
+    "read it with DoGet (FlightDeckIterableDataset)": "read it with FlightDeckIterableDataset",
 }
 
 
