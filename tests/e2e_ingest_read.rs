@@ -3,7 +3,6 @@
 //! 1, 3 and 8 ranks with every value checked.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 use arrow::array::RecordBatch;
 use arrow_flight::FlightDescriptor;
@@ -52,18 +51,15 @@ async fn live_bytes(client: &mut Client) -> u64 {
 }
 
 async fn wait_for(client: &mut Client, what: &str, pred: impl Fn(u64) -> bool) {
-    let deadline = tokio::time::Instant::now() + flightdeck_tests::scaled(Duration::from_secs(30));
-    loop {
-        let used = live_bytes(client).await;
-        if pred(used) {
-            return;
+    flightdeck_tests::eventually(what, || {
+        let mut client = client.clone();
+        let pred = &pred;
+        async move {
+            let used = live_bytes(&mut client).await;
+            if pred(used) { Ok(()) } else { Err(used) }
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: live bytes stuck at {used}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 /// An attempt whose connection is cut mid-stream (an executor dying): the

@@ -334,19 +334,18 @@ async fn a_reader_that_hangs_up_lets_go_of_the_dataset() {
     );
     drop(stream);
     drop(reader);
-    let deadline =
-        std::time::Instant::now() + flightdeck_tests::scaled(std::time::Duration::from_secs(10));
-    loop {
-        let stats = c.stats().await.expect("stats");
-        if stats.host_live_bytes == 0 {
-            break;
+    flightdeck_tests::eventually("the hung-up reader's rows freed", || {
+        let mut c = c.clone();
+        async move {
+            let stats = c.stats().await.expect("stats");
+            if stats.host_live_bytes == 0 {
+                Ok(())
+            } else {
+                Err(stats)
+            }
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the hung-up reader still holds the rows after 10 s: {stats:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    })
+    .await;
     server.stop().await;
 }
 
@@ -416,9 +415,11 @@ async fn writers_that_say_their_size_are_admitted_whole_or_refused_up_front() {
             .await
     });
     tx.unbounded_send(Ok(batches[0].clone())).expect("send");
-    timed("the first reservation", async {
-        while c.stats().await.expect("stats").memory_used < 40 << 20 {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    flightdeck_tests::eventually("the first reservation", || {
+        let mut c = c.clone();
+        async move {
+            let used = c.stats().await.expect("stats").memory_used;
+            if used >= 40 << 20 { Ok(()) } else { Err(used) }
         }
     })
     .await;

@@ -4,7 +4,6 @@
 //! job cancelled when its caller hangs up.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use arrow::array::{Float32Array, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
@@ -429,16 +428,20 @@ async fn bad_jobs_get_invalid_argument_and_hanging_up_cancels() {
         .expect("a report")
         .expect("ok");
     drop(stream);
-    let mut state = String::new();
-    for _ in 0..300 {
-        state = c.jobs(first.job).await.expect("status").jobs[0]
-            .state
-            .clone();
-        if state != "running" {
-            break;
+    let state = flightdeck_tests::eventually("the job ending once its caller left", || {
+        let mut c = c.clone();
+        async move {
+            let state = c.jobs(first.job).await.expect("status").jobs[0]
+                .state
+                .clone();
+            if state == "running" {
+                Err(state)
+            } else {
+                Ok(state)
+            }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     assert_eq!(state, "cancelled");
     let all = c.jobs(0).await.expect("all jobs");
     assert!(all.jobs.iter().any(|j| j.job == first.job));

@@ -38,6 +38,31 @@ pub fn scaled(d: Duration) -> Duration {
     d.mul_f64(scale)
 }
 
+/// Waits until `probe` finds what it looks for (`Some`), asking again after
+/// a pause that grows from 5 ms to 100 ms, within [`STEP_TIMEOUT`],
+/// [`scaled`]; panics naming `what` and the last value seen otherwise. For
+/// server state no call waits on (live bytes, a job's state): a changed
+/// state is seen within a pause of its change.
+pub async fn eventually<T, S: std::fmt::Debug, Fut>(what: &str, mut probe: impl FnMut() -> Fut) -> T
+where
+    Fut: Future<Output = Result<T, S>>,
+{
+    let limit = scaled(STEP_TIMEOUT);
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match probe().await {
+            Ok(found) => return found,
+            Err(seen) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: not within {limit:?}; last seen {seen:?}"
+            ),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
 /// Runs `f` under [`STEP_TIMEOUT`], [`scaled`].
 pub async fn timed<T>(what: &str, f: impl Future<Output = T>) -> T {
     let limit = scaled(STEP_TIMEOUT);

@@ -35,6 +35,25 @@ def scaled(seconds: float) -> float:
 START_TIMEOUT_S = scaled(30)
 
 
+def eventually(what: str, probe, timeout: float = 30.0):
+    """Waits until `probe()` returns something other than None and returns
+    it, asking again after a pause that grows from 5 ms to 100 ms, within
+    `scaled(timeout)` seconds; fails naming `what` otherwise. For server
+    state no call waits on (live bytes): a change is seen within a pause."""
+    import time
+
+    deadline = time.monotonic() + scaled(timeout)
+    pause = 0.005
+    while True:
+        found = probe()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {scaled(timeout):.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 def strided_order(per_rank: list[list], count: int | None = None) -> list:
     """The epoch order behind strided shards: global position q is the
     sample q // W of rank q % W. `count` defaults to every sample."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import select
 import signal
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -177,16 +177,17 @@ def test_a_child_forked_after_the_parent_connected_gets_the_clear_error(flightde
         except BaseException:
             code = 4
         os._exit(code)
-    deadline = time.monotonic() + scaled(30)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung instead of raising")
-        time.sleep(0.05)
+    # Waits on the child's exit itself (a pidfd becomes readable then).
+    pidfd = os.pidfd_open(pid)
+    try:
+        exited, _, _ = select.select([pidfd], [], [], scaled(30))
+    finally:
+        os.close(pidfd)
+    if not exited:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung instead of raising")
+    _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     # The parent's connection still works.
     assert sum(b.num_rows for b in ds.iter_batches()) == 500

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from conftest import strided_order, scaled
+from conftest import eventually, strided_order, scaled
 
 SIZES = [300, 0, 1, 250, 777, 64]
 
@@ -266,18 +265,15 @@ def test_writer_killed_mid_stream_leaves_nothing(flightdeck_server, pb):
     )
     try:
         assert child.stdout.readline().strip() == "sent"
-        deadline = time.monotonic() + scaled(30)
-        while action(client, pb, "stats", None, pb.ServerStats).host_live_bytes == 0:
-            assert time.monotonic() < deadline, "the server never staged the attempt"
-            time.sleep(0.02)
+        def live_bytes():
+            return action(client, pb, "stats", None, pb.ServerStats).host_live_bytes
+
+        eventually("the server staging the attempt", lambda: live_bytes() or None)
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.wait(timeout=scaled(30)) == 1
     finally:
         child.kill()
-    deadline = time.monotonic() + scaled(30)
-    while action(client, pb, "stats", None, pb.ServerStats).host_live_bytes != 0:
-        assert time.monotonic() < deadline, "the broken attempt was never freed"
-        time.sleep(0.02)
+    eventually("the broken attempt freed", lambda: True if live_bytes() == 0 else None)
     with grpc_error("NOT_FOUND", "'dies' does not exist"):
         action(client, pb, "describe", pb.DescribeDataset(dataset="dies"), pb.DatasetInfo)
