@@ -355,7 +355,7 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
     assert_code(
         stale.map(|_| ()),
         Code::FailedPrecondition,
-        &["GetFlightInfo again"],
+        &["plan again (Client::plan)"],
     );
 
     // Action errors.
@@ -704,6 +704,128 @@ async fn sealed_rows(c: &mut Client, ds: &str, rows: i64) {
     })
     .await
     .expect("seal");
+}
+
+/// What `readers` streams that never read make a member grow by, with a
+/// read-ahead allowance of `allowance`: each is owed a whole 32 MiB dataset
+/// in batches of 4 MiB. Then, once `--stream-idle-timeout` has ended them,
+/// a fresh reader reads the whole dataset.
+async fn growth_with_stalled_readers(readers: usize, allowance: &str) -> u64 {
+    let member = flightdeck_tests::MemberProcess::start(
+        "127.0.0.1:0",
+        &[
+            "--memory-limit",
+            "256MiB",
+            "--read-ahead-memory",
+            allowance,
+            "--stream-idle-timeout",
+            "1s",
+        ],
+    );
+    let mut c = member.client().await;
+    let columns = 8;
+    let schema = Arc::new(Schema::new(
+        (0..columns)
+            .map(|i| Field::new(format!("f{i}"), DataType::Float64, false))
+            .collect::<Vec<_>>(),
+    ));
+    let rows_per_batch = 65_536;
+    let batches: Vec<RecordBatch> = (0..8)
+        .map(|b| {
+            let values: ArrayRef = Arc::new(Float64Array::from_iter_values(
+                (0..rows_per_batch).map(|r| f64::from(b * rows_per_batch + r)),
+            ));
+            RecordBatch::try_new(schema.clone(), vec![values; columns]).expect("batch")
+        })
+        .collect();
+    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+    timed(
+        "put",
+        c.put_partition("d", 0, 0, schema, stream::iter(batches.into_iter().map(Ok))),
+    )
+    .await
+    .expect("put");
+    c.seal(SealDataset {
+        dataset: "d".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    let plan = c
+        .plan(plan_rows("d", 1, rows_per_batch as u32))
+        .await
+        .expect("plan");
+    let before = member.rss();
+    // Plain HTTP/2 windows (64 KiB on one connection): the server soon has
+    // to wait for every one of them.
+    let channel =
+        tonic::transport::Channel::from_shared(member.location().replace("grpc://", "http://"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+    let mut raw = arrow_flight::flight_service_client::FlightServiceClient::new(channel);
+    let mut stalled = Vec::new();
+    for _ in 0..readers {
+        let stream = timed(
+            "open a stream",
+            raw.do_get(Ticket::new(plan.shards[0].ticket.clone())),
+        )
+        .await
+        .expect("do_get");
+        stalled.push(stream);
+    }
+    // Each stream gathers what it may, then waits; the peak comes before
+    // the idle timeout ends them.
+    let mut peak = before;
+    for _ in 0..8 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        peak = peak.max(member.rss());
+    }
+    let mut fresh = member.client().await;
+    let read: u64 = timed("a fresh reader", async {
+        fresh
+            .read_shard(&plan.shards[0])
+            .await
+            .expect("read")
+            .try_collect::<Vec<_>>()
+            .await
+            .expect("batches")
+            .iter()
+            .map(|b| b.num_rows() as u64)
+            .sum()
+    })
+    .await;
+    assert_eq!(read, rows);
+    drop(stalled);
+    peak.saturating_sub(before)
+}
+
+/// Readers that never read hold the read-ahead allowance at most, not
+/// batches per stream: twenty-four of them, each owed 32 MiB, grow the
+/// server by about a 16 MiB allowance (with one allowance large enough for
+/// all, by far more); a fresh reader still reads once they time out.
+#[tokio::test]
+async fn readers_that_never_read_stay_within_the_read_ahead_allowance() {
+    let mib = |b: u64| b >> 20;
+    let bounded = growth_with_stalled_readers(24, "16MiB").await;
+    let unbounded = growth_with_stalled_readers(24, "4GiB").await;
+    eprintln!(
+        "24 stalled readers: +{} MiB with a 16 MiB allowance, +{} MiB with 4 GiB",
+        mib(bounded),
+        mib(unbounded)
+    );
+    assert!(
+        bounded < 48 << 20,
+        "24 stalled readers grew the server by {} MiB with a 16 MiB allowance",
+        mib(bounded)
+    );
+    assert!(
+        unbounded > 3 * bounded.max(16 << 20),
+        "the allowance is what bounds them: {} MiB with 16 MiB, {} MiB with 4 GiB",
+        mib(bounded),
+        mib(unbounded)
+    );
 }
 
 /// Readers that open `DoGet` streams and never read them hold no threads:

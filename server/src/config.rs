@@ -58,6 +58,10 @@ pub struct ServerConfig {
     /// How long a `DoPut` may send nothing, or a `DoGet` reader take
     /// nothing, before the server ends the stream and frees what it holds.
     pub stream_idle_timeout: std::time::Duration,
+    /// What read streams together may hold gathered ahead of their sockets,
+    /// in bytes, beside `memory_limit`; `None` = an eighth of it, between
+    /// 64 MiB and 4 GiB.
+    pub read_ahead_bytes: Option<u64>,
     /// The folder training jobs may write checkpoints to and resume from;
     /// `None` = `<data_dir>/checkpoints`.
     pub checkpoint_root: Option<std::path::PathBuf>,
@@ -92,6 +96,7 @@ impl Default for ServerConfig {
             advertise: None,
             admission_wait: DEFAULT_ADMISSION_WAIT,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
+            read_ahead_bytes: None,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
             auth_token_file: None,
@@ -129,6 +134,12 @@ impl ServerConfig {
         self.spill_url
             .clone()
             .unwrap_or_else(|| self.data_dir.join("store").display().to_string())
+    }
+
+    /// The read-ahead allowance in effect.
+    pub fn read_ahead_bytes(&self) -> u64 {
+        self.read_ahead_bytes
+            .unwrap_or_else(|| (self.memory_limit / 8).clamp(64 << 20, 4 << 30))
     }
 
     /// The checkpoint root in effect.

@@ -79,6 +79,12 @@ struct ServeArgs {
     /// the server ends its stream (ABORTED) and frees what it holds.
     #[arg(long, value_parser = config::parse_duration, default_value = "10m")]
     stream_idle_timeout: std::time::Duration,
+    /// What all read streams together may hold gathered ahead of their
+    /// sockets, beside --memory-limit (e.g. 512MiB); readers wait for room
+    /// rather than grow it. Default: an eighth of --memory-limit, between
+    /// 64 MiB and 4 GiB.
+    #[arg(long, value_parser = parse_size)]
+    read_ahead_memory: Option<u64>,
     /// The folder training jobs write checkpoints to and resume from
     /// (default DATA_DIR/checkpoints); a job's relative checkpoint path is
     /// taken under it, and paths outside it are refused.
@@ -125,6 +131,7 @@ impl ServeArgs {
             advertise: self.advertise,
             admission_wait: self.admission_wait,
             stream_idle_timeout: self.stream_idle_timeout,
+            read_ahead_bytes: self.read_ahead_memory,
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,
             auth_token_file: self.auth_token_file,

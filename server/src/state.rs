@@ -150,6 +150,9 @@ pub struct State {
     pub traffic: Arc<Traffic>,
     /// The tokens callers must send (`--auth-token-file`); `None` = none.
     pub tokens: Option<crate::auth::Tokens>,
+    /// What read streams may hold ahead of their sockets
+    /// (`--read-ahead-memory`).
+    pub read_ahead: Arc<crate::service::outbox::ReadAhead>,
 }
 
 impl State {
@@ -177,6 +180,7 @@ impl State {
             .slab_bytes
             .unwrap_or_else(|| slab_bytes_for(config.memory_limit));
         let budget = Budget::new(config.memory_limit);
+        let config_read_ahead = config.read_ahead_bytes();
         let mut catalog = Catalog::new();
         if config.persist {
             for ds in store.persisted().await? {
@@ -211,6 +215,7 @@ impl State {
             )),
             tokens,
             traffic: Arc::new(Traffic::default()),
+            read_ahead: crate::service::outbox::ReadAhead::new(config_read_ahead),
         })
     }
 

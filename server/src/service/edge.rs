@@ -7,7 +7,6 @@
 //! Through the generated service the same batch would be copied twice more:
 //! into the IPC body, then into the protobuf encoder's buffer.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,16 +17,14 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use http_body::{Body as HttpBody, Frame};
 use prost::Message;
-use tokio::sync::mpsc;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::Service;
 use tonic::server::NamedService;
 
 use super::get;
-use super::ipc::IpcMessage;
+use super::outbox;
 use crate::auth;
-use crate::error::Result;
 use crate::state::State;
 
 /// The path of `DoGet`.
@@ -159,7 +156,6 @@ async fn do_get(
     let ticket = read_ticket(body).await?;
     let messages = get::shard_messages(state, &ticket).await?;
     Ok(ShardBody {
-        pending: VecDeque::new(),
         messages,
         max_message,
         done: false,
@@ -218,11 +214,10 @@ pub fn parse_ticket_request(buf: &[u8]) -> std::result::Result<Ticket, Status> {
 }
 
 /// The response body: the shard's messages as gRPC frames, then the status
-/// as trailers. Dropping it (the client hung up) closes the channel, which
+/// as trailers. Dropping it (the client hung up) closes the outbox, which
 /// stops the gather.
 struct ShardBody {
-    pending: VecDeque<Bytes>,
-    messages: mpsc::Receiver<Result<Vec<IpcMessage>>>,
+    messages: outbox::Receiver,
     max_message: usize,
     done: bool,
 }
@@ -247,36 +242,23 @@ impl HttpBody for ShardBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<std::result::Result<Frame<Bytes>, Status>>> {
         let this = &mut *self;
-        loop {
-            if let Some(piece) = this.pending.pop_front() {
-                return Poll::Ready(Some(Ok(Frame::data(piece))));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            let status = match this.messages.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Ok(messages))) => {
-                    let framed: Result<Vec<Vec<Bytes>>> = messages
-                        .iter()
-                        .map(|m| m.to_grpc_frame(this.max_message))
-                        .collect();
-                    match framed {
-                        Ok(framed) => {
-                            this.pending.extend(framed.into_iter().flatten());
-                            continue;
-                        }
-                        Err(e) => Status::from(e),
-                    }
-                }
-                Poll::Ready(Some(Err(e))) => Status::from(e),
-                Poll::Ready(None) => Status::ok(""),
-            };
-            return Poll::Ready(Some(Ok(this.trailers(&status))));
+        if this.done {
+            return Poll::Ready(None);
         }
+        let max_message = this.max_message;
+        let status = match this
+            .messages
+            .poll_piece(cx, |m| m.to_grpc_frame(max_message))
+        {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(Ok(piece))) => return Poll::Ready(Some(Ok(Frame::data(piece)))),
+            Poll::Ready(Some(Err(e))) => Status::from(e),
+            Poll::Ready(None) => Status::ok(""),
+        };
+        Poll::Ready(Some(Ok(this.trailers(&status))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.pending.is_empty()
+        self.done
     }
 }

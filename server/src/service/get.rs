@@ -14,11 +14,11 @@ use flightdeck_protos as pb;
 use futures::StreamExt;
 use prost::Message;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::Stream;
 use super::ipc::{IpcMessage, Messages};
+use super::outbox::{self, Account};
 use crate::catalog::{ClusterState, DatasetState, DatasetSummary};
 use crate::cluster::peer::PeerBatch;
 use crate::cluster::{self, Layout, Nodes, RankRows};
@@ -28,7 +28,8 @@ use crate::order::{Locality, ReadPlan};
 use crate::read::{Gather, Picks, Shard, project};
 use crate::state::{State, Traffic, unfinished_seal};
 
-/// Batches gathered ahead of the socket per stream.
+/// Batches (the schema counted as one) a stream queues ahead of the one
+/// being sent.
 const READ_AHEAD: usize = 2;
 /// Batches received ahead of the merge from each member.
 const PEER_AHEAD: usize = 2;
@@ -230,7 +231,7 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
     Ok(infos)
 }
 
-type Sender = mpsc::Sender<Result<Vec<IpcMessage>>>;
+type Sender = outbox::Sender;
 
 /// The IPC messages of `batch`, the record batch tagged with `tag` (the
 /// batch's index, on streams between members); its rows and body bytes are
@@ -253,13 +254,10 @@ fn encode(
 
 /// The messages of a rank's shard (or of a peer's part of it): the schema,
 /// then each batch's IPC messages as it is gathered. Rows are gathered and
-/// encoded on a blocking thread into a small bounded channel, so a slow
-/// reader holds back the gather; dropping the receiver (the client hung up)
-/// stops it.
-pub(super) async fn shard_messages(
-    state: &State,
-    ticket: &Ticket,
-) -> Result<mpsc::Receiver<Result<Vec<IpcMessage>>>> {
+/// encoded on a blocking thread into the stream's small outbox, charged to
+/// the server's read-ahead allowance, so a slow reader holds back the
+/// gather; dropping the receiver (the client hung up) stops it.
+pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<outbox::Receiver> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
     let name = t.plan.dataset.clone();
     let summary = sealed_summary(state, &name)?;
@@ -290,9 +288,13 @@ pub(super) async fn shard_messages(
         return Err(stale());
     }
     let traffic = state.traffic.clone();
-    // Room for the schema, the batches read ahead, and the stream's last word.
-    let (tx, rx) = mpsc::channel(READ_AHEAD + 2);
-    let idle = state.config.stream_idle_timeout;
+    let (tx, rx) = outbox::outbox(READ_AHEAD);
+    let mut run = Run {
+        account: Some(Account::new(state.read_ahead.clone())),
+        idle: state.config.stream_idle_timeout,
+        dataset: name.clone(),
+        estimate: first_batch_bytes(&t.plan, &summary),
+    };
     if !source.cluster && t.plan.locality == Locality::Global {
         let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
         let messages = Messages::new(&shard.schema())?;
@@ -303,7 +305,7 @@ pub(super) async fn shard_messages(
             messages,
             traffic,
         };
-        spawn_stream(tx, stream, idle, name);
+        spawn_stream(tx, stream, run);
         return Ok(rx);
     }
     let nodes = source.nodes(&t.plan)?;
@@ -328,7 +330,13 @@ pub(super) async fn shard_messages(
                 source.index
             )));
         }
-        spawn_stream(tx, PeerStream { read, next: 0 }, idle, name);
+        // A member's part of another member's rank stream is not charged:
+        // that rank stream holds its own charge while it waits for this
+        // part, and two members whose allowances were full of such waiting
+        // streams would wait for each other. Its outbox still bounds it, and
+        // it ends when the rank stream does.
+        run.account = None;
+        spawn_stream(tx, PeerStream { read, next: 0 }, run);
         return Ok(rx);
     }
     let mut feeds = HashMap::new();
@@ -369,7 +377,7 @@ pub(super) async fn shard_messages(
         feeds,
         next: 0,
     };
-    spawn_stream(tx, stream, idle, name);
+    spawn_stream(tx, stream, run);
     Ok(rx)
 }
 
@@ -388,80 +396,119 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
-/// Runs a stream. It gathers batches on a blocking thread while the channel
-/// has room, and waits, on no thread, when it is full until the client has
-/// taken some: a client that stops reading holds no thread, so slow readers
-/// cannot starve others (or spills and training, which share the pool). A gather
-/// that panics fails the stream with `INTERNAL`; a client that takes
-/// nothing for `idle` gets `ABORTED` after what was already sent. Neither
-/// ends the stream as if it were complete.
-fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, dataset: String) {
-    // Room for the stream's last word was made when the channel was.
-    let Ok(last_word) = tx.clone().try_reserve_owned() else {
-        return;
-    };
-    let fail = move |e: Error| {
-        last_word.send(Err(e));
-    };
+/// How a stream is run: its allowance account, idle timeout and dataset.
+struct Run {
+    /// `None`: the stream is not charged (a peer's part of a rank stream).
+    account: Option<Account>,
+    idle: std::time::Duration,
+    dataset: String,
+    /// Bytes the next batch is expected to take (the last batch's size once
+    /// there is one).
+    estimate: u64,
+}
+
+/// Runs a stream. It gathers batches on a blocking thread while its outbox
+/// has room and the read-ahead allowance has room for the next batch, and
+/// waits, on no thread, otherwise: a client that stops reading holds no
+/// thread, so slow readers cannot starve others (or spills and training,
+/// which share the pool), and what all streams hold ahead of their sockets
+/// stays within the allowance (`outbox.rs`). A gather that panics fails the
+/// stream with `INTERNAL`; a client that takes nothing for `idle` has what
+/// was queued for it dropped and gets `ABORTED`. Neither ends the stream as
+/// if it were complete.
+fn spawn_stream(tx: Sender, mut work: impl Batches, mut run: Run) {
+    let tx = Arc::new(tx);
     tokio::spawn(async move {
+        let dataset = run.dataset.clone();
+        let idle = run.idle;
+        let stalled = || {
+            tracing::info!(dataset = %dataset, ?idle, "ending a stream whose reader stopped reading");
+            tx.purge(Error::Aborted(format!(
+                "this stream of dataset '{dataset}' was ended after its reader took nothing \
+                 for {idle:?} (--stream-idle-timeout); read again from the next start_sample"
+            )));
+        };
         loop {
-            let permit = match tokio::time::timeout(idle, tx.clone().reserve_owned()).await {
-                Ok(Ok(permit)) => permit,
+            match tokio::time::timeout(idle, tx.room()).await {
+                Ok(true) => {}
                 // The client hung up.
-                Ok(Err(_)) => return,
-                Err(_) => {
-                    tracing::info!(dataset = %dataset, ?idle, "ending a stream whose reader stopped reading");
-                    return fail(Error::Aborted(format!(
-                        "this stream of dataset '{dataset}' was ended after its reader took \
-                         nothing for {idle:?} (--stream-idle-timeout); read again from the \
-                         next start_sample"
-                    )));
-                }
+                Ok(false) => return,
+                Err(_) => return stalled(),
+            }
+            let next = match &run.account {
+                Some(account) => tokio::select! {
+                    c = account.charge(run.estimate) => Some(c),
+                    () = tx.gone() => return,
+                    () = tx.stalled(idle) => return stalled(),
+                },
+                None => None,
             };
+            let sender = tx.clone();
+            let account = run.account.clone();
+            let estimate = run.estimate;
             // Gathers while there is room, as one thread; gives the thread
-            // back when the channel is full.
+            // back when the outbox or the allowance is full.
             let gathered = tokio::task::spawn_blocking(move || {
-                let mut permit = permit;
+                let mut charge = next;
+                let mut estimate = estimate;
                 loop {
                     let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         work.next_messages()
                     }));
                     let item = match next {
                         Ok(Some(item)) => item,
-                        Ok(None) => return (work, Gathered::Ended),
-                        Err(panic) => return (work, Gathered::Panicked(panic_message(&*panic))),
+                        Ok(None) => return (work, estimate, Gathered::Ended),
+                        Err(panic) => {
+                            let what = panic_message(&*panic);
+                            return (work, estimate, Gathered::Panicked(what));
+                        }
                     };
+                    let item = item.map(|mut messages| {
+                        if let Some(c) = charge.take() {
+                            c.attach(&mut messages);
+                        }
+                        let bytes: usize = messages.iter().map(|m| m.body_len).sum();
+                        estimate = (bytes as u64).max(1);
+                        messages
+                    });
                     let failed = item.is_err();
-                    let tx = permit.send(item);
+                    sender.push(item);
                     if failed {
-                        return (work, Gathered::Ended);
+                        return (work, estimate, Gathered::Ended);
                     }
-                    match tx.try_reserve_owned() {
-                        Ok(more) => permit = more,
-                        Err(mpsc::error::TrySendError::Full(_)) => return (work, Gathered::Full),
-                        Err(mpsc::error::TrySendError::Closed(_)) => {
-                            return (work, Gathered::Ended);
+                    match sender.has_room() {
+                        None => return (work, estimate, Gathered::Ended),
+                        Some(false) => return (work, estimate, Gathered::Full),
+                        Some(true) => {}
+                    }
+                    if let Some(account) = &account {
+                        match account.try_charge(estimate) {
+                            Some(c) => charge = Some(c),
+                            None => return (work, estimate, Gathered::Full),
                         }
                     }
                 }
             })
             .await;
             match gathered {
-                Ok((back, Gathered::Full)) => work = back,
-                Ok((_, Gathered::Ended)) => return,
-                Ok((_, Gathered::Panicked(what))) => {
+                Ok((back, estimate, Gathered::Full)) => {
+                    work = back;
+                    run.estimate = estimate;
+                }
+                Ok((_, _, Gathered::Ended)) => return,
+                Ok((_, _, Gathered::Panicked(what))) => {
                     tracing::error!(dataset = %dataset, panic = %what, "a read stream's gather panicked");
-                    return fail(Error::Internal(format!(
+                    return tx.push(Err(Error::Internal(format!(
                         "this stream of dataset '{dataset}' failed inside the server ({what}) and \
                          is incomplete; read the shard again, and report the failure with the \
                          server's log"
-                    )));
+                    ))));
                 }
                 Err(e) => {
-                    return fail(Error::Internal(format!(
+                    return tx.push(Err(Error::Internal(format!(
                         "this stream of dataset '{dataset}' lost its gather ({e}) and is \
                          incomplete; read the shard again"
-                    )));
+                    ))));
                 }
             }
         }
@@ -470,7 +517,7 @@ fn spawn_stream(tx: Sender, mut work: impl Batches, idle: std::time::Duration, d
 
 /// How a run of gathering on a blocking thread ended.
 enum Gathered {
-    /// The channel is full: wait for the client.
+    /// The outbox or the allowance is full: wait.
     Full,
     /// The stream is over (done, failed and told, or the client left).
     Ended,
@@ -540,8 +587,16 @@ impl Batches for RankStream {
 
 /// Queues the schema message, the first of every stream.
 fn start(tx: &Sender, messages: &Messages) -> Result<()> {
-    tx.try_send(Ok(vec![messages.schema()]))
-        .map_err(|_| Error::Internal("the shard channel is full before the first message".into()))
+    tx.push(Ok(vec![messages.schema()]));
+    Ok(())
+}
+
+/// What a stream's first batch is expected to take: its rows at the
+/// dataset's bytes per row (a projection takes less; the charge is settled
+/// to the batch's size once it is gathered).
+fn first_batch_bytes(plan: &ReadPlan, summary: &DatasetSummary) -> u64 {
+    let row = summary.bytes.div_ceil(summary.rows.max(1)).max(1);
+    u64::from(plan.batch_rows.max(1)).saturating_mul(row)
 }
 
 /// A rank's stream over a layout: this member's rows gathered here, other
@@ -688,7 +743,11 @@ impl MergedRead {
 /// `edge.rs` instead): the same messages as `FlightData`.
 pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
     let rx = shard_messages(state, ticket).await?;
-    let stream = ReceiverStream::new(rx).flat_map(|item| {
+    let items = futures::stream::unfold(rx, |mut rx| async move {
+        let item = rx.recv().await?;
+        Some((item, rx))
+    });
+    let stream = items.flat_map(|item| {
         let items: Vec<std::result::Result<FlightData, Status>> = match item {
             Ok(messages) => messages.iter().map(|m| Ok(m.to_flight_data())).collect(),
             Err(e) => vec![Err(Status::from(e))],
@@ -701,6 +760,7 @@ pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<Flig
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::outbox::ReadAhead;
     use std::time::Duration;
 
     /// One empty batch, then a panic.
@@ -714,19 +774,35 @@ mod tests {
         }
     }
 
-    /// Empty batches without end.
-    struct Endless;
+    /// Endless batches of one message with a body of this many bytes.
+    struct Sized(usize);
 
-    impl Batches for Endless {
+    impl Batches for Sized {
         fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
-            Some(Ok(Vec::new()))
+            Some(Ok(vec![IpcMessage {
+                header: Bytes::from_static(b"h"),
+                body: vec![Bytes::from(vec![1u8; self.0])],
+                body_len: self.0,
+                app_metadata: Bytes::new(),
+            }]))
+        }
+    }
+
+    /// A run whose batches are expected to take 1000 bytes.
+    fn run(pool: &Arc<ReadAhead>, idle: Duration) -> Run {
+        Run {
+            account: Some(Account::new(pool.clone())),
+            idle,
+            dataset: "d".into(),
+            estimate: 1000,
         }
     }
 
     #[tokio::test]
     async fn a_gather_that_panics_fails_its_stream_with_internal() {
-        let (tx, mut rx) = mpsc::channel(READ_AHEAD + 2);
-        spawn_stream(tx, PanicsSecond(0), Duration::from_secs(60), "d".into());
+        let pool = ReadAhead::new(1 << 20);
+        let (tx, mut rx) = outbox::outbox(READ_AHEAD);
+        spawn_stream(tx, PanicsSecond(0), run(&pool, Duration::from_secs(60)));
         assert!(matches!(rx.recv().await, Some(Ok(_))));
         match rx.recv().await {
             Some(Err(Error::Internal(m))) => assert!(m.contains("gather bug"), "{m}"),
@@ -736,20 +812,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_reader_that_takes_nothing_is_aborted_after_what_was_sent() {
-        let (tx, mut rx) = mpsc::channel(READ_AHEAD + 2);
-        spawn_stream(tx, Endless, Duration::from_millis(100), "d".into());
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let mut got = Vec::new();
-        while let Some(item) = rx.recv().await {
-            got.push(item);
+    async fn a_reader_that_takes_nothing_loses_what_was_queued_and_is_aborted() {
+        let pool = ReadAhead::new(1 << 20);
+        let (tx, mut rx) = outbox::outbox(READ_AHEAD);
+        spawn_stream(tx, Sized(1000), run(&pool, Duration::from_millis(100)));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while pool.used() < READ_AHEAD as u64 * 1000 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the outbox never filled"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // The batches that filled the channel, then the last word.
-        assert_eq!(got.len(), READ_AHEAD + 2, "{got:?}");
-        assert!(got[..READ_AHEAD + 1].iter().all(Result::is_ok));
-        match got.last() {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(pool.used(), 0, "the stalled stream's batches were dropped");
+        match rx.recv().await {
             Some(Err(Error::Aborted(m))) => assert!(m.contains("--stream-idle-timeout"), "{m}"),
             other => panic!("expected ABORTED, got {other:?}"),
         }
+        assert!(rx.recv().await.is_none(), "then the stream ends");
+    }
+
+    #[tokio::test]
+    async fn streams_wait_for_the_allowance_and_go_when_it_is_freed() {
+        let pool = ReadAhead::new(1500);
+        let idle = Duration::from_secs(60);
+        let (tx_a, mut rx_a) = outbox::outbox(READ_AHEAD);
+        spawn_stream(tx_a, Sized(1000), run(&pool, idle));
+        let first = rx_a.recv().await.expect("a batch").expect("ok");
+        let (tx_b, mut rx_b) = outbox::outbox(READ_AHEAD);
+        spawn_stream(tx_b, Sized(1000), run(&pool, idle));
+        let quiet = tokio::time::timeout(Duration::from_millis(200), rx_b.recv()).await;
+        assert!(
+            quiet.is_err(),
+            "the second stream waits while the first holds the allowance"
+        );
+        assert_eq!(
+            pool.used(),
+            1000,
+            "one batch, taken by the first stream's reader"
+        );
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(10), rx_b.recv()).await;
+        assert!(
+            matches!(second, Ok(Some(Ok(_)))),
+            "room made, the second stream goes"
+        );
+        assert!(pool.used() <= 1500 + 1000, "{}", pool.used());
     }
 }

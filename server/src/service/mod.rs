@@ -10,6 +10,7 @@ mod actions;
 mod edge;
 mod get;
 mod ipc;
+pub mod outbox;
 mod put;
 
 pub use edge::{Edge, parse_ticket_request};
