@@ -295,25 +295,52 @@ impl Job {
         dims.join(",")
     }
 
-    /// Checks that `ckpt` was written by a job with this model and optimizer.
+    /// What a checkpoint must record as this job has it for a resume to
+    /// continue at the same sample: every field that changes the model or
+    /// what a step and a sample position mean.
+    fn resume_fields(&self) -> [(&'static str, String); 7] {
+        [
+            ("dataset", self.spec.dataset.clone()),
+            ("rows", self.data.rows().to_string()),
+            ("seed", self.spec.seed.to_string()),
+            ("shuffle", format!("{:?}", self.spec.shuffle)),
+            ("global_batch", self.spec.global_batch.to_string()),
+            ("dims", self.dims_text()),
+            ("optimizer", self.optimizer_name().to_string()),
+        ]
+    }
+
+    /// Checks that `ckpt` was written by a job this one continues: the same
+    /// model, optimizer, dataset and sample order, at a step within this
+    /// job. Anything else is `FAILED_PRECONDITION` naming the field and
+    /// both values; the checkpoint's step otherwise.
     pub fn check_resume(&self, ckpt: &Checkpoint) -> Result<u64> {
-        let dims = ckpt.metadata.get("dims").map(String::as_str).unwrap_or("");
-        let opt = ckpt
-            .metadata
-            .get("optimizer")
-            .map(String::as_str)
-            .unwrap_or("");
-        if dims != self.dims_text() || opt != self.optimizer_name() {
-            return Err(Error::invalid(format!(
-                "the checkpoint is of a model with layers [{dims}] and optimizer '{opt}', this \
-                 job has layers [{}] and optimizer '{}'",
-                self.dims_text(),
-                self.optimizer_name()
-            )));
+        let refuse = |why: String| {
+            Error::FailedPrecondition(format!(
+                "resume_from: {why}; resume with the job that wrote the checkpoint, or train \
+                 without resume_from"
+            ))
+        };
+        for (field, ours) in self.resume_fields() {
+            match ckpt.metadata.get(field) {
+                Some(theirs) if *theirs == ours => {}
+                Some(theirs) => {
+                    return Err(refuse(format!(
+                        "the checkpoint has {field} {theirs:?}, this job has {field} {ours:?}"
+                    )));
+                }
+                None => {
+                    return Err(refuse(format!(
+                        "the checkpoint does not record its {field} (this job has {ours:?})"
+                    )));
+                }
+            }
         }
-        let step = ckpt.meta_u64("step")?;
+        let step = ckpt
+            .meta_u64("step")
+            .map_err(|_| refuse("the checkpoint does not record its step".into()))?;
         if step > self.total_steps() {
-            return Err(Error::invalid(format!(
+            return Err(refuse(format!(
                 "the checkpoint is at step {step}, past this job's {} steps",
                 self.total_steps()
             )));
@@ -569,12 +596,10 @@ impl Job {
                 "sample_position",
                 ((step % self.steps_per_epoch) * u64::from(self.spec.global_batch)).to_string(),
             ),
-            ("dims", self.dims_text()),
-            ("optimizer", self.optimizer_name().to_string()),
-            ("dataset", self.spec.dataset.clone()),
-            ("seed", self.spec.seed.to_string()),
-            ("global_batch", self.spec.global_batch.to_string()),
-        ] {
+        ]
+        .into_iter()
+        .chain(self.resume_fields())
+        {
             c.metadata.insert(k.to_string(), v);
         }
         c

@@ -295,7 +295,101 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
     other.hidden = vec![4];
     let other = Job::prepare(other, &data).expect("valid job");
     let err = other.check_resume(&ckpt).expect_err("other model");
-    assert!(err.to_string().contains("layers"), "{err}");
+    assert!(err.to_string().contains("dims"), "{err}");
+}
+
+/// The checkpoint `spec` writes after `steps` steps over `data`.
+fn checkpoint_after(spec: &JobSpec, data: &SealedData, steps: u64) -> Checkpoint {
+    let mut s = spec.clone();
+    s.max_steps = steps;
+    let job = Job::prepare(s, data).expect("valid job");
+    let saved: Mutex<Option<Checkpoint>> = Mutex::new(None);
+    let write = |_: u64, c: &Checkpoint| -> Result<String> {
+        *saved.lock().expect("lock") = Some(Checkpoint::decode(&c.encode()?)?);
+        Ok("memory://ckpt".into())
+    };
+    let cancel = AtomicBool::new(false);
+    let hooks = Hooks {
+        progress: &quiet,
+        cancel: &cancel,
+        checkpoint: Some(&write),
+    };
+    job.run(None, &hooks).expect("runs");
+    saved.into_inner().expect("lock").expect("a checkpoint")
+}
+
+/// A resume continues only the job that wrote the checkpoint: every field
+/// that changes the model or what the step and sample position mean is
+/// checked, and a mismatch is FAILED_PRECONDITION naming the field and both
+/// values (another world size is allowed: positions are global).
+#[test]
+fn a_resume_that_would_continue_elsewhere_is_refused_naming_the_field() {
+    let data = dataset(700);
+    let mut base = spec(2);
+    base.epochs = 2;
+    let ckpt = checkpoint_after(&base, &data, 13);
+    type Change = fn(&mut JobSpec);
+    let cases: [(&str, Change, &[&str]); 8] = [
+        (
+            "dataset",
+            |s| s.dataset = "e".into(),
+            &["dataset \"d\"", "dataset \"e\""],
+        ),
+        ("seed", |s| s.seed = 4, &["seed \"3\"", "seed \"4\""]),
+        (
+            "shuffle",
+            |s| s.shuffle = Shuffle::None,
+            &["shuffle \"Global\"", "\"None\""],
+        ),
+        (
+            "global batch",
+            |s| s.global_batch = 64,
+            &["global_batch \"32\"", "\"64\""],
+        ),
+        ("model", |s| s.hidden = vec![4], &["dims"]),
+        (
+            "optimizer",
+            |s| s.optimizer = Optimizer::Sgd { momentum: 0.9 },
+            &["optimizer \"adamw\"", "\"sgd\""],
+        ),
+        (
+            "step past the end",
+            |s| s.max_steps = 5,
+            &["step 13, past this job's 5 steps"],
+        ),
+        ("world size (allowed)", |s| s.devices = Devices::Cpu(4), &[]),
+    ];
+    for (what, change, needles) in cases {
+        let mut s = base.clone();
+        change(&mut s);
+        let job = Job::prepare(s, &data).expect("valid job");
+        match job.check_resume(&ckpt) {
+            Ok(step) => {
+                assert!(needles.is_empty(), "{what}: accepted");
+                assert_eq!(step, 13);
+            }
+            Err(Error::FailedPrecondition(m)) => {
+                assert!(!needles.is_empty(), "{what}: refused: {m}");
+                for n in needles {
+                    assert!(m.contains(n), "{what}: {m:?} should name {n:?}");
+                }
+            }
+            Err(other) => panic!("{what}: expected FAILED_PRECONDITION, got {other}"),
+        }
+    }
+    // The same job over a dataset of another size: other steps per epoch.
+    let job = Job::prepare(base.clone(), &dataset(800)).expect("valid job");
+    let err = job.check_resume(&ckpt).expect_err("other rows");
+    assert!(err.to_string().contains("rows \"700\""), "{err}");
+    // A checkpoint that does not say what it continues.
+    let mut bare = ckpt.clone();
+    bare.metadata.remove("seed");
+    let job = Job::prepare(base, &data).expect("valid job");
+    let err = job.check_resume(&bare).expect_err("no seed");
+    assert!(
+        err.to_string().contains("does not record its seed"),
+        "{err}"
+    );
 }
 
 #[test]
