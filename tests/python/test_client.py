@@ -7,6 +7,7 @@ import datetime as dt
 import os
 import select
 import signal
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pytest
 from pathlib import Path
 
 import flightdeck
-from conftest import strided_order, scaled
+from conftest import eventually, strided_order, scaled
 from flightdeck import ShardedDataset, to_numpy
 
 
@@ -149,6 +150,61 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
     assert len(set(rest)) == remaining
     assert set(rest).isdisjoint(seen)
     assert set(rest) | seen == set(range(n))
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "flightdeck-prefetch"]
+
+
+def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_thread(
+    flightdeck_server,
+):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = write(client, "pf", [1000, 1500])
+    ds = ShardedDataset(
+        flightdeck_server.uri, "pf", rank=0, world_size=2, batch_rows=100, seed=5, prefetch=3
+    )
+    it = iter(ds)
+    first = next(it)
+    # The next batches arrive while the loop holds the first: read ahead
+    # before it asks for them (no more than `prefetch` queued).
+    eventually("reading ahead", lambda: ds._reader.received >= 4 or None)
+    seen = set(first.column("id").to_pylist())
+    for _ in range(2):
+        seen.update(next(it).column("id").to_pylist())
+    # Three handed out, more read: the state counts the three.
+    state = ds.state_dict()
+    assert state == {"epoch": 0, "start_sample": 3 * 100 * 2, "world_size": 2}
+    assert ds.stall_seconds > 0
+    # The loop stops mid-epoch: the stream is cancelled, the thread ends.
+    it.close()
+    assert ds._reader is None and prefetch_threads() == []
+
+    # Rank 1 took as many; both resume on one rank and read the rest once.
+    other = ShardedDataset(
+        flightdeck_server.uri, "pf", rank=1, world_size=2, batch_rows=100, seed=5, prefetch=3
+    )
+    taken = iter(other)
+    for _ in range(3):
+        seen.update(next(taken).column("id").to_pylist())
+    del taken  # dropped without close(): the generator closes, and its thread ends
+    eventually("the dropped iterator's thread ending", lambda: prefetch_threads() == [] or None)
+    one = ShardedDataset(flightdeck_server.uri, "pf", rank=0, world_size=1, batch_rows=100, seed=5)
+    one.load_state_dict(state)
+    rest = ids_of(one)
+    assert len(rest) == n - 600 and set(rest).isdisjoint(seen)
+    assert set(rest) | seen == set(range(n))
+    assert prefetch_threads() == []
+
+    # Without prefetch the same rows come, read when asked for.
+    plain = ShardedDataset(
+        flightdeck_server.uri, "pf", rank=0, world_size=1, batch_rows=100, seed=5, prefetch=0
+    )
+    plain.load_state_dict(state)
+    assert ids_of(plain) == rest and prefetch_threads() == []
+    assert plain.stall_seconds > 0
+    plain.set_epoch(1)
+    assert plain.stall_seconds == 0
 
 
 def test_split_streams_partition_a_rank(flightdeck_server):

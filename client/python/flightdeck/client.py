@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence, Union
 
@@ -614,9 +617,15 @@ class Client:
             lambda: member._flight.do_get(flight.Ticket(shard.ticket), options=member._options)
         )
 
-    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
-        """Streams a shard's record batches in order."""
+    def read_shard(self, shard: Shard, *, prefetch: int = 0) -> Iterator[pa.RecordBatch]:
+        """Streams a shard's record batches in order. With `prefetch = n > 0`
+        a background thread reads up to `n` batches ahead of the caller, so
+        the next batch arrives while the caller works on this one; closing
+        the iterator (or dropping it) cancels the stream and ends the thread."""
         reader = self._do_get(shard)
+        if prefetch > 0:
+            yield from Prefetched(reader, prefetch)
+            return
         while True:
             try:
                 chunk = translate(reader.read_chunk)
@@ -627,6 +636,73 @@ class Client:
     def read_table(self, shard: Shard) -> pa.Table:
         """A whole shard as one table."""
         return translate(self._do_get(shard).read_all)
+
+
+_END = object()
+
+
+class Prefetched:
+    """A `DoGet` stream read on a background thread, at most `depth` batches
+    ahead of its consumer. Iterating yields the batches in order; `stall`
+    is the time the consumer has waited for them (seconds), and `received`
+    how many the thread has read. `close()` (also on the iterator's end,
+    or when a generator iterating it is closed) cancels the stream and joins
+    the thread."""
+
+    def __init__(self, reader: flight.FlightStreamReader, depth: int) -> None:
+        self._reader = reader
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self.received = 0
+        self.stall = 0.0
+        self._thread = threading.Thread(target=self._run, name="flightdeck-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    chunk = translate(self._reader.read_chunk)
+                except StopIteration:
+                    break
+                self.received += 1
+                self._queue.put(chunk.data)
+            self._queue.put(_END)
+        except BaseException as exc:  # handed to the consumer
+            if not self._stop.is_set():
+                self._queue.put(exc)
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        try:
+            while True:
+                started = time.perf_counter()
+                item = self._queue.get()
+                self.stall += time.perf_counter() - started
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancels the stream and waits for the thread to end."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._reader.cancel()
+        except Exception:
+            pass
+        # Room for the thread's last put, whatever it is blocked on.
+        while self._thread.is_alive():
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
 
 
 def connect(

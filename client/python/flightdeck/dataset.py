@@ -4,11 +4,12 @@ epoch, resumable mid-epoch — also with a different world size."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
-from .client import Client, connect, locality_mode, shuffle_mode
+from .client import Client, Prefetched, connect, locality_mode, shuffle_mode
 from .errors import InvalidArgument
 
 
@@ -28,6 +29,13 @@ class ShardedDataset:
     :meth:`set_epoch` before each epoch for a new order. :meth:`state_dict`
     records the epoch and the global samples consumed; a job that loads it —
     with any world size — reads exactly the samples not yet seen.
+
+    A background thread reads up to `prefetch` batches ahead of the loop
+    (0: none, each batch is read when asked for), so the next batch arrives
+    while the loop works on this one. Prefetched batches not yet handed out
+    are not counted by :meth:`state_dict`. :attr:`stall_seconds` is how long
+    the loop has waited for batches this epoch: the time training spent
+    waiting for data.
 
     On a dataset sealed across several servers, each rank reads from the
     member its plan names (its own node's, by torchrun's convention: rank r
@@ -55,11 +63,14 @@ class ShardedDataset:
         locality: str = "global",
         ranks_per_node: int | None = None,
         nodes: Sequence[str] | None = None,
+        prefetch: int = 2,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
         if batch_rows < 1:
             raise InvalidArgument("batch_rows must be at least 1")
+        if prefetch < 0:
+            raise InvalidArgument("prefetch must be 0 (off) or more batches")
         shuffle_mode(shuffle)  # validate early
         locality_mode(locality)
         self._client = uri if isinstance(uri, Client) else None
@@ -85,6 +96,11 @@ class ShardedDataset:
         self._start_sample = 0
         self._yielded = 0
         self._rows: int | None = None
+        self.prefetch = prefetch
+        #: Seconds the loop has waited for batches this epoch.
+        self.stall_seconds = 0.0
+        #: The background reader of the running iteration, if any.
+        self._reader: Prefetched | None = None
 
     # Plumbing
 
@@ -138,6 +154,7 @@ class ShardedDataset:
             self._start_sample = 0
             self._resume_world_size = 0
         self._yielded = 0
+        self.stall_seconds = 0.0
 
     def samples_consumed(self, batches: int | None = None) -> int:
         """Global samples of this epoch consumed once every rank has taken
@@ -177,12 +194,41 @@ class ShardedDataset:
         """This rank's batches, or with a split only batches
         `b % split_count == split_index` (one of several readers of a rank)."""
         plan = self._plan(split_count, split_index)
-        for batch in self.client.read_shard(plan.shards[self.rank]):
-            # Counted when handed out: a state taken after the caller
-            # processed this batch must not replay it.
-            self._yielded += batch.num_rows
-            yield batch
+        shard = plan.shards[self.rank]
+        if self.prefetch == 0:
+            batches: Iterator[pa.RecordBatch] = self.client.read_shard(shard)
+            for batch in _timed(batches, self):
+                self._yielded += batch.num_rows
+                yield batch
+            return
+        reader = Prefetched(self.client._do_get(shard), self.prefetch)
+        self._reader = reader
+        try:
+            before = self.stall_seconds
+            for batch in reader:
+                self.stall_seconds = before + reader.stall
+                # Counted when handed out: a state taken after the caller
+                # processed this batch must not replay it (and batches read
+                # ahead but not handed out are not counted).
+                self._yielded += batch.num_rows
+                yield batch
+            self.stall_seconds = before + reader.stall
+        finally:
+            reader.close()
+            self._reader = None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         self._yielded = 0
+        self.stall_seconds = 0.0
         return self.iter_batches()
+
+
+def _timed(batches: Iterator[pa.RecordBatch], owner: ShardedDataset) -> Iterator[pa.RecordBatch]:
+    """`batches`, adding the time each took to arrive to `owner.stall_seconds`."""
+    while True:
+        started = time.perf_counter()
+        batch = next(batches, None)
+        owner.stall_seconds += time.perf_counter() - started
+        if batch is None:
+            return
+        yield batch

@@ -94,6 +94,10 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     from each other when the dataset is built (a collective: build it on
     every rank), so each rank reads from its own node's server, and
     `locality="node"` reads each node's own rows.
+
+    `prefetch` batches are read ahead on a background thread (see
+    `ShardedDataset`); `stall_seconds` is how long this process's iteration
+    waited for data this epoch.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         locality: str = "global",
         ranks_per_node: int | None = None,
         nodes: Sequence[str] | None = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__()
         if rank is None or world_size is None:
@@ -135,6 +140,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             locality=locality,
             ranks_per_node=ranks_per_node,
             nodes=nodes,
+            prefetch=prefetch,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
@@ -143,6 +149,12 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads."""
         self.shards.set_epoch(epoch)
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long this process's iteration waited for batches this epoch
+        (with worker processes, each worker's own figure stays in it)."""
+        return self.shards.stall_seconds
 
     def state_dict(self, batches: int | None = None) -> dict[str, int]:
         """Where this epoch stands. With worker processes this object does
