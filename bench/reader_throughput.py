@@ -16,19 +16,13 @@ the epoch.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "client" / "python"))
-import flightdeck  # noqa: E402
-from flightdeck.torch import FlightDeckIterableDataset  # noqa: E402
+import synthetic
+from flightdeck.torch import FlightDeckIterableDataset
 
 
 def model(dim: int, hidden: int, classes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -55,32 +49,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--bin", default=str(REPO / "target" / "release" / "flightdeck"))
+    ap.add_argument("--bin", default=synthetic.SERVER_BIN)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    server = subprocess.Popen(
-        [args.bin, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB", "--spill-url", "memory://"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        uri = "grpc://" + server.stdout.readline().split()[-1]
-        rng = np.random.default_rng(0)
-        w = rng.standard_normal((args.dim, args.classes)).astype(np.float32)
-        x = rng.standard_normal((args.rows, args.dim)).astype(np.float32)
-        y = (x @ w).argmax(1).astype(np.int64)
-        table = pa.table(
-            {"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), args.dim), "label": pa.array(y)}
-        )
-        client = flightdeck.connect(uri)
-        part = -(-args.rows // 8)
-        for p in range(8):
-            client.put_partition("bench", p, table.slice(p * part, part))
-        client.seal("bench", partitions=8)
-
+    with synthetic.server(args.bin) as uri:
+        x, y = synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         results: dict[str, list[float]] = {}
         stalls: dict[str, list[float]] = {}
@@ -117,9 +91,6 @@ def main() -> None:
             rate = float(np.median(rates))
             stall = f"{float(np.median(stalls[name])) * 100:.0f} %" if name in stalls else "—"
             print(f"| {name} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} |")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

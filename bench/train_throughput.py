@@ -14,16 +14,9 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "client" / "python"))
-import flightdeck  # noqa: E402
+import synthetic
 
 
 def main() -> None:
@@ -34,37 +27,16 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--models", default="linear;64", help="';'-separated: 'linear' or hidden sizes like '64,64'")
     ap.add_argument("--devices", default="cpu,cpu:2", help="comma-separated --devices values")
-    ap.add_argument("--bin", default=str(REPO / "target" / "release" / "flightdeck"))
+    ap.add_argument("--bin", default=synthetic.SERVER_BIN)
     args = ap.parse_args()
 
-    server = subprocess.Popen(
-        [args.bin, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB", "--spill-url", "memory://"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        addr = server.stdout.readline().split()[-1]
-        rng = np.random.default_rng(0)
-        w = rng.standard_normal((args.dim, args.classes)).astype(np.float32)
-        x = rng.standard_normal((args.rows, args.dim)).astype(np.float32)
-        y = (x @ w).argmax(1).astype(np.int32)
-        table = pa.table(
-            {"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), args.dim), "label": pa.array(y)}
-        )
-        client = flightdeck.connect(f"grpc://{addr}")
-        step = -(-args.rows // 8)
-        for p in range(8):
-            client.put_partition("bench", p, table.slice(p * step, step))
-        client.seal("bench", partitions=8)
+    with synthetic.server(args.bin) as uri:
+        synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
+        addr = uri.removeprefix("grpc://")
         print(f"{args.rows} rows x {args.dim} features, {args.classes} classes, batch {args.batch_size}, one epoch")
         for model in args.models.split(";"):
             for devices in args.devices.split(","):
                 run(args, addr, "" if model == "linear" else model, devices)
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def run(args: argparse.Namespace, addr: str, hidden: str, devices: str) -> None:

@@ -695,6 +695,45 @@ async fn plain_flight(
     arrow_flight::flight_service_client::FlightServiceClient::new(channel)
 }
 
+/// `DoGet` streams of `tickets` opened on one plain Flight connection to
+/// `uri` (HTTP/2 windows of 64 KiB: the server soon has to wait for each)
+/// and never read.
+async fn stalled_streams<'a>(
+    uri: &str,
+    tickets: impl IntoIterator<Item = &'a bytes::Bytes>,
+) -> Vec<tonic::Response<tonic::Streaming<FlightData>>> {
+    let channel = tonic::transport::Channel::from_shared(uri.replace("grpc://", "http://"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut raw = arrow_flight::flight_service_client::FlightServiceClient::new(channel);
+    let mut stalled = Vec::new();
+    for ticket in tickets {
+        let stream = timed("open a stream", raw.do_get(Ticket::new(ticket.clone())))
+            .await
+            .expect("do_get");
+        stalled.push(stream);
+    }
+    stalled
+}
+
+/// Rows a fresh reader gets from `shard`, read to the end.
+async fn rows_read(c: &mut Client, shard: &flightdeck_client::Shard) -> u64 {
+    timed("a fresh reader", async {
+        c.read_shard(shard)
+            .await
+            .expect("read")
+            .try_collect::<Vec<_>>()
+            .await
+            .expect("batches")
+            .iter()
+            .map(|b| b.num_rows() as u64)
+            .sum()
+    })
+    .await
+}
+
 /// A sealed dataset of `rows` rows written as one partition.
 async fn sealed_rows(c: &mut Client, ds: &str, rows: i64) {
     put(c, ds, 0, 0, 0..rows).await.expect("put");
@@ -756,25 +795,8 @@ async fn growth_with_stalled_readers(readers: usize, allowance: &str) -> u64 {
         .await
         .expect("plan");
     let before = member.rss();
-    // Plain HTTP/2 windows (64 KiB on one connection): the server soon has
-    // to wait for every one of them.
-    let channel =
-        tonic::transport::Channel::from_shared(member.location().replace("grpc://", "http://"))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-    let mut raw = arrow_flight::flight_service_client::FlightServiceClient::new(channel);
-    let mut stalled = Vec::new();
-    for _ in 0..readers {
-        let stream = timed(
-            "open a stream",
-            raw.do_get(Ticket::new(plan.shards[0].ticket.clone())),
-        )
-        .await
-        .expect("do_get");
-        stalled.push(stream);
-    }
+    let ticket = &plan.shards[0].ticket;
+    let stalled = stalled_streams(&member.location(), std::iter::repeat_n(ticket, readers)).await;
     // Each stream gathers what it may, then waits; the peak comes before
     // the idle timeout ends them.
     let mut peak = before;
@@ -783,20 +805,7 @@ async fn growth_with_stalled_readers(readers: usize, allowance: &str) -> u64 {
         peak = peak.max(member.rss());
     }
     let mut fresh = member.client().await;
-    let read: u64 = timed("a fresh reader", async {
-        fresh
-            .read_shard(&plan.shards[0])
-            .await
-            .expect("read")
-            .try_collect::<Vec<_>>()
-            .await
-            .expect("batches")
-            .iter()
-            .map(|b| b.num_rows() as u64)
-            .sum()
-    })
-    .await;
-    assert_eq!(read, rows);
+    assert_eq!(rows_read(&mut fresh, &plan.shards[0]).await, rows);
     drop(stalled);
     peak.saturating_sub(before)
 }
@@ -845,34 +854,14 @@ fn readers_that_never_read_do_not_starve_the_others() {
         let mut c = server.client().await;
         sealed_rows(&mut c, "d", 160_000).await;
         let plan = c.plan(plan_rows("d", 8, 1_000)).await.expect("plan");
-        // Plain HTTP/2 windows (64 KiB): the server soon has to wait.
-        let mut raw = plain_flight(&server).await;
-        let mut stalled = Vec::new();
-        for shard in &plan.shards[..7] {
-            let stream = timed(
-                "open a stream",
-                raw.do_get(Ticket::new(shard.ticket.clone())),
-            )
-            .await
-            .expect("do_get");
-            stalled.push(stream);
-        }
+        let tickets = plan.shards[..7].iter().map(|s| &s.ticket);
+        let stalled = stalled_streams(&server.uri(), tickets).await;
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         let mut fresh = server.client().await;
-        let rows: usize = timed("a fresh reader", async {
-            fresh
-                .read_shard(&plan.shards[7])
-                .await
-                .expect("read")
-                .try_collect::<Vec<_>>()
-                .await
-                .expect("batches")
-                .iter()
-                .map(RecordBatch::num_rows)
-                .sum()
-        })
-        .await;
-        assert_eq!(rows as u64, plan.shards[7].rows);
+        assert_eq!(
+            rows_read(&mut fresh, &plan.shards[7]).await,
+            plan.shards[7].rows
+        );
         sealed_rows(&mut fresh, "other", 1_000).await;
         timed("stats", fresh.stats()).await.expect("stats");
         drop(stalled);

@@ -1,0 +1,60 @@
+"""What the training benchmarks share: a release server on a free port, and
+a synthetic, learnable classification dataset written to it.
+
+The dataset: `rows` × `dim` float32 features as one fixed_size_list column
+`features`, and a label `label` = the arg-max of a random linear map of the
+features (so a model can learn it), in 8 partitions, sealed as `bench`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "client" / "python"))
+import flightdeck  # noqa: E402
+
+#: The release server the benchmarks start by default.
+SERVER_BIN = str(REPO / "target" / "release" / "flightdeck")
+
+
+@contextlib.contextmanager
+def server(bin: str = SERVER_BIN) -> Iterator[str]:
+    """A server with an in-memory spill store, as `grpc://HOST:PORT`; stopped
+    on exit."""
+    proc = subprocess.Popen(
+        [bin, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB", "--spill-url", "memory://"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield "grpc://" + proc.stdout.readline().split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def write_dataset(uri: str, rows: int, dim: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Writes and seals `bench` on `uri`; returns its features and labels."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((dim, classes)).astype(np.float32)
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    y = (x @ w).argmax(1).astype(np.int64)
+    table = pa.table(
+        {"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), dim), "label": pa.array(y)}
+    )
+    client = flightdeck.connect(uri)
+    part = -(-rows // 8)
+    for p in range(8):
+        client.put_partition("bench", p, table.slice(p * part, part))
+    client.seal("bench", partitions=8)
+    return x, y
