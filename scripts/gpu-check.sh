@@ -6,6 +6,8 @@
 #   scripts/gpu-check.sh run     # on the GPU machine (carry target/gpu-check): the GPU tests
 #                                # (pinned arena, place, CUDA training vs CPU), the tier tests
 #                                # on pinned memory, and the h2d bench
+#   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
+#                                # (run by scripts/test.sh)
 #
 # `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
 # fails the checks instead of passing them vacuously. Output goes to $OUT
@@ -52,7 +54,7 @@ run() {
     nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
     export FLIGHTDECK_GPU_TESTS=1
     status=0
-    "$bins/gpu-tests" --test-threads 1 --nocapture > "$out/gpu-tests.txt" 2>&1 || status=1
+    "$bins/gpu-tests" --include-ignored --test-threads 1 --nocapture > "$out/gpu-tests.txt" 2>&1 || status=1
     "$bins/tier-tests" --test-threads 1 > "$out/tier-tests.txt" 2>&1 || status=1
     "$bins/flightdeck-bench" --phases h2d --rows 1000 --baseline "" --reps 5 --in-process \
         --json "$out/h2d.json" > "$out/h2d.txt" 2>&1 || status=1
@@ -60,8 +62,41 @@ run() {
     exit "$status"
 }
 
+# No GPU needed: the server's kernels compiled by NVRTC with the server's own
+# options and assembled by ptxas for sm_80 and sm_90, warnings as errors; then
+# each kernel in scripts/kernel-check/ (one broken, one that warns) must fail.
+# NVRTC and ptxas come from their Python wheels (pinned, ~130 MB, pip's cache
+# keeps them between runs) installed under target/nvidia-wheels.
+kernels() {
+    wheels=target/nvidia-wheels
+    nv="$wheels/nvidia"
+    if [ ! -x "$nv/cuda_nvcc/bin/ptxas" ] || [ ! -e "$nv/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
+        py=.venv/bin/python
+        [ -x "$py" ] || py=python3
+        if ! "$py" -m pip install --quiet --disable-pip-version-check --target "$wheels" \
+            nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86; then
+            echo "kernel check SKIPPED: the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels could not be installed" >&2
+            return 0
+        fi
+    fi
+    cargo build --quiet -p flightdeck-server --example kernel_check
+    check() {
+        LD_LIBRARY_PATH="$nv/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+            target/debug/examples/kernel_check --ptxas "$nv/cuda_nvcc/bin/ptxas" --arch sm_80,sm_90 "$@"
+    }
+    check
+    for bad in scripts/kernel-check/*.cu; do
+        if check --source "$bad" > /dev/null 2>&1; then
+            echo "kernel check passed $bad, which it must refuse" >&2
+            exit 1
+        fi
+        echo "$bad: refused, as it must be"
+    done
+}
+
 case "${1:-}" in
     build) build ;;
     run) run ;;
-    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+    kernels) kernels ;;
+    *) echo "usage: $0 build|run|kernels" >&2; exit 2 ;;
 esac

@@ -36,5 +36,8 @@ cargo test --workspace
 echo "==> Python test environment (.venv)"
 scripts/python-env.sh
 
+echo "==> CUDA kernels: NVRTC and ptxas, no GPU needed"
+scripts/gpu-check.sh kernels
+
 echo "==> Python tests"
 FLIGHTDECK_BIN="$PWD/target/debug/flightdeck" .venv/bin/python -m pytest tests/python -q --timeout 600 -rs

@@ -50,7 +50,9 @@ macro_rules! launch {
 }
 
 /// The kernels, in CUDA C, compiled once per rank with NVRTC.
-const KERNELS: &str = r#"
+/// The CUDA C source of the training kernels, compiled by NVRTC when a GPU
+/// job starts (and checked without a GPU by `examples/kernel_check.rs`).
+pub const KERNELS: &str = r#"
 extern "C" __global__ void add_row_bias(float* z, const float* b, int rows, int cols) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (long)rows * cols) z[i] += b[i % cols];
@@ -227,13 +229,66 @@ pub struct Cuda {
     error: Option<String>,
 }
 
+/// NVRTC's options for the kernels (none beyond its defaults today).
+pub const KERNEL_OPTIONS: &[&str] = &[];
+
+/// Compiles CUDA C `src` with NVRTC and [`KERNEL_OPTIONS`], as a GPU job
+/// does: the PTX, and NVRTC's log (its warnings; empty when it had none).
+/// An error carries the log.
+pub fn compile_kernels(src: &str) -> std::result::Result<(String, String), String> {
+    use cudarc::nvrtc::result;
+    use std::ffi::{CStr, CString};
+    // SAFETY: only probes whether the library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "NVRTC (libnvrtc.so.12) cannot be loaded: install the CUDA toolkit's NVRTC or the \
+             nvidia-cuda-nvrtc-cu12 package and put its lib folder on LD_LIBRARY_PATH"
+                .to_string(),
+        );
+    }
+    let src = CString::new(src).map_err(|_| "the CUDA source holds a NUL byte".to_string())?;
+    let prog = result::create_program(&src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let log = || {
+        // SAFETY: `prog` is a live program (destroyed only below).
+        unsafe { result::get_program_log(prog) }
+            .map(|raw| {
+                // SAFETY: NVRTC's log is NUL-terminated.
+                unsafe { CStr::from_ptr(raw.as_ptr()) }
+                    .to_string_lossy()
+                    .trim_end_matches('\0')
+                    .trim()
+                    .to_string()
+            })
+            .unwrap_or_default()
+    };
+    // SAFETY: `prog` is live and the options are plain strings.
+    let compiled = unsafe { result::compile_program(prog, KERNEL_OPTIONS) };
+    let out = match compiled {
+        Err(e) => Err(format!("{e:?}: {}", log())),
+        Ok(()) => {
+            // SAFETY: compiled above; `get_ptx` copies the PTX out.
+            unsafe { result::get_ptx(prog) }
+                .map_err(|e| format!("NVRTC returned no PTX: {e:?}"))
+                .map(|ptx| {
+                    let bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+                    let text = String::from_utf8_lossy(&bytes);
+                    (text.trim_end_matches('\0').to_string(), log())
+                })
+        }
+    };
+    // SAFETY: not used after this.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
 impl Cuda {
     fn prepare(ordinal: u32, placed: Option<Arc<DevicePlacement>>) -> Result<Self> {
         let ctx = CudaContext::new(ordinal as usize).map_err(cuda)?;
         let stream = ctx.new_stream().map_err(cuda)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS)
-            .map_err(|e| Error::Internal(format!("NVRTC could not compile the kernels: {e:?}")))?;
+        let ptx = compile_kernels(KERNELS)
+            .map(|(ptx, _)| cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(|e| Error::Internal(format!("NVRTC could not compile the kernels: {e}")))?;
         let module = ctx.load_module(ptx).map_err(cuda)?;
         let kernels = NAMES
             .iter()

@@ -1,0 +1,87 @@
+//! Checks the server's CUDA kernels without a GPU: compiles them with NVRTC
+//! and the server's own options (as a GPU job does), fails on any NVRTC
+//! warning, then assembles the PTX with `ptxas` for each architecture, with
+//! warnings as errors.
+//!
+//! ```sh
+//! LD_LIBRARY_PATH=…/nvidia/cuda_nvrtc/lib cargo run -p flightdeck-server --example kernel_check -- \
+//!     --ptxas …/nvidia/cuda_nvcc/bin/ptxas --arch sm_80,sm_90 [--source broken.cu]
+//! ```
+//!
+//! `scripts/gpu-check.sh kernels` installs NVRTC and ptxas from their
+//! Python wheels and runs this, then proves it fails on a broken kernel.
+
+use std::process::{Command, ExitCode};
+
+use flightdeck_server::train::cuda::{KERNELS, compile_kernels};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kernel_check: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), String> {
+    let mut ptxas = None;
+    let mut archs = vec!["sm_80".to_string(), "sm_90".to_string()];
+    let mut source = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or(format!("{a} needs a value"));
+        match a.as_str() {
+            "--ptxas" => ptxas = Some(value()?),
+            "--arch" => archs = value()?.split(',').map(str::to_string).collect(),
+            "--source" => source = Some(value()?),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    let ptxas = ptxas.ok_or("--ptxas PATH is required")?;
+    let (what, src) = match &source {
+        Some(path) => (
+            path.clone(),
+            std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?,
+        ),
+        None => ("the server's kernels".to_string(), KERNELS.to_string()),
+    };
+    let (ptx, log) = compile_kernels(&src).map_err(|e| format!("{what}: NVRTC failed: {e}"))?;
+    if !log.is_empty() {
+        return Err(format!("{what}: NVRTC warned:\n{log}"));
+    }
+    let entries = ptx.matches(".entry").count();
+    let dir = std::env::temp_dir().join(format!("flightdeck-kernels-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let file = dir.join("kernels.ptx");
+    std::fs::write(&file, &ptx).map_err(|e| e.to_string())?;
+    let version = ptx
+        .lines()
+        .find(|l| l.starts_with(".version"))
+        .unwrap_or(".version ?")
+        .to_string();
+    println!("{what}: NVRTC compiled {entries} kernels, {} bytes of PTX ({version})", ptx.len());
+    let mut failed = Vec::new();
+    for arch in &archs {
+        let out = Command::new(&ptxas)
+            .arg(format!("-arch={arch}"))
+            .args(["--warning-as-error", "-o"])
+            .arg(dir.join(format!("kernels.{arch}.cubin")))
+            .arg(&file)
+            .output()
+            .map_err(|e| format!("cannot run {ptxas}: {e}"))?;
+        let said = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if out.status.success() && said.is_empty() {
+            println!("{what}: ptxas {arch}: ok");
+        } else {
+            failed.push(format!("ptxas {arch}: {said}"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{what}:\n{}", failed.join("\n")))
+    }
+}
