@@ -61,7 +61,10 @@ fn run() -> Result<(), String> {
         .find(|l| l.starts_with(".version"))
         .unwrap_or(".version ?")
         .to_string();
-    println!("{what}: NVRTC compiled {entries} kernels, {} bytes of PTX ({version})", ptx.len());
+    println!(
+        "{what}: NVRTC compiled {entries} kernels, {} bytes of PTX ({version})",
+        ptx.len()
+    );
     let mut failed = Vec::new();
     for arch in &archs {
         let out = Command::new(&ptxas)

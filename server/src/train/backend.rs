@@ -92,9 +92,15 @@ pub trait Backend {
         outs: usize,
     ) -> (Self::Buf, f64);
 
-    /// Replaces every buffer with the mean of it over all ranks, and `extra`
-    /// with the sum over ranks; every rank ends with identical values.
-    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf], extra: &mut [f64]);
+    /// Replaces `values` (host numbers: the step's loss and what each rank
+    /// says about stopping) with their sum over ranks. Every rank runs it
+    /// every step, also after recording a failure, so that every rank
+    /// learns of any rank's failure at the step it happens.
+    fn all_reduce_sum_host(&mut self, values: &mut [f64]);
+
+    /// Replaces every buffer with the mean of it over all ranks; every rank
+    /// ends with identical values. Run only when no rank failed.
+    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf]);
 
     /// SGD with momentum and decoupled weight decay:
     /// `v = μ·v + g; p -= lr·(v + wd·p)`.

@@ -54,12 +54,30 @@ impl CpuGroup {
 pub struct Cpu {
     rank: usize,
     group: Arc<CpuGroup>,
+    /// Batches gathered so far, and the one at which to fail (tests).
+    batches: u64,
+    fail_at_batch: Option<u64>,
+    failure: Option<String>,
 }
 
 impl Cpu {
     /// Rank `rank` of `group`.
     pub fn new(rank: usize, group: Arc<CpuGroup>) -> Self {
-        Self { rank, group }
+        Self {
+            rank,
+            group,
+            batches: 0,
+            fail_at_batch: None,
+            failure: None,
+        }
+    }
+
+    /// Makes this rank record a failure when it gathers its `k`-th batch
+    /// (from 1), the way a device error is recorded: to test what every
+    /// rank does when one fails.
+    pub fn failing_at_batch(mut self, k: u64) -> Self {
+        self.fail_at_batch = Some(k);
+        self
     }
 }
 
@@ -67,6 +85,10 @@ impl Backend for Cpu {
     type Buf = Vec<f32>;
 
     fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (Vec<f32>, Vec<f32>) {
+        self.batches += 1;
+        if self.fail_at_batch == Some(self.batches) && self.failure.is_none() {
+            self.failure = Some(format!("injected failure at batch {}", self.batches));
+        }
         data.gather(rows.iter().copied())
     }
 
@@ -217,7 +239,11 @@ impl Backend for Cpu {
         (grad, loss)
     }
 
-    fn all_reduce_mean(&mut self, bufs: &mut [Vec<f32>], extra: &mut [f64]) {
+    fn all_reduce_sum_host(&mut self, values: &mut [f64]) {
+        self.group.all_reduce_sum(self.rank, values);
+    }
+
+    fn all_reduce_mean(&mut self, bufs: &mut [Vec<f32>]) {
         let world = self.group.world;
         if world == 1 {
             return;
@@ -225,7 +251,6 @@ impl Backend for Cpu {
         let mut flat: Vec<f64> = bufs
             .iter()
             .flat_map(|b| b.iter().map(|&v| f64::from(v)))
-            .chain(extra.iter().copied())
             .collect();
         self.group.all_reduce_sum(self.rank, &mut flat);
         let mut it = flat.into_iter();
@@ -234,9 +259,10 @@ impl Backend for Cpu {
                 *v = (it.next().unwrap_or(0.0) / world as f64) as f32;
             }
         }
-        for e in extra.iter_mut() {
-            *e = it.next().unwrap_or(0.0);
-        }
+    }
+
+    fn failure(&mut self) -> Option<String> {
+        self.failure.clone()
     }
 
     fn sgd_step(

@@ -49,9 +49,8 @@ macro_rules! launch {
     }};
 }
 
-/// The kernels, in CUDA C, compiled once per rank with NVRTC.
-/// The CUDA C source of the training kernels, compiled by NVRTC when a GPU
-/// job starts (and checked without a GPU by `examples/kernel_check.rs`).
+/// The training kernels in CUDA C, compiled once per rank with NVRTC when a
+/// GPU job starts (and checked without a GPU by `examples/kernel_check.rs`).
 pub const KERNELS: &str = r#"
 extern "C" __global__ void add_row_bias(float* z, const float* b, int rows, int cols) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -59,7 +58,8 @@ extern "C" __global__ void add_row_bias(float* z, const float* b, int rows, int 
 }
 extern "C" __global__ void relu(float* z, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && z[i] < 0.0f) z[i] = 0.0f;
+    // !(z > 0) also zeroes NaN, as the CPU backend's max(z, 0) does.
+    if (i < n && !(z[i] > 0.0f)) z[i] = 0.0f;
 }
 extern "C" __global__ void relu_backward(float* d, const float* a, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -152,7 +152,8 @@ pub struct Setup {
     ordinals: Vec<u32>,
     /// The dataset's device-tier copies, by device.
     placed: Vec<Arc<DevicePlacement>>,
-    id: Id,
+    /// The NCCL communicator's id (two GPUs or more).
+    id: Option<Id>,
     ready: Barrier,
     failed: AtomicBool,
 }
@@ -173,7 +174,43 @@ impl Setup {
                 "GPU {bad} does not exist: this server sees {count} CUDA devices"
             )));
         }
-        let id = Id::new().map_err(|e| Error::Internal(format!("NCCL: {e:?}")))?;
+        // The libraries a job loads, probed first: a missing one is the
+        // caller's to fix, not a panic inside the loader.
+        // SAFETY: each only tries to open its library by its usual names.
+        let libraries = unsafe {
+            [
+                (
+                    cudarc::cublas::sys::is_culib_present(),
+                    "cuBLAS (libcublas.so.12)",
+                ),
+                (
+                    cudarc::nvrtc::sys::is_culib_present(),
+                    "NVRTC (libnvrtc.so.12)",
+                ),
+            ]
+        };
+        if let Some((_, name)) = libraries.iter().find(|(present, _)| !present) {
+            return Err(Error::FailedPrecondition(format!(
+                "training on GPUs needs {name}, which this server cannot load: install it (the \
+                 CUDA toolkit, or its nvidia-* Python package) and put its lib folder on \
+                 LD_LIBRARY_PATH"
+            )));
+        }
+        // One GPU needs no communicator, and so no NCCL.
+        let id = if ordinals.len() > 1 {
+            // SAFETY: only tries to open the library by its usual names.
+            if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+                return Err(Error::FailedPrecondition(format!(
+                    "training on {} GPUs needs NCCL, which this server cannot load as \
+                     libnccl.so: NCCL installs libnccl.so.2, so link libnccl.so to it in a \
+                     folder on LD_LIBRARY_PATH, or train on one GPU",
+                    ordinals.len()
+                )));
+            }
+            Some(Id::new().map_err(|e| Error::Internal(format!("NCCL: {e:?}")))?)
+        } else {
+            None
+        };
         Ok(Self {
             ordinals: ordinals.to_vec(),
             placed: placed.to_vec(),
@@ -201,8 +238,8 @@ impl Setup {
             ));
         }
         let world = self.ordinals.len();
-        if world > 1 {
-            let comm = Comm::from_rank(cuda.stream.clone(), rank as usize, world, self.id)
+        if let (true, Some(id)) = (world > 1, self.id) {
+            let comm = Comm::from_rank(cuda.stream.clone(), rank as usize, world, id)
                 .map_err(|e| Error::Internal(format!("NCCL communicator: {e:?}")))?;
             cuda.comm = Some(comm);
         }
@@ -640,7 +677,30 @@ impl Backend for Cuda {
         (grad, total)
     }
 
-    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf], extra: &mut [f64]) {
+    fn all_reduce_sum_host(&mut self, values: &mut [f64]) {
+        let Some(comm) = self.comm.take() else {
+            return;
+        };
+        // Runs even after this rank recorded an error: the other ranks are
+        // waiting in this collective to learn of it.
+        match self.stream.clone_htod(values) {
+            Ok(mut sums) => {
+                let r = comm.all_reduce_in_place(&mut sums, &ReduceOp::Sum);
+                if self.record(r).is_some() {
+                    let back = self.stream.clone_dtoh(&sums);
+                    if let Some(back) = self.record(back) {
+                        values.copy_from_slice(&back);
+                    }
+                }
+            }
+            Err(e) => {
+                self.record::<()>(Err(e));
+            }
+        }
+        self.comm = Some(comm);
+    }
+
+    fn all_reduce_mean(&mut self, bufs: &mut [Self::Buf]) {
         let Some(comm) = self.comm.take() else {
             return;
         };
@@ -671,15 +731,6 @@ impl Backend for Cuda {
             at += len;
         }
         self.flat = Some(flat);
-        let sums = self.stream.clone_htod(extra);
-        if let Some(mut sums) = self.record(sums) {
-            let r = comm.all_reduce_in_place(&mut sums, &ReduceOp::Sum);
-            self.record(r);
-            let back = self.stream.clone_dtoh(&sums);
-            if let Some(back) = self.record(back) {
-                extra.copy_from_slice(&back);
-            }
-        }
         self.comm = Some(comm);
     }
 

@@ -195,6 +195,17 @@ impl Job {
                 spec.global_batch
             )));
         }
+        if let Devices::Gpu(ordinals) = &spec.devices
+            && let Some((i, d)) = ordinals
+                .iter()
+                .enumerate()
+                .find(|(i, d)| ordinals[..*i].contains(d))
+        {
+            return Err(Error::invalid(format!(
+                "GPU {d} is listed twice (positions {} and {i}); give each GPU once",
+                ordinals.iter().position(|x| x == d).unwrap_or(0)
+            )));
+        }
         if spec.epochs == 0 {
             return Err(Error::invalid("epochs must be at least 1"));
         }
@@ -462,14 +473,34 @@ impl Job {
             let (mut grads, loss, _) =
                 self.model
                     .gradients(&mut b, &params, x, &y, per_rank as usize);
+            // Every step every rank says whether it failed (slot 2 + rank)
+            // and rank 0 whether to stop: all ranks learn it from the same
+            // sum, so none is left waiting in a collective the others skip.
             let stop = rank == 0 && (hooks.cancel.load(Ordering::Acquire) || failure.is_some());
-            let mut extra = [loss, f64::from(u8::from(stop))];
-            b.all_reduce_mean(&mut grads, &mut extra);
-            if extra[1] > 0.0 {
+            let mut agree = vec![0.0; 2 + world as usize];
+            agree[0] = loss;
+            agree[1] = f64::from(u8::from(stop));
+            let failed_here = b.failure();
+            if failed_here.is_some() {
+                agree[2 + rank as usize] = 1.0;
+            }
+            b.all_reduce_sum_host(&mut agree);
+            if let Some(e) = failed_here {
+                return Err(Error::Internal(format!(
+                    "training rank {rank} failed at step {step} of {total}: {e}"
+                )));
+            }
+            if let Some(r) = (0..world).find(|&r| agree[2 + r as usize] > 0.0) {
+                return Err(Error::Aborted(format!(
+                    "training rank {rank} stopped at step {step}: rank {r} failed"
+                )));
+            }
+            if agree[1] > 0.0 {
                 return Err(failure.take().unwrap_or_else(|| {
                     Error::Aborted(format!("training job cancelled at step {step} of {total}"))
                 }));
             }
+            b.all_reduce_mean(&mut grads);
             opt.update(
                 &mut b,
                 self.spec.optimizer,
@@ -484,7 +515,7 @@ impl Job {
             let done_steps = step + 1;
             stall += gathered;
             busy += t0.elapsed().as_secs_f64();
-            loss_sum += extra[0] / global as f64;
+            loss_sum += agree[0] / global as f64;
             loss_steps += 1;
             let end_of_epoch = in_epoch + 1 == self.steps_per_epoch;
             let mut checkpoint = None;

@@ -474,6 +474,10 @@ fn bad_jobs_are_refused_before_they_start() {
         },
         "activations; at most",
     );
+    refuse(
+        &|s| s.devices = Devices::Gpu(vec![1, 0, 1, 0]),
+        "GPU 1 is listed twice (positions 0 and 2)",
+    );
     // A regression on the target is fine; GPUs need a driver.
     let mut s = spec(2);
     s.task = TaskSpec::Regression;
@@ -493,4 +497,71 @@ fn bad_jobs_are_refused_before_they_start() {
         let err = job.run(None, &hooks).expect_err("no driver");
         assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
     }
+}
+
+/// A rank that fails (a device error, here injected on the CPU backend)
+/// stops every rank at that very step: each returns (no thread is left
+/// waiting in a collective), the failed rank with its own error and the
+/// others naming it, and the job fails with the failed rank's error.
+#[test]
+fn one_failing_rank_stops_every_rank_at_that_step() {
+    use super::cpu::{Cpu, CpuGroup};
+    let data = dataset(1000);
+    let mut s = spec(3);
+    s.global_batch = 9;
+    s.epochs = 5;
+    let job = Job::prepare(s, &data).expect("valid job");
+    let cancel = AtomicBool::new(false);
+    let hooks = Hooks {
+        progress: &quiet,
+        cancel: &cancel,
+        checkpoint: None,
+    };
+    let group = CpuGroup::new(3);
+    let results: Vec<Result<Option<Outcome>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3u32)
+            .map(|rank| {
+                let mut cpu = Cpu::new(rank as usize, group.clone());
+                if rank == 1 {
+                    cpu = cpu.failing_at_batch(5);
+                }
+                let (job, hooks) = (&job, &hooks);
+                scope.spawn(move || job.rank_loop(cpu, rank, 0, None, hooks))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("no rank panics"))
+            .collect()
+    });
+    for (rank, r) in results.iter().enumerate() {
+        match (rank, r) {
+            (1, Err(Error::Internal(m))) => {
+                assert!(m.contains("rank 1 failed at step 4"), "{m}");
+                assert!(m.contains("injected failure at batch 5"), "{m}");
+            }
+            (_, Err(Error::Aborted(m))) if rank != 1 => {
+                assert!(
+                    m.contains("stopped at step 4: rank 1 failed"),
+                    "rank {rank}: {m}"
+                );
+            }
+            other => panic!("rank {rank}: unexpected {other:?}"),
+        }
+    }
+    // Through the job's own runner: the failed rank's error is the job's.
+    let err = job
+        .run_ranks(3, 0, None, &hooks, &|rank| {
+            let cpu = Cpu::new(rank as usize, group.clone());
+            Ok(if rank == 2 {
+                cpu.failing_at_batch(1)
+            } else {
+                cpu
+            })
+        })
+        .expect_err("a rank failed");
+    assert!(
+        matches!(&err, Error::Internal(m) if m.contains("rank 2 failed at step 0")),
+        "{err}"
+    );
 }
