@@ -178,6 +178,22 @@ pub struct Hooks<'a> {
     pub checkpoint: Option<&'a CheckpointWriter<'a>>,
 }
 
+/// The sizes the GPU kernels index with 32-bit counts: at most `i32::MAX`
+/// rows, and a feature copy of at most `u32::MAX` values per launch.
+fn check_gpu_sizes(rows: u64, dim: usize) -> Result<()> {
+    let values = rows.saturating_mul(dim as u64);
+    if rows > i32::MAX as u64 || values > u64::from(u32::MAX) {
+        return Err(Error::invalid(format!(
+            "a GPU job takes at most {} rows and {} feature values; this dataset has {rows} \
+             rows × {dim} features ({values} values): train on a part of it (a filtered \
+             dataset) or on CPU ranks",
+            i32::MAX,
+            u32::MAX
+        )));
+    }
+    Ok(())
+}
+
 impl Job {
     /// Checks `spec` against the dataset's columns and prepares the data.
     /// Every problem is `InvalidArgument` naming it.
@@ -256,6 +272,9 @@ impl Job {
             TaskSpec::Regression => LabelKind::Values,
         };
         let prepared = TrainData::new(data, &spec.features, &spec.label, kind)?;
+        if let Devices::Gpu(_) = spec.devices {
+            check_gpu_sizes(prepared.rows(), prepared.dim)?;
+        }
         let task = match spec.task {
             TaskSpec::Classification(c) => Task::Classification {
                 classes: c as usize,

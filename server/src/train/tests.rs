@@ -565,3 +565,16 @@ fn one_failing_rank_stops_every_rank_at_that_step() {
         "{err}"
     );
 }
+
+/// The GPU kernels count with 32 bits: a job past that is refused before it
+/// starts rather than copied in part.
+#[test]
+fn gpu_jobs_past_32_bit_sizes_are_refused() {
+    assert!(super::check_gpu_sizes(1_000_000, 64).is_ok());
+    assert!(super::check_gpu_sizes(i32::MAX as u64, 1).is_ok());
+    for (rows, dim) in [(i32::MAX as u64 + 1, 1), (100_000_000, 64)] {
+        let err = super::check_gpu_sizes(rows, dim).expect_err("too large");
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains(&format!("{rows} rows")), "{err}");
+    }
+}
