@@ -173,6 +173,21 @@ pub struct DevicePlacement {
     pub bytes: u64,
 }
 
+impl Drop for DevicePlacement {
+    /// Binds the device's context before the buffers are freed: cudarc
+    /// frees a buffer without binding its context, and a placement is
+    /// dropped on whatever thread lets go of it last (`evict`, a
+    /// replacement, a dropped dataset), where no context may be current
+    /// and the free would fail silently and leak.
+    fn drop(&mut self) {
+        if let Some(c) = self.columns.first()
+            && let Err(e) = c.buffer.context().bind_to_thread()
+        {
+            tracing::warn!(device = self.device, error = ?e, "cannot bind the device's context to free a placement");
+        }
+    }
+}
+
 impl std::fmt::Debug for DevicePlacement {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DevicePlacement")
