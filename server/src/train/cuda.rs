@@ -321,6 +321,9 @@ pub fn compile_kernels(src: &str) -> std::result::Result<(String, String), Strin
 impl Cuda {
     fn prepare(ordinal: u32, placed: Option<Arc<DevicePlacement>>) -> Result<Self> {
         let ctx = CudaContext::new(ordinal as usize).map_err(cuda)?;
+        // SAFETY: a rank runs all its work on its one stream, so its buffers
+        // need no events to order their uses across streams.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
         let ptx = compile_kernels(KERNELS)
@@ -375,6 +378,16 @@ impl Cuda {
         self.record(r).unwrap_or_else(|| self.empty())
     }
 
+    /// `len` values left as they are, for outputs that are written whole
+    /// before anything reads them (a GEMM with β = 0, a gather): no pass to
+    /// zero them first.
+    fn uninit_or_empty(&mut self, len: usize) -> CudaSlice<f32> {
+        // SAFETY: callers overwrite every value before any is read (or a
+        // failure is recorded and the step's results are not used).
+        let r = unsafe { self.stream.alloc::<f32>(len.max(1)) };
+        self.record(r).unwrap_or_else(|| self.empty())
+    }
+
     /// `c = op(a)·op(b)` in cuBLAS's column-major terms.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
@@ -390,7 +403,8 @@ impl Cuda {
         ldb: usize,
         ldc: usize,
     ) -> CudaSlice<f32> {
-        let mut c = self.zeros_or_empty(m * n);
+        // β = 0: cuBLAS writes every value of C and reads none.
+        let mut c = self.uninit_or_empty(m * n);
         if self.error.is_some() || m == 0 || n == 0 {
             return c;
         }
@@ -520,8 +534,9 @@ impl Backend for Cuda {
             return (self.empty(), self.empty());
         };
         let (dim, lw) = (data.dim, data.label_width);
-        let mut x = self.zeros_or_empty(rows.len() * dim);
-        let mut y = self.zeros_or_empty(rows.len() * lw);
+        // The gather writes every value.
+        let mut x = self.uninit_or_empty(rows.len() * dim);
+        let mut y = self.uninit_or_empty(rows.len() * lw);
         let Some((fx, fy)) = self.resident.take() else {
             return (x, y);
         };
