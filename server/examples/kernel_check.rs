@@ -1,7 +1,7 @@
 //! Checks the server's CUDA kernels without a GPU: compiles them with NVRTC
-//! and the server's own options (as a GPU job does), fails on any NVRTC
-//! warning, then assembles the PTX with `ptxas` for each architecture, with
-//! warnings as errors.
+//! and the server's own options to PTX and to a cubin for each architecture
+//! (what a GPU job loads), fails on any NVRTC warning, then assembles the
+//! PTX with `ptxas` for each architecture, with warnings as errors.
 //!
 //! ```sh
 //! LD_LIBRARY_PATH=…/nvidia/cuda_nvrtc/lib cargo run -p flightdeck-server --example kernel_check -- \
@@ -47,10 +47,11 @@ fn run() -> Result<(), String> {
         ),
         None => ("the server's kernels".to_string(), KERNELS.to_string()),
     };
-    let (ptx, log) = compile_kernels(&src).map_err(|e| format!("{what}: NVRTC failed: {e}"))?;
-    if !log.is_empty() {
-        return Err(format!("{what}: NVRTC warned:\n{log}"));
+    let compiled = compile_kernels(&src, None).map_err(|e| format!("{what}: NVRTC failed: {e}"))?;
+    if !compiled.log.is_empty() {
+        return Err(format!("{what}: NVRTC warned:\n{}", compiled.log));
     }
+    let ptx = String::from_utf8_lossy(&compiled.image).into_owned();
     let entries = ptx.matches(".entry").count();
     let dir = std::env::temp_dir().join(format!("flightdeck-kernels-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -66,6 +67,17 @@ fn run() -> Result<(), String> {
         ptx.len()
     );
     let mut failed = Vec::new();
+    // What a GPU job loads: NVRTC's own cubin for the device's architecture.
+    for arch in &archs {
+        match compile_kernels(&src, Some(arch)) {
+            Ok(c) if c.log.is_empty() && c.image.starts_with(b"\x7fELF") => {
+                println!("{what}: NVRTC cubin {arch}: {} bytes", c.image.len());
+            }
+            Ok(c) if !c.log.is_empty() => failed.push(format!("NVRTC {arch} warned: {}", c.log)),
+            Ok(_) => failed.push(format!("NVRTC {arch}: not an ELF cubin")),
+            Err(e) => failed.push(format!("NVRTC {arch}: {e}")),
+        }
+    }
     for arch in &archs {
         let out = Command::new(&ptxas)
             .arg(format!("-arch={arch}"))

@@ -266,17 +266,28 @@ pub struct Cuda {
     error: Option<String>,
 }
 
-/// NVRTC's options for the kernels (none beyond its defaults today).
+/// NVRTC's options for the kernels (beyond the target architecture).
 pub const KERNEL_OPTIONS: &[&str] = &[];
 
+/// What NVRTC made of a CUDA C source.
+#[derive(Debug)]
+pub struct Compiled {
+    /// A cubin for the architecture asked for (`sm_XY`), else PTX text.
+    pub image: Vec<u8>,
+    /// NVRTC's log: its warnings, empty when it had none.
+    pub log: String,
+}
+
 /// Compiles CUDA C `src` with NVRTC and [`KERNEL_OPTIONS`], as a GPU job
-/// does: the PTX, and NVRTC's log (its warnings; empty when it had none).
-/// An error carries the log.
-pub fn compile_kernels(src: &str) -> std::result::Result<(String, String), String> {
-    use cudarc::nvrtc::result;
+/// does: for `arch = Some("sm_XY")` a cubin of that architecture's machine
+/// code (it loads on any driver of this CUDA major version, whatever PTX
+/// version the driver knows), for `None` PTX of NVRTC's own version. An
+/// error carries NVRTC's log.
+pub fn compile_kernels(src: &str, arch: Option<&str>) -> std::result::Result<Compiled, String> {
+    use cudarc::nvrtc::{result, sys};
     use std::ffi::{CStr, CString};
     // SAFETY: only probes whether the library can be loaded.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !unsafe { sys::is_culib_present() } {
         return Err(
             "NVRTC (libnvrtc.so.12) cannot be loaded: install the CUDA toolkit's NVRTC or the \
              nvidia-cuda-nvrtc-cu12 package and put its lib folder on LD_LIBRARY_PATH"
@@ -298,10 +309,27 @@ pub fn compile_kernels(src: &str) -> std::result::Result<(String, String), Strin
             })
             .unwrap_or_default()
     };
+    let mut options: Vec<String> = KERNEL_OPTIONS.iter().map(|o| o.to_string()).collect();
+    options.extend(arch.map(|a| format!("--gpu-architecture={a}")));
     // SAFETY: `prog` is live and the options are plain strings.
-    let compiled = unsafe { result::compile_program(prog, KERNEL_OPTIONS) };
+    let compiled = unsafe { result::compile_program(prog, &options) };
     let out = match compiled {
         Err(e) => Err(format!("{e:?}: {}", log())),
+        Ok(()) if arch.is_some_and(|a| a.starts_with("sm_")) => {
+            let mut size = 0usize;
+            // SAFETY: compiled above for a real architecture, so NVRTC holds
+            // a cubin of `size` bytes, copied into a buffer of that size.
+            unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+                .result()
+                .and_then(|()| {
+                    let mut cubin = vec![0u8; size];
+                    unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
+                        .result()
+                        .map(|()| cubin)
+                })
+                .map(|image| Compiled { image, log: log() })
+                .map_err(|e| format!("NVRTC returned no cubin: {e:?}"))
+        }
         Ok(()) => {
             // SAFETY: compiled above; `get_ptx` copies the PTX out.
             unsafe { result::get_ptx(prog) }
@@ -309,13 +337,59 @@ pub fn compile_kernels(src: &str) -> std::result::Result<(String, String), Strin
                 .map(|ptx| {
                     let bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
                     let text = String::from_utf8_lossy(&bytes);
-                    (text.trim_end_matches('\0').to_string(), log())
+                    Compiled {
+                        image: text.trim_end_matches('\0').as_bytes().to_vec(),
+                        log: log(),
+                    }
                 })
         }
     };
     // SAFETY: not used after this.
     let _ = unsafe { result::destroy_program(prog) };
     out
+}
+
+/// NVRTC's and the driver's CUDA versions, as `NVRTC 12.9, driver 12.4`,
+/// for errors about loading kernels.
+fn cuda_versions() -> String {
+    let (mut major, mut minor, mut driver) = (0, 0, 0);
+    // SAFETY: each writes plain integers; both libraries were loaded already.
+    let nvrtc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result();
+    let drv = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result();
+    let nvrtc = match nvrtc {
+        Ok(()) => format!("NVRTC {major}.{minor}"),
+        Err(_) => "NVRTC ?".to_string(),
+    };
+    match drv {
+        Ok(()) => format!("{nvrtc}, driver {}.{}", driver / 1000, driver % 1000 / 10),
+        Err(_) => format!("{nvrtc}, driver ?"),
+    }
+}
+
+/// The kernels as a module on `ctx`: a cubin for the device's own
+/// architecture, so that loading does not depend on the driver knowing
+/// NVRTC's PTX version; PTX for the driver to compile where NVRTC does not
+/// know the architecture. A failure names both versions.
+fn load_kernels(ctx: &Arc<CudaContext>, ordinal: u32) -> Result<Arc<cudarc::driver::CudaModule>> {
+    let (major, minor) = ctx.compute_capability().map_err(cuda)?;
+    let arch = format!("sm_{major}{minor}");
+    let loaded = match compile_kernels(KERNELS, Some(&arch)) {
+        Ok(c) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(c.image)),
+        Err(for_arch) => {
+            tracing::info!(gpu = ordinal, %arch, error = %for_arch, "no cubin for this GPU; loading PTX");
+            let c = compile_kernels(KERNELS, None).map_err(|e| {
+                Error::Internal(format!("NVRTC could not compile the kernels: {e}"))
+            })?;
+            let text = String::from_utf8_lossy(&c.image).into_owned();
+            ctx.load_module(cudarc::nvrtc::Ptx::from_src(text))
+        }
+    };
+    loaded.map_err(|e| {
+        Error::Internal(format!(
+            "GPU {ordinal} ({arch}) could not load the training kernels: {e:?} ({})",
+            cuda_versions()
+        ))
+    })
 }
 
 impl Cuda {
@@ -326,10 +400,7 @@ impl Cuda {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
-        let ptx = compile_kernels(KERNELS)
-            .map(|(ptx, _)| cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(|e| Error::Internal(format!("NVRTC could not compile the kernels: {e}")))?;
-        let module = ctx.load_module(ptx).map_err(cuda)?;
+        let module = load_kernels(&ctx, ordinal)?;
         let kernels = NAMES
             .iter()
             .map(|n| module.load_function(n).map_err(cuda))
