@@ -685,9 +685,9 @@ async fn malformed_ipc_bodies_are_invalid_arguments() {
 /// A Flight client with plain HTTP/2 settings (64 KiB windows), on its own
 /// connection.
 async fn plain_flight(
-    server: &TestServer,
+    uri: &str,
 ) -> arrow_flight::flight_service_client::FlightServiceClient<tonic::transport::Channel> {
-    let channel = tonic::transport::Channel::from_shared(server.uri())
+    let channel = tonic::transport::Channel::from_shared(uri.replace("grpc://", "http://"))
         .expect("uri")
         .connect()
         .await
@@ -702,12 +702,7 @@ async fn stalled_streams<'a>(
     uri: &str,
     tickets: impl IntoIterator<Item = &'a bytes::Bytes>,
 ) -> Vec<tonic::Response<tonic::Streaming<FlightData>>> {
-    let channel = tonic::transport::Channel::from_shared(uri.replace("grpc://", "http://"))
-        .expect("uri")
-        .connect()
-        .await
-        .expect("connect");
-    let mut raw = arrow_flight::flight_service_client::FlightServiceClient::new(channel);
+    let mut raw = plain_flight(uri).await;
     let mut stalled = Vec::new();
     for ticket in tickets {
         let stream = timed("open a stream", raw.do_get(Ticket::new(ticket.clone())))
@@ -906,7 +901,7 @@ async fn stalled_streams_end_after_the_idle_timeout() {
 
     sealed_rows(&mut c, "d", 100_000).await;
     let plan = c.plan(plan_rows("d", 1, 1_000)).await.expect("plan");
-    let mut raw = plain_flight(&server).await;
+    let mut raw = plain_flight(&server.uri()).await;
     let mut stream = raw
         .do_get(Ticket::new(plan.shards[0].ticket.clone()))
         .await

@@ -617,15 +617,10 @@ class Client:
             lambda: member._flight.do_get(flight.Ticket(shard.ticket), options=member._options)
         )
 
-    def read_shard(self, shard: Shard, *, prefetch: int = 0) -> Iterator[pa.RecordBatch]:
-        """Streams a shard's record batches in order. With `prefetch = n > 0`
-        a background thread reads up to `n` batches ahead of the caller, so
-        the next batch arrives while the caller works on this one; closing
-        the iterator (or dropping it) cancels the stream and ends the thread."""
+    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
+        """Streams a shard's record batches in order (`ShardedDataset` reads
+        ahead of its loop with `Prefetched`)."""
         reader = self._do_get(shard)
-        if prefetch > 0:
-            yield from Prefetched(reader, prefetch)
-            return
         while True:
             try:
                 chunk = translate(reader.read_chunk)

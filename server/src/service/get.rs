@@ -170,8 +170,8 @@ fn check_batch_bytes(plan: &ReadPlan, summary: &DatasetSummary, max_message: usi
     if summary.rows == 0 {
         return Ok(());
     }
-    let row = summary.bytes.div_ceil(summary.rows).max(1);
-    let batch = u64::from(plan.batch_rows).saturating_mul(row);
+    let row = row_bytes(summary);
+    let batch = batch_bytes(plan, summary);
     let max = max_message as u64;
     if batch <= max {
         return Ok(());
@@ -293,7 +293,8 @@ pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<out
         account: Some(Account::new(state.read_ahead.clone())),
         idle: state.config.stream_idle_timeout,
         dataset: name.clone(),
-        estimate: first_batch_bytes(&t.plan, &summary),
+        // Settled to the batch's size once it is gathered.
+        estimate: batch_bytes(&t.plan, &summary),
     };
     if !source.cluster && t.plan.locality == Locality::Global {
         let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
@@ -429,11 +430,12 @@ fn spawn_stream(tx: Sender, mut work: impl Batches, mut run: Run) {
             )));
         };
         loop {
-            match tokio::time::timeout(idle, tx.room()).await {
-                Ok(true) => {}
-                // The client hung up.
-                Ok(false) => return,
-                Err(_) => return stalled(),
+            tokio::select! {
+                room = tx.room() => if !room {
+                    // The client hung up.
+                    return;
+                },
+                () = tx.stalled(idle) => return stalled(),
             }
             let next = match &run.account {
                 Some(account) => tokio::select! {
@@ -591,12 +593,15 @@ fn start(tx: &Sender, messages: &Messages) -> Result<()> {
     Ok(())
 }
 
-/// What a stream's first batch is expected to take: its rows at the
-/// dataset's bytes per row (a projection takes less; the charge is settled
-/// to the batch's size once it is gathered).
-fn first_batch_bytes(plan: &ReadPlan, summary: &DatasetSummary) -> u64 {
-    let row = summary.bytes.div_ceil(summary.rows.max(1)).max(1);
-    u64::from(plan.batch_rows.max(1)).saturating_mul(row)
+/// The dataset's bytes per row, rounded up (at least 1).
+fn row_bytes(summary: &DatasetSummary) -> u64 {
+    summary.bytes.div_ceil(summary.rows.max(1)).max(1)
+}
+
+/// What one batch of `plan` is expected to take: its rows at the dataset's
+/// bytes per row (a projection takes less).
+fn batch_bytes(plan: &ReadPlan, summary: &DatasetSummary) -> u64 {
+    u64::from(plan.batch_rows.max(1)).saturating_mul(row_bytes(summary))
 }
 
 /// A rank's stream over a layout: this member's rows gathered here, other

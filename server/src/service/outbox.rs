@@ -308,26 +308,27 @@ impl Sender {
 
     /// Waits until another batch fits; `false` when the receiver left.
     pub async fn room(&self) -> bool {
-        loop {
-            let notified = self.0.room.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            match self.has_room() {
-                None => return false,
-                Some(true) => return true,
-                Some(false) => notified.await,
-            }
-        }
+        self.until(|| {
+            self.has_room()
+                .map_or(Some(false), |room| room.then_some(true))
+        })
+        .await
     }
 
     /// Waits until the receiver leaves (the client hung up).
     pub async fn gone(&self) {
+        self.until(|| self.is_gone().then_some(())).await
+    }
+
+    /// Waits until `ready` says something, asking it again whenever the
+    /// receiver takes an item or leaves.
+    async fn until<T>(&self, ready: impl Fn() -> Option<T>) -> T {
         loop {
             let notified = self.0.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.is_gone() {
-                return;
+            if let Some(v) = ready() {
+                return v;
             }
             notified.await;
         }
@@ -335,7 +336,7 @@ impl Sender {
 
     /// Waits until the receiver has had something to take for `idle` and
     /// took nothing: a reader that stopped reading, seen while the stream
-    /// itself waits for something else (the allowance).
+    /// waits for room in its outbox or in the allowance.
     pub async fn stalled(&self, idle: std::time::Duration) {
         loop {
             let wait = {

@@ -106,13 +106,18 @@ fn spec(world: u32) -> JobSpec {
 
 fn quiet(_: &Progress) {}
 
+/// Hooks that report nothing, write no checkpoint and stop on `cancel`.
+fn quiet_hooks(cancel: &AtomicBool) -> Hooks<'_> {
+    Hooks {
+        progress: &quiet,
+        cancel,
+        checkpoint: None,
+    }
+}
+
 fn run(job: &Job, resume: Option<&Checkpoint>) -> Outcome {
     let cancel = AtomicBool::new(false);
-    let hooks = Hooks {
-        progress: &quiet,
-        cancel: &cancel,
-        checkpoint: None,
-    };
+    let hooks = quiet_hooks(&cancel);
     job.run(resume, &hooks).expect("job runs")
 }
 
@@ -488,11 +493,7 @@ fn bad_jobs_are_refused_before_they_start() {
     s.devices = Devices::Gpu(vec![0]);
     let job = Job::prepare(s, &data).expect("valid");
     let cancel = AtomicBool::new(false);
-    let hooks = Hooks {
-        progress: &quiet,
-        cancel: &cancel,
-        checkpoint: None,
-    };
+    let hooks = quiet_hooks(&cancel);
     if !crate::memory::device::driver_present() {
         let err = job.run(None, &hooks).expect_err("no driver");
         assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
@@ -512,11 +513,7 @@ fn one_failing_rank_stops_every_rank_at_that_step() {
     s.epochs = 5;
     let job = Job::prepare(s, &data).expect("valid job");
     let cancel = AtomicBool::new(false);
-    let hooks = Hooks {
-        progress: &quiet,
-        cancel: &cancel,
-        checkpoint: None,
-    };
+    let hooks = quiet_hooks(&cancel);
     let group = CpuGroup::new(3);
     let results: Vec<Result<Option<Outcome>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..3u32)
