@@ -864,22 +864,11 @@ fn readers_that_never_read_do_not_starve_the_others() {
     });
 }
 
-/// A writer that stops sending and a reader that stops reading are ended
-/// after `--stream-idle-timeout`: the writer's attempt with ABORTED and
-/// nothing stored, the reader's stream with ABORTED after what was sent,
-/// never as a clean, short end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stalled_streams_end_after_the_idle_timeout() {
-    let server = TestServer::start_with(ServerConfig {
-        stream_idle_timeout: std::time::Duration::from_millis(300),
-        ..flightdeck_tests::test_config()
-    })
-    .await;
-    let mut c = server.client().await;
-    let mut msgs = one_message_put("stalled", 1_000).await;
-    msgs.truncate(1);
+/// Sends `msgs` as a `DoPut` that then never ends; the status it is ended
+/// with.
+async fn stalled_put(c: &mut Client, msgs: Vec<FlightData>) -> tonic::Status {
     let sent = stream::iter(msgs).chain(stream::pending());
-    let err = timed("a stalled put", async {
+    timed("a stalled put", async {
         match c.flight().inner_mut().do_put(sent).await {
             Err(status) => status,
             Ok(response) => {
@@ -894,7 +883,74 @@ async fn stalled_streams_end_after_the_idle_timeout() {
             }
         }
     })
+    .await
+}
+
+/// Writers that each stage a row and then stall hold the arena only until
+/// `--stream-idle-timeout`: each is ended with ABORTED, nothing of theirs is
+/// stored, and every byte they staged is freed (a stalled writer cannot pin
+/// the memory it shares with others for longer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_writers_free_what_they_staged_at_the_idle_timeout() {
+    let server = TestServer::start_with(ServerConfig {
+        stream_idle_timeout: std::time::Duration::from_millis(300),
+        ..flightdeck_tests::test_config()
+    })
     .await;
+    let c = server.client().await;
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let mut c = c.clone();
+            tokio::spawn(async move {
+                let msgs = one_message_put(&format!("stalled-{w}"), 1).await;
+                stalled_put(&mut c, msgs).await
+            })
+        })
+        .collect();
+    flightdeck_tests::eventually("the writers staging their rows", || {
+        let mut c = c.clone();
+        async move {
+            let live = c.stats().await.expect("stats").host_live_bytes;
+            if live > 0 { Ok(()) } else { Err(live) }
+        }
+    })
+    .await;
+    for (w, writer) in writers.into_iter().enumerate() {
+        let err = writer.await.expect("joins");
+        assert_eq!(err.code(), Code::Aborted, "{err}");
+        let mut c = c.clone();
+        assert_code(
+            c.describe(&format!("stalled-{w}")).await,
+            Code::NotFound,
+            &["stalled"],
+        );
+    }
+    flightdeck_tests::eventually("the staged rows freed", || {
+        let mut c = c.clone();
+        async move {
+            let live = c.stats().await.expect("stats").host_live_bytes;
+            if live == 0 { Ok(()) } else { Err(live) }
+        }
+    })
+    .await;
+    server.stop().await;
+}
+
+/// A writer that stops sending and a reader that stops reading are ended
+/// after `--stream-idle-timeout`: the writer's attempt with ABORTED and
+/// nothing stored, the reader's stream with ABORTED after what was sent,
+/// never as a clean, short end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_streams_end_after_the_idle_timeout() {
+    let server = TestServer::start_with(ServerConfig {
+        stream_idle_timeout: std::time::Duration::from_millis(300),
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    let mut msgs = one_message_put("stalled", 1_000).await;
+    msgs.truncate(1);
+    let err = stalled_put(&mut c, msgs).await;
     assert_eq!(err.code(), Code::Aborted, "{err}");
     assert!(err.message().contains("--stream-idle-timeout"), "{err}");
     assert_code(c.describe("stalled").await, Code::NotFound, &["'stalled'"]);
