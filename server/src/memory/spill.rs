@@ -157,7 +157,13 @@ pub async fn check_writable(
     store: &dyn ObjectStore,
     dir: &Path,
 ) -> std::result::Result<(), String> {
-    let probe = dir.clone().join(".flightdeck-write-check");
+    // A name of its own: servers (or jobs) sharing a folder probe it at the
+    // same time, and one's delete must not take away another's probe.
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = dir
+        .clone()
+        .join(format!(".flightdeck-write-check-{}-{n}", std::process::id()).as_str());
     let round_trip = async {
         store
             .put(&probe, PutPayload::from_static(b"flightdeck"))
@@ -619,6 +625,21 @@ fn parse_manifest(bytes: &[u8]) -> std::result::Result<PersistedDataset, String>
 mod tests {
     use super::*;
     use arrow::datatypes::{DataType, Field};
+
+    /// Many probes of one folder at once (servers sharing a spill folder
+    /// starting together) all succeed and leave nothing behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_write_checks_of_one_folder_all_succeed() {
+        let dir = std::env::temp_dir().join(format!("flightdeck-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let (store, root) = open_location(&dir.display().to_string(), true).expect("opens");
+        let checks = (0..16).map(|_| check_writable(store.as_ref(), &root));
+        for r in futures::future::join_all(checks).await {
+            r.expect("writable");
+        }
+        assert_eq!(std::fs::read_dir(&dir).expect("reads").count(), 0);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 
     #[test]
     fn manifests_round_trip() {
