@@ -95,9 +95,10 @@ impl State {
         if let Devices::Gpu(_) = spec.devices
             && self.cuda().is_none()
         {
-            return Err(Error::FailedPrecondition(
-                "no CUDA driver on this server: train on cpu ranks instead".into(),
-            ));
+            return Err(Error::FailedPrecondition(format!(
+                "{}: train on cpu ranks instead",
+                self.no_cuda()
+            )));
         }
         self.readable(&spec.dataset)?;
         if let Some(crate::catalog::ClusterState::Member { layout, .. }) =

@@ -240,6 +240,16 @@ impl State {
         self.cuda.as_ref()
     }
 
+    /// The start of the error of a call that needs a GPU on a server that
+    /// has none: whether the machine has no driver or it was turned off.
+    pub fn no_cuda(&self) -> &'static str {
+        if self.config.use_cuda {
+            "no CUDA driver on this server"
+        } else {
+            "no CUDA driver on this server (it was started with --no-cuda)"
+        }
+    }
+
     /// Runs `attempt` (an arena allocation) until it fits: when the budget
     /// is full (idle slabs already given back), packed copies are given up
     /// and least-recently-read sealed datasets (other than `except`) are
@@ -734,11 +744,10 @@ impl State {
     /// on those devices).
     pub async fn place(&self, req: &PlaceRequest) -> Result<DatasetSummary> {
         let Some(cuda) = self.cuda.clone() else {
-            return Err(Error::FailedPrecondition(
-                "no CUDA driver on this server: 'place' needs a GPU; read the dataset with \
-                 DoGet instead"
-                    .to_string(),
-            ));
+            return Err(Error::FailedPrecondition(format!(
+                "{}: 'place' needs a GPU; read the dataset with DoGet instead",
+                self.no_cuda()
+            )));
         };
         let (generation, data) = self.resident(&req.dataset).await?;
         let columns = if req.columns.is_empty() {

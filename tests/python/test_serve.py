@@ -1,0 +1,106 @@
+"""`flightdeck serve` as its flags and signals say: `--default-batch-rows`
+sizes the batches of a plan that asks for none, `--no-cuda` leaves the GPU
+alone whatever the machine has, and SIGINT lets a read in flight finish,
+takes no new calls and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import flightdeck
+from conftest import RunningServer, eventually, scaled, server_binary
+
+
+def write(client: flightdeck.Client, name: str, rows: int) -> None:
+    t = pa.table(
+        {
+            "id": pa.array(np.arange(rows, dtype=np.int64)),
+            "x": pa.array(np.linspace(-1, 1, rows, dtype=np.float32)),
+        }
+    )
+    half = rows // 2
+    client.put_partition(name, 0, t.slice(0, half))
+    client.put_partition(name, 1, t.slice(half))
+    client.seal(name, partitions=2)
+
+
+def test_default_batch_rows_sizes_a_plan_that_says_none():
+    server = RunningServer("--default-batch-rows", "1000")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "d", 10_500)
+            [shard] = c.plan("d").shards
+            assert [b.num_rows for b in c.read_shard(shard)] == [1000] * 10 + [500]
+            # A plan's own batch size wins.
+            [shard] = c.plan("d", batch_rows=4000).shards
+            assert [b.num_rows for b in c.read_shard(shard)] == [4000, 4000, 2500]
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_no_cuda_leaves_the_gpu_alone():
+    server = RunningServer("--no-cuda")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "d", 100)
+            stats = c.stats()
+            assert stats.cuda_devices == 0 and not stats.host_pinned
+            # Said the same on a machine with GPUs and on one without.
+            with pytest.raises(flightdeck.FailedPrecondition, match="started with --no-cuda"):
+                c.place("d", ["x"])
+            with pytest.raises(flightdeck.FailedPrecondition, match="started with --no-cuda"):
+                list(c.train("d", ["x"], "id", gpus=[0]))
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_sigint_lets_a_read_in_flight_finish_then_exits_0():
+    # 36 MB: more than the socket and HTTP/2 windows hold, so the server is
+    # still sending when the signal comes.
+    rows = 3_000_000
+    server = RunningServer("--default-batch-rows", "10000")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "d", rows)
+            [shard] = c.plan("d").shards
+            batches = c.read_shard(shard)
+            seen = [next(batches).column("id")]
+            server.proc.send_signal(signal.SIGINT)
+
+            def refused():
+                try:
+                    with flightdeck.connect(server.uri, timeout=2) as other:
+                        other.stats()
+                except flightdeck.Unavailable:
+                    return True
+                return None
+
+            # The listener closes: a new caller is turned away ...
+            eventually("the listener to close", refused)
+            # ... while the read that was under way is still served ...
+            assert server.proc.poll() is None, "".join(server.stderr_lines)
+            # ... to its last row.
+            seen += [b.column("id") for b in batches]
+            ids = pa.chunked_array(seen).to_numpy()
+            assert len(ids) == rows and (ids == np.arange(rows)).all()
+        server.proc.wait(timeout=scaled(30))
+        assert server.proc.returncode == 0, "".join(server.stderr_lines)
+        assert any("SIGINT received" in line for line in server.stderr_lines)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_a_bad_flag_is_refused_with_the_reason():
+    run = subprocess.run(
+        [str(server_binary()), "serve", "--default-batch-rows", "many"],
+        capture_output=True, text=True, timeout=scaled(30),
+    )
+    assert run.returncode == 2
+    assert "--default-batch-rows" in run.stderr and "many" in run.stderr
