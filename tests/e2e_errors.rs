@@ -526,6 +526,29 @@ async fn messages_over_the_size_limit_are_invalid_not_retryable() {
         .await
         .expect("batches that fit");
     assert_eq!(fits.total_rows, 20_000);
+    // A ticket whose plan asks for such batches (made by hand: the server
+    // never issues one) is refused the same way when read, before any
+    // message is sent.
+    let mut forged = flightdeck_protos::ShardTicket::decode(fits.shards[0].ticket.clone())
+        .expect("a ticket the server issued");
+    forged.plan.as_mut().expect("the ticket's plan").batch_rows = 1 << 24;
+    let oversized = c
+        .flight()
+        .do_get(Ticket::new(forged.encode_to_vec()))
+        .await
+        .map(|_| ());
+    assert_code(
+        oversized.map_err(ClientError::from),
+        Code::InvalidArgument,
+        &[
+            "batch_rows 16777216",
+            "--max-message-size 1048576",
+            "at most",
+        ],
+    );
+    let batches = read_all(&mut c, &fits).await.concat();
+    assert_eq!(batches.len(), 20);
+    assert!(batches.iter().all(|b| b.num_rows() == 1_000));
     server.stop().await;
 }
 

@@ -1,6 +1,7 @@
 //! End to end over loopback: concurrent writers with duplicate and broken
 //! attempts, seal naming winners, and balanced, shuffled shards read back by
-//! 1, 3 and 8 ranks with every value checked.
+//! 1, 3 and 8 ranks with every value checked; plain Flight clients and the
+//! metadata calls (`ListFlights`, `GetSchema`) as the protocol table says.
 
 use std::collections::{HashMap, HashSet};
 
@@ -418,5 +419,175 @@ async fn plain_flight_clients_use_path_descriptors() {
         client.list_datasets().await.expect("list"),
         vec!["plain".to_string()]
     );
+    server.stop().await;
+}
+
+/// Writes `ids` as partition `p`, attempt 0, of `ds`.
+async fn put_rows(c: &mut Client, ds: &str, p: u32, ids: std::ops::Range<i64>) {
+    let batches = partition_batches(ids, 0, 500);
+    timed(
+        "put",
+        c.put_partition(
+            ds,
+            p,
+            0,
+            schema(),
+            stream::iter(batches.into_iter().map(Ok)),
+        ),
+    )
+    .await
+    .expect("put");
+}
+
+/// The metadata calls as the README's protocol table says: `ListFlights`
+/// lists open and sealed datasets by path with their totals (sealed ones
+/// with one unshuffled endpoint); `GetSchema` answers on an open dataset
+/// too, projected, and `NOT_FOUND` for a missing one; a split index not
+/// below its count is refused; `SHUFFLE_BLOCK` without `block_rows` uses
+/// blocks of 1024.
+#[tokio::test]
+async fn metadata_calls_answer_as_the_protocol_table_says() {
+    use arrow_flight::FlightInfo;
+    use prost::Message;
+
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    put_rows(&mut c, "open", 0, 0..10).await;
+    put_rows(&mut c, "sealed", 0, 0..3000).await;
+    put_rows(&mut c, "sealed", 1, 3000..5000).await;
+    c.seal(SealDataset {
+        dataset: "sealed".into(),
+        partitions: 2,
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+
+    let mut listed: Vec<FlightInfo> = c
+        .flight()
+        .list_flights(bytes::Bytes::new())
+        .await
+        .expect("list_flights")
+        .try_collect()
+        .await
+        .expect("infos");
+    listed.sort_by(|a, b| {
+        a.flight_descriptor
+            .as_ref()
+            .map(|d| d.path.clone())
+            .cmp(&b.flight_descriptor.as_ref().map(|d| d.path.clone()))
+    });
+    let paths: Vec<Vec<String>> = listed
+        .iter()
+        .map(|i| i.flight_descriptor.clone().expect("descriptor").path)
+        .collect();
+    assert_eq!(
+        paths,
+        [vec!["open".to_string()], vec!["sealed".to_string()]]
+    );
+    let (open, sealed) = (&listed[0], &listed[1]);
+    let open_bytes = c.describe("open").await.expect("describe").bytes;
+    assert_eq!(
+        (open.total_records, open.total_bytes),
+        (10, open_bytes as i64)
+    );
+    assert!(
+        open.endpoint.is_empty(),
+        "an open dataset cannot be read yet"
+    );
+    assert_eq!(open.clone().try_decode_schema().expect("schema"), *schema());
+    assert_eq!(sealed.total_records, 5000);
+    assert_eq!(sealed.endpoint.len(), 1);
+    let ticket = sealed.endpoint[0].ticket.clone().expect("ticket");
+    let ids: Vec<i64> = c
+        .flight()
+        .do_get(ticket)
+        .await
+        .expect("do_get")
+        .try_collect::<Vec<RecordBatch>>()
+        .await
+        .expect("read")
+        .iter()
+        .flat_map(|b| check_batch(b, &|_| 0))
+        .collect();
+    assert_eq!(
+        ids,
+        (0..5000).collect::<Vec<_>>(),
+        "one unshuffled endpoint"
+    );
+
+    // GetSchema: an open dataset, projected in the order asked.
+    let projected = c
+        .flight()
+        .get_schema(FlightDescriptor::new_cmd(
+            ReadPlan {
+                dataset: "open".into(),
+                world_size: 1,
+                columns: vec!["x".into(), "id".into()],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ))
+        .await
+        .expect("schema of an open dataset");
+    let names: Vec<&str> = projected
+        .fields()
+        .iter()
+        .map(|f| f.name().as_str())
+        .collect();
+    assert_eq!(names, ["x", "id"]);
+    let missing = c
+        .flight()
+        .get_schema(FlightDescriptor::new_path(vec!["nope".into()]))
+        .await
+        .map(|_| ());
+    let missing = flightdeck_client::ClientError::from(missing.expect_err("no such dataset"));
+    assert_eq!(
+        missing.code(),
+        flightdeck_client::Code::NotFound,
+        "{missing}"
+    );
+    assert!(missing.message().contains("'nope'"), "{missing}");
+
+    // A split index must be below the split count.
+    let err = c
+        .plan(ReadPlan {
+            dataset: "sealed".into(),
+            world_size: 1,
+            split_count: 2,
+            split_index: 2,
+            ..Default::default()
+        })
+        .await
+        .expect_err("split 2 of 2");
+    assert_eq!(
+        err.code(),
+        flightdeck_client::Code::InvalidArgument,
+        "{err}"
+    );
+    assert!(
+        err.message()
+            .contains("split_index 2 must be below split_count 2"),
+        "{err}"
+    );
+
+    // SHUFFLE_BLOCK's default block is 1024 rows.
+    let mut block = async |block_rows| {
+        let plan = c
+            .plan(ReadPlan {
+                dataset: "sealed".into(),
+                world_size: 1,
+                seed: 3,
+                shuffle: Shuffle::Block.into(),
+                block_rows,
+                ..Default::default()
+            })
+            .await
+            .expect("plan");
+        raw_bytes(&mut c, plan.shards[0].ticket.clone()).await
+    };
+    let default = block(0).await;
+    assert!(default == block(1024).await);
+    assert!(default != block(512).await);
     server.stop().await;
 }

@@ -1,8 +1,10 @@
 //! Memory tiers end to end: datasets spill to the store when the budget is
 //! full and come back byte for byte in every shuffle mode (`memory://` and
-//! `file://` stores); `--persist` survives a restart; dropping returns
-//! memory to the pool, and so does a reader that hangs up; `place` without a
-//! CUDA driver answers its code.
+//! `file://` stores); `--persist` survives a restart, a persisted dataset
+//! spills without being written again, and a persist that fails answers
+//! `UNAVAILABLE` with the dataset still readable; dropping returns memory to
+//! the pool, and so does a reader that hangs up; `place` without a CUDA
+//! driver answers its code.
 
 use std::path::PathBuf;
 
@@ -16,8 +18,16 @@ use futures::stream;
 const ROWS_PER_PART: i64 = 10_000;
 const PARTS: u32 = 3;
 
-/// Writes and seals `PARTS` partitions of the synthetic dataset.
+/// Writes and seals `PARTS` partitions of the synthetic dataset; its bytes.
 async fn write_sealed(c: &mut Client, ds: &str) -> u64 {
+    try_write_sealed(c, ds).await.expect("seal").bytes
+}
+
+/// Writes `PARTS` partitions of the synthetic dataset; the seal's answer.
+async fn try_write_sealed(
+    c: &mut Client,
+    ds: &str,
+) -> Result<flightdeck_client::DatasetInfo, flightdeck_client::ClientError> {
     for p in 0..PARTS {
         let start = i64::from(p) * ROWS_PER_PART;
         let batches = partition_batches(start..start + ROWS_PER_PART, 0, 1_000);
@@ -34,7 +44,7 @@ async fn write_sealed(c: &mut Client, ds: &str) -> u64 {
         .await
         .expect("put fits");
     }
-    let info = timed(
+    timed(
         "seal",
         c.seal(SealDataset {
             dataset: ds.into(),
@@ -44,8 +54,6 @@ async fn write_sealed(c: &mut Client, ds: &str) -> u64 {
         }),
     )
     .await
-    .expect("seal");
-    info.bytes
 }
 
 /// The raw `DoGet` bytes of every rank of 1, 3 and 8 ranks, for each
@@ -247,6 +255,95 @@ async fn a_restart_with_persist_serves_the_same_data() {
     let mut c = server.client().await;
     let err = c.describe("kept").await.expect_err("dropped");
     assert_eq!(err.code(), Code::NotFound);
+    server.stop().await;
+}
+
+/// Every file under `dir` with its size and modification time.
+fn files_and_times(dir: &std::path::Path) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
+    let mut out: Vec<_> = walk(dir)
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).expect("metadata");
+            (p, m.len(), m.modified().expect("mtime"))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persisted_dataset_spills_without_a_second_copy() {
+    let one = dataset_bytes().await;
+    let dir = temp_dir("persist-spill");
+    let limit = one * 5 / 2;
+    let server = TestServer::start_with(ServerConfig {
+        memory_limit: limit,
+        spill_url: Some(format!("file://{}", dir.display())),
+        slab_bytes: Some(usize::try_from(limit / 32).expect("fits")),
+        persist: true,
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    write_sealed(&mut c, "a").await;
+    let before = read_every_mode(&mut c, "a").await;
+    let persisted = files_and_times(&dir);
+    assert!(!persisted.is_empty());
+    write_sealed(&mut c, "b").await;
+    write_sealed(&mut c, "c").await;
+    let a = c.describe("a").await.expect("describe");
+    assert!(a.spilled && a.persisted, "{a:?}");
+    assert_eq!(a.bytes, 0);
+    let stats = c.stats().await.expect("stats");
+    assert!(stats.spills >= 1 && stats.memory_used <= limit, "{stats:?}");
+    // Its spill is the copy persisted at seal: not written again.
+    let a_files = |files: &[(PathBuf, u64, std::time::SystemTime)]| {
+        files
+            .iter()
+            .filter(|(p, ..)| persisted.iter().any(|(q, ..)| q == p))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(a_files(&files_and_times(&dir)), persisted);
+    // Read back from it, the same bytes; still persisted.
+    assert!(read_every_mode(&mut c, "a").await == before);
+    let a = c.describe("a").await.expect("describe");
+    assert!(!a.spilled && a.persisted, "{a:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_persist_is_unavailable_and_leaves_the_dataset_readable() {
+    let dir = temp_dir("persist-fail");
+    let store = dir.join("store");
+    let server = TestServer::start_with(ServerConfig {
+        spill_url: Some(store.display().to_string()),
+        persist: true,
+        ..test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    // Serving (its store checked at start), then the store's folder becomes
+    // a file: nothing can be written under it.
+    timed("stats", c.stats()).await.expect("serving");
+    std::fs::remove_dir_all(&store).expect("remove the store folder");
+    std::fs::write(&store, b"not a folder").expect("write");
+    let err = try_write_sealed(&mut c, "d")
+        .await
+        .expect_err("the store cannot be written");
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    for needle in [
+        "'d'",
+        "sealed and readable",
+        "persisting it failed",
+        "restart",
+    ] {
+        assert!(err.message().contains(needle), "{err} lacks {needle}");
+    }
+    let d = c.describe("d").await.expect("describe");
+    assert_eq!(d.state(), DatasetState::Sealed);
+    assert!(!d.persisted, "{d:?}");
+    assert_eq!(read_every_mode(&mut c, "d").await.len(), 3 * 12);
     server.stop().await;
 }
 

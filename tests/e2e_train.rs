@@ -1,7 +1,8 @@
 //! Training through the Flight API: datasets ingested over `DoPut` and
-//! sealed, jobs submitted with action `train` on CPU ranks, progress
-//! streamed back, checkpoints written and resumed, bad jobs refused, and a
-//! job cancelled when its caller hangs up.
+//! sealed, jobs submitted with action `train` on CPU ranks (classification
+//! with AdamW, regression with SGD), progress streamed back, checkpoints
+//! written and resumed, bad jobs refused, a job that fails shown `failed`,
+//! and a job cancelled when its caller hangs up.
 
 use std::sync::Arc;
 
@@ -163,6 +164,39 @@ async fn an_mlp_fits_xor() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_with_sgd_fits_a_plane() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    // label = round(20x − 10y + 3): a plane, and the rounding's noise
+    // (mean squared error 1/12) is what is left to fit.
+    write_points(&mut c, "plane", 2000, |x, y| {
+        Some((20.0 * x - 10.0 * y + 3.0).round() as i64)
+    })
+    .await;
+    let mut j = job("plane");
+    j.task = Task::Regression.into();
+    j.classes = 0;
+    j.optimizer = OptimizerKind::OptimizerSgd.into();
+    j.momentum = 0.9;
+    j.learning_rate = 0.02;
+    j.epochs = 20;
+    let reports = run_to_end(&mut c, j.clone()).await;
+    let (first, last) = (&reports[0], reports.last().expect("final"));
+    assert!(last.done && last.accuracy.is_none(), "{last:?}");
+    // From the label's spread (≈ 170) to the rounding noise.
+    assert!(first.loss > 10.0, "{first:?}");
+    assert!(last.loss < 0.5, "{reports:#?}");
+
+    // SGD is not AdamW under another name: the same job with AdamW and the
+    // same rate ends elsewhere.
+    let mut adamw = j;
+    adamw.optimizer = OptimizerKind::OptimizerAdamw.into();
+    let other = run_to_end(&mut c, adamw).await;
+    assert_ne!(other.last().expect("final").loss, last.loss);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_resume_over_the_api() {
     let dir = temp_dir("ckpt");
     let server = TestServer::start_with(ServerConfig {
@@ -295,6 +329,12 @@ async fn old_checkpoints_go_and_memory_ones_count_against_the_budget() {
         .expect_err("the checkpoint does not fit");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(err.to_string().contains("--checkpoint-root"), "{err}");
+    // Its status says so after the stream has gone: failed, with the reason.
+    let jobs = c.jobs(0).await.expect("jobs").jobs;
+    let failed = jobs.iter().max_by_key(|j| j.job).expect("the job");
+    assert_eq!(failed.state, "failed", "{failed:?}");
+    assert!(failed.error.contains("--checkpoint-root"), "{failed:?}");
+    assert!(failed.step < failed.total_steps, "{failed:?}");
     // (Its first checkpoint fitted, and stays for a resume.)
     assert!(c.stats().await.expect("stats").memory_used <= 16 << 20);
     server.stop().await;

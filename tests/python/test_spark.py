@@ -1,6 +1,7 @@
 """A real PySpark job writes into flightdeck: a task fails mid-partition and
 is retried, the dataset holds every row exactly once, and ranks read
-balanced, disjoint shards with exact resume."""
+balanced, disjoint shards with exact resume; a job that fails for good
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -140,3 +141,48 @@ def test_vectors_become_float_arrays(flightdeck_server, spark):
     feats = flightdeck.to_numpy(table.combine_chunks().to_batches()[0], "features")
     assert feats.dtype.name == "float32" and feats.shape == (10, 2)
     assert feats[3].tolist() == [3.0, 6.0]
+
+
+def always_fail(df, partition=1):
+    """The same rows, but partition `partition` dies on every attempt after
+    it has sent one batch: the job fails with other partitions written."""
+
+    def run(batches):
+        from pyspark import TaskContext
+
+        for i, batch in enumerate(batches):
+            if TaskContext.get().partitionId() == partition and i == 1:
+                raise RuntimeError("injected failure of every attempt")
+            yield batch
+
+    return df.mapInArrow(run, df.schema)
+
+
+def test_a_failed_job_drops_what_it_wrote(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    df = always_fail(
+        spark.range(80_000, numPartitions=4).selectExpr("id", "cast(id as float) as x")
+    )
+    client = flightdeck.connect(uri)
+    writers = [lambda: write_dataframe(df, uri, "failed-a")]
+    if hasattr(spark, "dataSource"):  # Spark 4: the data source too
+        register(spark)
+        writers.append(
+            lambda: df.write.format("flightdeck").option("uri", uri)
+            .option("dataset", "failed-b").mode("overwrite").save()
+        )
+    for name, write in zip(["failed-a", "failed-b"], writers):
+        with pytest.raises(Exception, match="injected failure of every attempt"):
+            write()
+        # Nothing of it is left: not the partitions that were committed,
+        # not the failed attempts' halves.
+        with pytest.raises(flightdeck.NotFound):
+            client.describe(name)
+        assert name not in client.list_datasets()
+        # (There was something to drop: partitions had been committed.)
+        log = "".join(flightdeck_server.stderr_lines)
+        assert f"committed attempt dataset={name} " in log, log
+        assert f"dropped dataset dataset={name} " in log, log
+    stats = client.stats()
+    # (Idle slabs stay pooled for the next writer; no live byte is left.)
+    assert (stats.datasets, stats.rows, stats.host_live_bytes) == (0, 0, 0), stats

@@ -1,7 +1,8 @@
 """Training inside the server from Python and from the `flightdeck train`
 command line: a sealed dataset written with the Python client, a softmax
 regression that separates three classes, progress that streams, a bad job
-refused with INVALID_ARGUMENT, and a checkpoint written and resumed."""
+refused with INVALID_ARGUMENT, a checkpoint written and resumed, and
+`flightdeck train --regression` stopped and continued with `--resume-from`."""
 
 from __future__ import annotations
 
@@ -123,3 +124,51 @@ def test_the_train_command(sealed):
     assert "(NotFound)" in missing.stderr, missing.stderr
     for word in ("DoPut", "ListFlights"):
         assert word not in missing.stderr, missing.stderr
+
+
+def train_command(server, *args: str) -> str:
+    """Runs `flightdeck train` against `server`; its one line on stdout."""
+    run = subprocess.run(
+        [str(server_binary()), "train", "--server", server.uri, *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_the_train_command_regresses_and_resumes(flightdeck_server):
+    # label = 3a − 2b + 0.5 exactly: a plane a linear regression can reach.
+    rng = np.random.default_rng(4)
+    ab = rng.uniform(-1, 1, (2000, 2)).astype(np.float32)
+    label = (3 * ab[:, 0] - 2 * ab[:, 1] + 0.5).astype(np.float32)
+    t = pa.table({"a": ab[:, 0], "b": ab[:, 1], "y": label})
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        for p in range(2):
+            c.put_partition("plane", p, t.slice(p * 1000, 1000))
+        c.seal("plane", partitions=2)
+
+    job = ["--dataset", "plane", "--features", "a,b", "--label", "y", "--regression",
+           "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "50", "--epochs", "3",
+           "--devices", "cpu:2"]
+    whole = train_command(flightdeck_server, *job)
+    assert " done: 120 steps, loss " in whole and "accuracy" not in whole, whole
+    loss = float(whole.split("loss ")[1].split(",")[0])
+    assert loss < 1e-3, whole  # from a label spread of about 4.5
+
+    first = train_command(flightdeck_server, *job, "--max-steps", "45", "--checkpoint-url", "run")
+    checkpoint = first.split("checkpoint ")[1]
+    assert " done: 45 steps" in first and checkpoint.endswith("/run/step-0000000045.safetensors")
+    rest = train_command(flightdeck_server, *job, "--resume-from", checkpoint)
+    assert " done: 120 steps" in rest, rest
+    # The rest of the run continues the same run: the same final loss.
+    assert float(rest.split("loss ")[1].split(",")[0]) == pytest.approx(loss, rel=1e-4, abs=1e-9)
+
+    # A resume of another job is refused, naming what differs.
+    other = subprocess.run(
+        [str(server_binary()), "train", "--server", flightdeck_server.uri, *job,
+         "--seed", "9", "--resume-from", checkpoint],
+        capture_output=True, text=True, timeout=scaled(60),
+    )
+    assert other.returncode == 1 and "seed" in other.stderr, other.stderr
