@@ -450,6 +450,7 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
     let body = flightdeck_protos::DropDataset {
         dataset: "uneven".into(),
         member_only: true,
+        ..Default::default()
     };
     use prost::Message;
     m2.flight()

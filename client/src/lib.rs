@@ -491,6 +491,7 @@ impl Client {
             explicit_commit: true,
             expected_bytes: expected.bytes,
             expected_rows: expected.rows,
+            write_id: String::new(),
         };
         // Count rows as they go; the last message carries the count as the
         // commit marker, so the server commits only a complete attempt.
@@ -583,7 +584,7 @@ impl Client {
     pub async fn drop_dataset(&mut self, dataset: &str) -> Result<DatasetInfo> {
         let body = flightdeck_protos::DropDataset {
             dataset: dataset.to_string(),
-            member_only: false,
+            ..Default::default()
         };
         self.action(actions::DROP, body.encode_to_vec().into())
             .await

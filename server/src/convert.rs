@@ -68,6 +68,8 @@ pub struct PutTarget {
     pub explicit_commit: bool,
     /// Bytes the writer says it will send; 0 = unknown.
     pub expected_bytes: u64,
+    /// The write this attempt belongs to ("" = none).
+    pub write_id: String,
 }
 
 /// The target of a `DoPut` descriptor: a `PutPartition` command, or the path
@@ -85,6 +87,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                 },
                 explicit_commit: cmd.explicit_commit,
                 expected_bytes: cmd.expected_bytes,
+                write_id: cmd.write_id,
             })
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
@@ -103,6 +106,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                     },
                     explicit_commit: false,
                     expected_bytes: 0,
+                    write_id: String::new(),
                 })
             }
             other => Err(Error::invalid(format!(
@@ -489,9 +493,24 @@ pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize)> {
 
 /// The dataset named by a `drop` body, and whether only this member's part
 /// is to go.
-pub fn drop_request(body: &[u8]) -> Result<(String, bool)> {
+pub fn drop_request(body: &[u8]) -> Result<DropRequest> {
     let d: pb::DropDataset = decode(body, "body of action 'drop'", "DropDataset")?;
-    Ok((dataset_name(&d.dataset)?, d.member_only))
+    Ok(DropRequest {
+        dataset: dataset_name(&d.dataset)?,
+        member_only: d.member_only,
+        abort_write: d.abort_write,
+    })
+}
+
+/// What action `drop` asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DropRequest {
+    /// The dataset.
+    pub dataset: String,
+    /// Only this member's part of a cluster dataset.
+    pub member_only: bool,
+    /// A failed write whose attempts are refused from now on ("" = none).
+    pub abort_write: String,
 }
 
 /// The dataset named by a `describe` body.
@@ -717,6 +736,7 @@ mod tests {
             explicit_commit: false,
             expected_bytes: 1 << 20,
             expected_rows: 10,
+            write_id: "job-7".into(),
         });
         assert_eq!(
             put_target(&d).expect("valid"),
@@ -728,6 +748,7 @@ mod tests {
                 },
                 explicit_commit: false,
                 expected_bytes: 1 << 20,
+                write_id: "job-7".into(),
             }
         );
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);

@@ -689,8 +689,16 @@ impl State {
 
     /// Drops a dataset: its memory, its device copies and its store files;
     /// a cluster dataset also on every other member, unless `member_only`.
-    pub async fn drop_dataset(&self, name: &str, member_only: bool) -> Result<DatasetSummary> {
-        let (summary, freed) = self.catalog().drop_dataset(name)?;
+    /// With `abort_write`, that write's attempts are refused from now on
+    /// (recorded first, under the same lock, so no attempt of it can land
+    /// between the drop and the refusal; recorded even with no dataset).
+    pub async fn drop_dataset(&self, req: &convert::DropRequest) -> Result<DatasetSummary> {
+        let name = req.dataset.as_str();
+        let (summary, freed) = {
+            let mut catalog = self.catalog();
+            catalog.abort_write(&req.abort_write);
+            catalog.drop_dataset(name)?
+        };
         self.placements()
             .retain(|(n, g), _| !(n == name && *g == summary.generation));
         if let Some(stored) = &summary.stored {
@@ -700,7 +708,7 @@ impl State {
         let Some(ClusterState::Member { layout, index }) = &summary.cluster else {
             return Ok(summary);
         };
-        if member_only {
+        if req.member_only {
             return Ok(summary);
         }
         let others = layout
@@ -718,6 +726,7 @@ impl State {
                     pb::DropDataset {
                         dataset: name.to_string(),
                         member_only: true,
+                        abort_write: req.abort_write.clone(),
                     },
                 )
                 .await;

@@ -46,10 +46,10 @@ def ids(batches):
 
 
 def test_spark_writes_exactly_once_and_ranks_read_balanced_shards(flightdeck_server, spark):
-    register(spark)
+    register(spark, "flightdeck_py")
     uri = flightdeck_server.uri
     df = fail_first_attempt(source(spark))
-    df.write.format("flightdeck").option("uri", uri).option("dataset", "spark").mode(
+    df.write.format("flightdeck_py").option("uri", uri).option("dataset", "spark").mode(
         "overwrite"
     ).save()
 
@@ -112,11 +112,11 @@ def test_spark_writes_exactly_once_and_ranks_read_balanced_shards(flightdeck_ser
 
 
 def test_spark_modes(flightdeck_server, spark):
-    register(spark)
+    register(spark, "flightdeck_py")
     uri = flightdeck_server.uri
     small = spark.range(100, numPartitions=2)
     writer = lambda df, mode: (  # noqa: E731
-        df.write.format("flightdeck").option("uri", uri).option("dataset", "m").mode(mode).save()
+        df.write.format("flightdeck_py").option("uri", uri).option("dataset", "m").mode(mode).save()
     )
     writer(small, "overwrite")
     with pytest.raises(Exception, match="cannot append to dataset 'm'"):
@@ -125,7 +125,7 @@ def test_spark_modes(flightdeck_server, spark):
     client = flightdeck.connect(uri)
     assert client.describe("m").rows == 30
     with pytest.raises(Exception, match=r"set the dataset to write: \.option\('dataset', NAME\)"):
-        small.write.format("flightdeck").option("uri", uri).mode("overwrite").save()
+        small.write.format("flightdeck_py").option("uri", uri).mode("overwrite").save()
 
 
 def test_vectors_become_float_arrays(flightdeck_server, spark):
@@ -166,9 +166,9 @@ def test_a_failed_job_drops_what_it_wrote(flightdeck_server, spark):
     client = flightdeck.connect(uri)
     writers = [lambda: write_dataframe(df, uri, "failed-a")]
     if hasattr(spark, "dataSource"):  # Spark 4: the data source too
-        register(spark)
+        register(spark, "flightdeck_py")
         writers.append(
-            lambda: df.write.format("flightdeck").option("uri", uri)
+            lambda: df.write.format("flightdeck_py").option("uri", uri)
             .option("dataset", "failed-b").mode("overwrite").save()
         )
     for name, write in zip(["failed-a", "failed-b"], writers):

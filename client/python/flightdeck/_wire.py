@@ -234,6 +234,7 @@ PutPartition = _message(
     Field("explicit_commit", 4, "bool"),
     Field("expected_bytes", 5, "uint64"),
     Field("expected_rows", 6, "uint64"),
+    Field("write_id", 7, "string"),
 )
 PutCommit = _message("PutCommit", Field("rows", 1, "uint64", optional=True))
 PutAck = _message(
@@ -327,7 +328,10 @@ CommitLayout = _message(
     Field("member", 3, "uint32"),
 )
 DropDataset = _message(
-    "DropDataset", Field("dataset", 1, "string"), Field("member_only", 2, "bool")
+    "DropDataset",
+    Field("dataset", 1, "string"),
+    Field("member_only", 2, "bool"),
+    Field("abort_write", 3, "string"),
 )
 DescribeDataset = _message("DescribeDataset", Field("dataset", 1, "string"))
 PartitionInfo = _message(

@@ -328,9 +328,12 @@ class Client:
         attempt: int = 0,
         *,
         schema: pa.Schema | None = None,
+        write_id: str = "",
     ) -> wire.Message:
         """Streams one attempt of one partition; returns the `PutAck` once
-        the server committed it.
+        the server committed it. `write_id` names the write (a Spark job) the
+        attempt belongs to: once `drop(..., abort_write=write_id)` has been
+        sent, the server refuses every attempt of it.
 
         The stream ends with a commit marker carrying the row count, so an
         exception while producing `data` (or a lost connection) leaves
@@ -351,6 +354,7 @@ class Client:
             explicit_commit=True,
             expected_bytes=expected_bytes,
             expected_rows=expected_rows,
+            write_id=write_id,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         writer, reader = translate(
@@ -430,10 +434,13 @@ class Client:
         )
         return self._action("seal", body, wire.DatasetInfo)
 
-    def drop(self, dataset: str) -> wire.Message:
+    def drop(self, dataset: str, *, abort_write: str = "") -> wire.Message:
         """Drops `dataset` and frees its memory (on every member, for a
-        dataset sealed across servers); returns what it was."""
-        return self._action("drop", wire.DropDataset(dataset=dataset), wire.DatasetInfo)
+        dataset sealed across servers); returns what it was. `abort_write`
+        names a failed write: the server refuses its attempts from now on, so
+        a task still running cannot bring the dataset back."""
+        body = wire.DropDataset(dataset=dataset, abort_write=abort_write)
+        return self._action("drop", body, wire.DatasetInfo)
 
     def describe(self, dataset: str) -> wire.Message:
         """State, rows, bytes, partitions and schema (see :func:`dataset_schema`)."""

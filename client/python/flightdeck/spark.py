@@ -14,7 +14,9 @@ partition `TaskContext.partitionId()`; the task's commit message names the
 attempt and the server that holds it; the driver's `commit` seals the
 dataset with exactly the winning attempts and the partition count, so
 retried and speculative tasks never duplicate rows. `abort` drops what the
-job wrote. `overwrite` replaces an existing dataset; `append` to an existing
+job wrote, naming the job's write id (made on the driver, sent with every
+attempt), so that a task still running when the job failed is refused
+rather than bringing the dataset back. `overwrite` replaces an existing dataset; `append` to an existing
 dataset fails, since a sealed dataset is immutable.
 
 Many nodes: with `uri` `local` (the default) each executor writes to its own
@@ -31,6 +33,7 @@ with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -90,6 +93,7 @@ def _put_task_partition(
     batches: Iterator[pa.RecordBatch],
     schema: pa.Schema | None,
     uris: list[str] = (),
+    write_id: str = "",
 ) -> tuple[int, int, int, str]:
     ctx = TaskContext.get()
     if ctx is None:
@@ -97,7 +101,9 @@ def _put_task_partition(
     partition, attempt = ctx.partitionId(), ctx.attemptNumber()
     target = target_uri(uri, list(uris), partition)
     with connect(target) as client:
-        ack = client.put_partition(dataset, partition, batches, attempt, schema=schema)
+        ack = client.put_partition(
+            dataset, partition, batches, attempt, schema=schema, write_id=write_id
+        )
         # The server's own name for itself: what other members reach it at.
         location = ack.location or client.uri
     return partition, attempt, ack.rows, location
@@ -125,12 +131,18 @@ def seal_winners(
             client.seal_cluster(dataset, members, partitions=partitions)
 
 
-def drop_quietly(uris: list[str], dataset: str) -> None:
-    """Drops what a failed job wrote, if anything, on every server named."""
+def new_write_id() -> str:
+    """An id for one write job, shared by its tasks."""
+    return uuid.uuid4().hex
+
+
+def drop_quietly(uris: list[str], dataset: str, write_id: str = "") -> None:
+    """Drops what a failed job wrote, if anything, on every server named,
+    and has each refuse the job's attempts from now on."""
     for uri in dict.fromkeys(uris):
         try:
             with connect(uri) as client:
-                client.drop(dataset)
+                client.drop(dataset, abort_write=write_id)
         except FlightDeckError:
             pass
 
@@ -167,12 +179,13 @@ try:  # Spark 4: Python data sources
             if not self.dataset:
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.schema = _arrow_schema(schema)
+            self.write_id = new_write_id()
             # Runs on the driver, before any task.
             prepare_dataset(self.uri, self.dataset, overwrite, self.uris)
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
             partition, attempt, rows, location = _put_task_partition(
-                self.uri, self.dataset, iterator, self.schema, self.uris
+                self.uri, self.dataset, iterator, self.schema, self.uris, self.write_id
             )
             return FlightDeckCommitMessage(partition, attempt, rows, location)
 
@@ -182,7 +195,7 @@ try:  # Spark 4: Python data sources
 
         def abort(self, messages) -> None:
             written = [m.location for m in messages if m is not None and m.location]
-            drop_quietly([*written, *self.uris] or [self.uri], self.dataset)
+            drop_quietly([*written, *self.uris] or [self.uri], self.dataset, self.write_id)
 
     class FlightDeckDataSource(DataSource):
         """`format("flightdeck")`: options `uri` (default `local`), `uris`
@@ -200,14 +213,26 @@ except ImportError:  # Spark 3.4/3.5: use write_dataframe
     HAVE_DATA_SOURCES = False
 
 
-def register(spark: SparkSession) -> None:
-    """Registers `format("flightdeck")` with a Spark 4 session."""
+def register(spark: SparkSession, name: str = "flightdeck") -> None:
+    """Registers this Python data source with a Spark 4 session as
+    `format(name)`. Where the JVM connector's jar is on `spark.jars` too,
+    `format("flightdeck")` finds the JVM one (Spark looks for JVM sources
+    first); register this one under another name to use it beside it, e.g.
+    `register(spark, "flightdeck_py")` and `format("flightdeck_py")`."""
     if not HAVE_DATA_SOURCES:
         raise RuntimeError(
             "this Spark has no Python data sources (Spark 4 needed); use "
             "flightdeck.spark.write_dataframe"
         )
-    spark.dataSource.register(FlightDeckDataSource)
+    if name == FlightDeckDataSource.name():
+        spark.dataSource.register(FlightDeckDataSource)
+        return
+    named = type(
+        "FlightDeckDataSource_" + "".join(c if c.isalnum() else "_" for c in name),
+        (FlightDeckDataSource,),
+        {"name": classmethod(lambda cls: name)},
+    )
+    spark.dataSource.register(named)
 
 
 def write_dataframe(
@@ -226,10 +251,11 @@ def write_dataframe(
     targets = parse_uris(uris)
     prepare_dataset(uri, dataset, mode == "overwrite", targets)
     schema = _arrow_schema(df.schema)
+    write_id = new_write_id()
 
     def put(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         partition, attempt, rows, location = _put_task_partition(
-            uri, dataset, batches, schema, targets
+            uri, dataset, batches, schema, targets, write_id
         )
         yield pa.RecordBatch.from_pydict(
             {"partition": [partition], "attempt": [attempt], "rows": [rows], "location": [location]},
@@ -249,7 +275,7 @@ def write_dataframe(
             put, "partition int, attempt int, rows long, location string"
         ).collect()
     except BaseException:
-        drop_quietly(targets or [uri], dataset)
+        drop_quietly(targets or [uri], dataset, write_id)
         raise
     winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
     seal_winners(uri, dataset, partitions, winners)

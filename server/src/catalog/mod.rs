@@ -315,6 +315,37 @@ pub struct Catalog {
     next_seq: u64,
     /// Logical clock of reads.
     tick: u64,
+    /// Writes whose job failed: their attempts are refused.
+    aborted: AbortedWrites,
+}
+
+/// The ids of the most recent [`AbortedWrites::LIMIT`] aborted writes.
+#[derive(Debug, Default)]
+struct AbortedWrites {
+    order: std::collections::VecDeque<String>,
+    ids: std::collections::HashSet<String>,
+}
+
+impl AbortedWrites {
+    /// Ids remembered; the oldest are forgotten past it (a job's tasks end
+    /// long before thousands of later writes have failed).
+    const LIMIT: usize = 4096;
+
+    fn add(&mut self, id: &str) {
+        if id.is_empty() || !self.ids.insert(id.to_string()) {
+            return;
+        }
+        self.order.push_back(id.to_string());
+        while self.order.len() > Self::LIMIT {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        !id.is_empty() && self.ids.contains(id)
+    }
 }
 
 /// Whether two schemas are the same for the purpose of one dataset: same
@@ -372,6 +403,23 @@ impl Catalog {
         Ok(())
     }
 
+    /// Refuses an attempt of a write that was aborted ([`Catalog::abort_write`]).
+    pub fn check_write(&self, dataset: &str, write_id: &str) -> Result<()> {
+        if self.aborted.contains(write_id) {
+            return Err(Error::Aborted(format!(
+                "write '{write_id}' to dataset '{dataset}' was aborted (its job failed and \
+                 dropped what it wrote); this attempt is not stored"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Remembers that write `write_id` failed: its attempts are refused from
+    /// now on, committed ones dropped with the dataset by the caller.
+    pub fn abort_write(&mut self, write_id: &str) {
+        self.aborted.add(write_id);
+    }
+
     /// Commits a complete attempt, creating the dataset if it does not exist.
     /// On error nothing is stored and the caller still owns the bytes.
     pub fn commit(
@@ -381,6 +429,20 @@ impl Catalog {
         schema: SchemaRef,
         data: AttemptData,
     ) -> Result<()> {
+        self.commit_write(dataset, key, "", schema, data)
+    }
+
+    /// [`Catalog::commit`] of an attempt of write `write_id` (refused if
+    /// that write was aborted).
+    pub fn commit_write(
+        &mut self,
+        dataset: &str,
+        key: AttemptKey,
+        write_id: &str,
+        schema: SchemaRef,
+        data: AttemptData,
+    ) -> Result<()> {
+        self.check_write(dataset, write_id)?;
         self.check_put(dataset, key, &schema)?;
         let seq = self.next_seq;
         self.next_seq += 1;

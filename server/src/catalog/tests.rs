@@ -422,3 +422,46 @@ fn a_member_seals_exactly_its_winners_and_adopts_only_its_layout() {
         "another layout"
     );
 }
+
+#[test]
+fn attempts_of_an_aborted_write_are_refused_and_bring_nothing_back() {
+    let mut c = Catalog::new();
+    c.commit_write("d", key(0, 0), "job-1", schema(), attempt(key(0, 0), 3))
+        .expect("before the abort");
+    // The job fails: its driver drops what it wrote and names the write.
+    c.abort_write("job-1");
+    c.drop_dataset("d").expect("drop");
+    // A task still running commits afterwards: refused, nothing recreated.
+    let err = c
+        .commit_write("d", key(1, 0), "job-1", schema(), attempt(key(1, 0), 3))
+        .expect_err("aborted");
+    assert!(matches!(err, Error::Aborted(_)), "{err}");
+    assert!(err.to_string().contains("write 'job-1'"), "{err}");
+    assert!(c.check_write("d", "job-1").is_err());
+    assert!(c.describe("d").is_err(), "the dataset stays dropped");
+    // Other writes, and writes without an id, are not affected.
+    c.commit_write("d", key(0, 0), "job-2", schema(), attempt(key(0, 0), 3))
+        .expect("another job");
+    c.commit("d", key(1, 0), schema(), attempt(key(1, 0), 3))
+        .expect("no id");
+    c.abort_write("");
+    c.commit_write("d", key(2, 0), "", schema(), attempt(key(2, 0), 3))
+        .expect("an empty id is never aborted");
+}
+
+#[test]
+fn aborted_writes_are_remembered_up_to_a_bound() {
+    let mut c = Catalog::new();
+    for i in 0..=AbortedWrites::LIMIT {
+        c.abort_write(&format!("job-{i}"));
+    }
+    // The oldest is forgotten, the newest kept.
+    assert!(c.check_write("d", "job-0").is_ok());
+    assert!(c.check_write("d", "job-1").is_err());
+    assert!(
+        c.check_write("d", &format!("job-{}", AbortedWrites::LIMIT))
+            .is_err()
+    );
+    c.abort_write("job-5");
+    assert_eq!(c.aborted.order.len(), AbortedWrites::LIMIT);
+}

@@ -85,8 +85,8 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             Ok(state.seal(&req).await?.encode_to_vec().into())
         }
         actions::DROP => {
-            let (name, member_only) = convert::drop_request(&action.body)?;
-            let summary = state.drop_dataset(&name, member_only).await?;
+            let req = convert::drop_request(&action.body)?;
+            let summary = state.drop_dataset(&req).await?;
             Ok(convert::dataset_info(&summary)?.encode_to_vec().into())
         }
         actions::MEMBER_PREPARE => {

@@ -99,6 +99,7 @@ where
         key,
         explicit_commit,
         expected_bytes,
+        write_id,
     } = convert::put_target(&descriptor)?;
     let what = || {
         format!(
@@ -210,7 +211,11 @@ where
                         what()
                     )));
                 }
-                state.catalog().check_put(&dataset, key, &s)?;
+                {
+                    let catalog = state.catalog();
+                    catalog.check_write(&dataset, &write_id)?;
+                    catalog.check_put(&dataset, key, &s)?;
+                }
                 schema = Some(s);
             }
             DecodedPayload::RecordBatch(batch) => {
@@ -245,9 +250,10 @@ where
     if explicit_commit {
         check_commit_marker(&last_metadata, rows, &what())?;
     }
-    state.catalog().commit(
+    state.catalog().commit_write(
         &dataset,
         key,
+        &write_id,
         schema,
         AttemptData {
             batches,
