@@ -4,8 +4,10 @@ Compares, on one Spark `local[N]` session and one flightdeck server:
 
 - `floor`: Spark exports the DataFrame as Arrow into a no-op `mapInArrow`
   sink — the least any Arrow-based writer can cost.
-- `flightdeck write`: `df.write.format("flightdeck")` until the dataset is
-  sealed.
+- `flightdeck write`: the Python data source (`register(spark,
+  "flightdeck_py")`) until the dataset is sealed; `flightdeck write jvm`:
+  the JVM connector (`connectors/spark`'s jar on `spark.jars`,
+  `format("flightdeck")`), same DataFrame, same run (`--writer`).
 - `flightdeck read`: one epoch read by `--ranks` ranks (threads, one
   connection each), globally shuffled; `flightdeck read none` unshuffled.
 - `parquet write` + `parquet read`: the path users take today,
@@ -72,6 +74,11 @@ def main() -> None:
                     help="spark.sql.execution.arrow.maxRecordsPerBatch (Spark's default 10000)")
     ap.add_argument("--server", default=str(REPO / "target" / "release" / "flightdeck"))
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--writer", choices=("python", "jvm", "both"), default="both",
+                    help="the Spark writers to measure (jvm needs `mvn -q -f connectors/spark "
+                         "package`)")
+    ap.add_argument("--jar", default=str(REPO / "connectors" / "spark" / "target"
+                                         / "flightdeck-spark-0.1.0.jar"))
     args = ap.parse_args()
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -88,10 +95,15 @@ def main() -> None:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.memory", "6g")
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(args.arrow_batch))
+        .config("spark.jars", args.jar if args.writer != "python" else "")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
-    register(spark)
+    if args.writer != "python" and not Path(args.jar).exists():
+        sys.exit(f"{args.jar} not built: mvn -q -f connectors/spark package")
+    register(spark, "flightdeck_py")
+    writers = {"python": ["flightdeck_py"], "jvm": ["flightdeck"],
+               "both": ["flightdeck_py", "flightdeck"]}[args.writer]
     cols = [f"cast(rand({i}) as float) as f{i}" for i in range(args.cols)]
     df = spark.range(args.rows, numPartitions=args.partitions).selectExpr("id", *cols).cache()
     df.count()
@@ -100,17 +112,18 @@ def main() -> None:
     proc, uri = start_server(args.server)
     client = flightdeck.connect(uri)
     tmp = Path(tempfile.mkdtemp(prefix="flightdeck-bench-"))
+    names = {"flightdeck_py": "flightdeck_write", "flightdeck": "flightdeck_write_jvm"}
     results: dict[str, list[float]] = {k: [] for k in (
-        "floor", "flightdeck_write", "flightdeck_read", "flightdeck_read_none", "parquet_write",
-    "parquet_read")}
+        "floor", *(names[w] for w in writers), "flightdeck_read", "flightdeck_read_none",
+        "parquet_write", "parquet_read")}
 
     def noop(batches):
         for _ in batches:
             pass
         return iter(())
 
-    def fd_write():
-        (df.write.format("flightdeck").option("uri", uri).option("dataset", "bench")
+    def fd_write(fmt):
+        (df.write.format(fmt).option("uri", uri).option("dataset", "bench")
          .mode("overwrite").save())
 
     def fd_read(shuffle="global"):
@@ -139,7 +152,8 @@ def main() -> None:
     try:
         for rep in range(args.reps):
             results["floor"].append(timed(lambda: df.mapInArrow(noop, "id long").count()))
-            results["flightdeck_write"].append(timed(fd_write))
+            for w in writers:
+                results[names[w]].append(timed(lambda: fd_write(w)))
             results["flightdeck_read"].append(timed(fd_read))
             results["flightdeck_read_none"].append(timed(lambda: fd_read("none")))
             results["parquet_write"].append(timed(pq_write))
@@ -153,7 +167,8 @@ def main() -> None:
         spark.stop()
 
     med = {k: statistics.median(v) for k, v in results.items()}
-    fd_total = med["flightdeck_write"] + med["flightdeck_read"]
+    write = med.get("flightdeck_write_jvm", med.get("flightdeck_write"))
+    fd_total = write + med["flightdeck_read"]
     pq_total = med["parquet_write"] + med["parquet_read"]
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -162,15 +177,21 @@ def main() -> None:
         "partitions": args.partitions, "ranks": args.ranks, "reps": args.reps,
         "arrow_batch": args.arrow_batch,
         "median_s": med, "runs_s": results,
-        "write_vs_floor": med["flightdeck_write"] / med["floor"],
+        "write_vs_floor": write / med["floor"],
+        "jvm_vs_python_write": (med["flightdeck_write_jvm"] / med["flightdeck_write"]
+                                if len(writers) == 2 else None),
         "parquet_vs_flightdeck_e2e": pq_total / fd_total,
         "parquet_e2e_vs_floor": pq_total / med["floor"],
     }
     print(f"{'phase':<18}{'median s':>10}{'MB/s':>10}")
     for k, v in med.items():
         print(f"{k:<18}{v:>10.2f}{payload / v / 1e6:>10.0f}")
-    print(f"flightdeck write / Spark Arrow floor: {summary['write_vs_floor']:.2f}x (target <= 1.3x)")
-    print(f"parquet e2e / flightdeck e2e: {summary['parquet_vs_flightdeck_e2e']:.2f}x (target >= 1.5x)")
+    which = "JVM" if "flightdeck_write_jvm" in med else "Python"
+    print(f"flightdeck write ({which}) / Spark Arrow floor: {summary['write_vs_floor']:.2f}x")
+    if summary["jvm_vs_python_write"] is not None:
+        print(f"JVM write / Python write: {summary['jvm_vs_python_write']:.2f}x (target <= 0.6x)")
+    print(f"parquet e2e / flightdeck e2e ({which} write): "
+          f"{summary['parquet_vs_flightdeck_e2e']:.2f}x (target >= 2x with the JVM writer)")
     print(f"parquet e2e / Spark Arrow floor: {summary['parquet_e2e_vs_floor']:.2f}x "
           "(the most any writer behind Spark's Python Arrow export can reach)")
     if args.json:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of the project: Rust (unit, property, end-to-end over
-# loopback) and Python (a plain pyarrow.flight client against the server
-# binary). Sets up .venv with the Python test dependencies on first use.
+# loopback), the JVM Spark connector's build, and Python (a plain
+# pyarrow.flight client, the Python client, PySpark with both Spark
+# connectors, against the server binary). Sets up .venv with the Python test
+# dependencies on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +22,7 @@ if ! command -v java >/dev/null; then
 elif ! java -version 2>&1 | grep -Eq 'version "(1[7-9]|2[0-9])'; then
   missing+=("java: PySpark needs Java 17 or newer; found $(java -version 2>&1 | head -n1)")
 fi
+command -v mvn >/dev/null || missing+=("mvn: install Maven 3.8 or newer (it builds the JVM Spark connector, connectors/spark)")
 command -v openssl >/dev/null || missing+=("openssl: the TLS tests make their certificates with it")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "cannot run the tests; missing:" >&2
@@ -35,6 +38,9 @@ cargo test --workspace
 
 echo "==> Python test environment (.venv)"
 scripts/python-env.sh
+
+echo "==> JVM Spark connector (connectors/spark)"
+mvn -q -B -f connectors/spark/pom.xml package
 
 echo "==> CUDA kernels: NVRTC and ptxas, no GPU needed"
 scripts/gpu-check.sh kernels

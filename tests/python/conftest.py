@@ -158,9 +158,17 @@ def pb(tmp_path_factory):
         sys.path.remove(str(out))
 
 
+#: The JVM Spark connector, as `mvn -f connectors/spark package` builds it
+#: (scripts/test.sh does, before the Python tests).
+SPARK_JAR = REPO / "connectors" / "spark" / "target" / "flightdeck-spark-0.1.0.jar"
+
+
 @pytest.fixture(scope="session")
 def spark():
-    """A local Spark session: 2 threads, up to 3 attempts per task."""
+    """A local Spark session: 2 threads, up to 3 attempts per task, with the
+    JVM connector's jar on `spark.jars` where it has been built (so
+    `format("flightdeck")` is the JVM connector; the Python data source's
+    tests register it as `flightdeck_py`)."""
     pyspark = pytest.importorskip("pyspark")
     from pyspark.sql import SparkSession
 
@@ -175,6 +183,7 @@ def spark():
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "8")
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+        .config("spark.jars", str(SPARK_JAR) if SPARK_JAR.exists() else "")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

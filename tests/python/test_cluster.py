@@ -47,12 +47,15 @@ def routes(members):
     return [a, a, a, b, b, c]
 
 
-def write_with_spark(spark, members, dataset):
+def write_with_spark(spark, members, dataset, writer):
+    """Writes with `format(writer)`: "flightdeck" is the JVM connector (on
+    the session's spark.jars), "flightdeck_py" the Python data source."""
     pytest.importorskip("pyspark")
     from flightdeck.spark import register
     from test_spark import fail_first_attempt
 
-    register(spark)
+    if writer == "flightdeck_py":
+        register(spark, writer)
     df = spark.range(ROWS, numPartitions=12).selectExpr(
         "id", "cast(id * 0.5 as float) as x", "array(cast(id as float), 1.0f) as vec"
     )
@@ -63,7 +66,7 @@ def write_with_spark(spark, members, dataset):
     try:
         (
             fail_first_attempt(df, partition=3)
-            .write.format("flightdeck")
+            .write.format(writer)
             .option("uris", ",".join(routes(members)))
             .option("dataset", dataset)
             .mode("overwrite")
@@ -77,8 +80,9 @@ def ids(batches):
     return [i for b in batches for i in b.column("id").to_pylist()]
 
 
-def test_spark_writes_one_dataset_across_three_members(members, spark):
-    write_with_spark(spark, members, "events")
+@pytest.mark.parametrize("writer", ["flightdeck_py", "flightdeck"])
+def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
+    write_with_spark(spark, members, "events", writer)
     per_member = Counter(routes(members)[p % 6] for p in range(12))
     for m in members:
         info = flightdeck.connect(m.uri).describe("events")

@@ -1,0 +1,217 @@
+package flightdeck.spark;
+
+import java.io.Serializable;
+import java.net.URI;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Comparator;
+import java.util.List;
+import org.apache.arrow.flight.FlightDescriptor;
+import org.apache.arrow.flight.FlightEndpoint;
+import org.apache.arrow.flight.FlightInfo;
+import org.apache.arrow.flight.FlightRuntimeException;
+import org.apache.arrow.flight.FlightStream;
+import org.apache.arrow.flight.Location;
+import org.apache.arrow.memory.BufferAllocator;
+import org.apache.arrow.vector.VectorSchemaRoot;
+import org.apache.spark.sql.catalyst.InternalRow;
+import org.apache.spark.sql.connector.read.Batch;
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.connector.read.PartitionReader;
+import org.apache.spark.sql.connector.read.PartitionReaderFactory;
+import org.apache.spark.sql.connector.read.Scan;
+import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.util.ArrowUtils;
+import org.apache.spark.sql.vectorized.ArrowColumnVector;
+import org.apache.spark.sql.vectorized.ColumnVector;
+import org.apache.spark.sql.vectorized.ColumnarBatch;
+
+/**
+ * The read side: a sealed dataset as a DataFrame, one Spark partition per
+ * stored partition, in partition order and row order (the dataset's own
+ * row numbering), columns pruned on the server. Each partition reads the
+ * unshuffled order from its first row and stops after its last.
+ */
+final class FlightDeckScan {
+  private FlightDeckScan() {}
+
+  /** Prunes columns; builds the scan. */
+  static final class Builder implements ScanBuilder, SupportsPushDownRequiredColumns {
+    private final Options options;
+    private StructType schema;
+
+    Builder(Options options, StructType schema) {
+      this.options = options;
+      this.schema = schema;
+    }
+
+    @Override
+    public void pruneColumns(StructType required) {
+      schema = required;
+    }
+
+    @Override
+    public Scan build() {
+      Options o = options;
+      StructType s = schema;
+      return new Scan() {
+        @Override
+        public StructType readSchema() {
+          return s;
+        }
+
+        @Override
+        public String description() {
+          return "flightdeck dataset '" + o.dataset() + "'";
+        }
+
+        @Override
+        public Batch toBatch() {
+          return new Partitions(o, s);
+        }
+      };
+    }
+  }
+
+  /** A stored partition's rows: {@code rows} from global row {@code start}. */
+  record Part(Options options, List<String> columns, long start, long rows)
+      implements InputPartition, Serializable {}
+
+  /** Plans one Spark partition per stored partition, from the dataset's description. */
+  record Partitions(Options options, StructType schema) implements Batch {
+    @Override
+    public InputPartition[] planInputPartitions() {
+      Wire.DatasetInfo info;
+      try (BufferAllocator allocator =
+              ArrowUtils.rootAllocator().newChildAllocator("describe", 0, 16 << 20);
+          Server server = Server.connect(options.uri(), options.token(), allocator)) {
+        info = server.describe(options.dataset()).orElseThrow(() -> new FlightDeckException(
+            "NOT_FOUND", "dataset '" + options.dataset() + "' does not exist on " + server.location
+                + "; write it first (df.write.format(\"flightdeck\"))"));
+      }
+      if (info.state() != Wire.DatasetInfo.SEALED) {
+        throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + options.dataset()
+            + "' is still being written; read it once its write has been sealed");
+      }
+      List<String> columns = Arrays.asList(schema.fieldNames());
+      List<Wire.Partition> parts = new ArrayList<>(info.partitions());
+      parts.sort(Comparator.comparingInt(Wire.Partition::partition));
+      List<InputPartition> out = new ArrayList<>();
+      long start = 0;
+      for (Wire.Partition p : parts) {
+        out.add(new Part(options, columns, start, p.rows()));
+        start += p.rows();
+      }
+      return out.toArray(new InputPartition[0]);
+    }
+
+    @Override
+    public PartitionReaderFactory createReaderFactory() {
+      return new Readers();
+    }
+  }
+
+  /** Columnar readers: Arrow vectors straight from the stream, no row copy. */
+  static final class Readers implements PartitionReaderFactory {
+    private static final long serialVersionUID = 1L;
+
+    @Override
+    public boolean supportColumnarReads(InputPartition partition) {
+      return true;
+    }
+
+    @Override
+    public PartitionReader<InternalRow> createReader(InputPartition partition) {
+      throw new UnsupportedOperationException("flightdeck partitions are read as columns");
+    }
+
+    @Override
+    public PartitionReader<ColumnarBatch> createColumnarReader(InputPartition partition) {
+      return new Reader((Part) partition);
+    }
+  }
+
+  /** One stored partition's rows, batch by batch. */
+  static final class Reader implements PartitionReader<ColumnarBatch> {
+    private final BufferAllocator allocator;
+    private final List<Server> servers = new ArrayList<>();
+    private final FlightStream stream;
+    private final int columns;
+    private long remaining;
+    private ColumnarBatch batch;
+
+    Reader(Part part) {
+      Options o = part.options();
+      this.remaining = part.rows();
+      this.columns = part.columns().size();
+      this.allocator = ArrowUtils.rootAllocator()
+          .newChildAllocator("flightdeck read from row " + part.start(), 0, Long.MAX_VALUE);
+      Server server = Server.connect(o.uri(), o.token(), allocator);
+      servers.add(server);
+      try {
+        FlightInfo info = server.client.getInfo(
+            FlightDescriptor.command(
+                Wire.readFrom(o.dataset(), part.start(), o.batchRows(), part.columns())),
+            server.options);
+        FlightEndpoint endpoint = info.getEndpoints().get(0);
+        Server serving = server;
+        // On a dataset sealed across servers, the member that serves it.
+        for (Location l : endpoint.getLocations()) {
+          URI uri = l.getUri();
+          if (!ServerNames.normalize(uri.toString(), "").equals(server.location)) {
+            serving = Server.connect(uri.toString(), o.token(), allocator);
+            servers.add(serving);
+          }
+          break;
+        }
+        this.stream = serving.client.getStream(endpoint.getTicket(), serving.options);
+      } catch (FlightRuntimeException e) {
+        close();
+        throw FlightDeckException.of(e, server.location);
+      }
+    }
+
+    @Override
+    public boolean next() {
+      if (remaining <= 0 || !stream.next()) {
+        return false;
+      }
+      VectorSchemaRoot root = stream.getRoot();
+      ColumnVector[] vectors = new ColumnVector[columns];
+      for (int i = 0; i < columns; i++) {
+        vectors[i] = new ArrowColumnVector(root.getVector(i));
+      }
+      int rows = (int) Math.min(root.getRowCount(), remaining);
+      batch = new ColumnarBatch(vectors, rows);
+      remaining -= rows;
+      return true;
+    }
+
+    @Override
+    public ColumnarBatch get() {
+      return batch;
+    }
+
+    @Override
+    public void close() {
+      try {
+        if (stream != null) {
+          if (remaining <= 0) {
+            // The rest of the order belongs to the next partitions.
+            stream.cancel("read its partition", null);
+          }
+          stream.close();
+        }
+      } catch (Exception e) {
+        // Closing a cancelled stream: nothing left to read.
+      } finally {
+        for (Server s : servers) {
+          s.close();
+        }
+        allocator.close();
+      }
+    }
+  }
+}

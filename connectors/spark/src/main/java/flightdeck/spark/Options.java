@@ -1,0 +1,71 @@
+package flightdeck.spark;
+
+import java.io.Serializable;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+
+/**
+ * The connector's options: {@code uri} (default {@code local}: the server on
+ * each executor's own node), {@code uris} (comma-separated: partition
+ * {@code p} goes to the ({@code p} mod n)-th), {@code dataset} (required),
+ * {@code batch_rows} (rows per record batch sent or read; default: Spark's
+ * {@code spark.sql.execution.arrow.maxRecordsPerBatch} for writes, the
+ * server's {@code --default-batch-rows} for reads) and {@code token}
+ * (default: {@code FLIGHTDECK_TOKEN}).
+ */
+record Options(String uri, List<String> uris, String dataset, int batchRows, String token)
+    implements Serializable {
+
+  /** Reads Spark's options (keys in any case). */
+  static Options of(Map<String, String> options) {
+    String dataset = get(options, "dataset", "");
+    if (dataset.isEmpty()) {
+      throw new IllegalArgumentException(
+          "set the dataset to write or read: .option(\"dataset\", NAME)");
+    }
+    List<String> uris = new ArrayList<>();
+    for (String u : get(options, "uris", "").split(",")) {
+      if (!u.strip().isEmpty()) {
+        uris.add(u.strip());
+      }
+    }
+    String rows = get(options, "batch_rows", "");
+    int batchRows;
+    try {
+      batchRows = rows.isEmpty() ? 0 : Integer.parseInt(rows.strip());
+    } catch (NumberFormatException e) {
+      batchRows = -1;
+    }
+    if (batchRows < 0 || (batchRows == 0 && !rows.isEmpty())) {
+      throw new IllegalArgumentException(
+          "option batch_rows must be a whole number of rows, 1 or more, not '" + rows + "'");
+    }
+    return new Options(get(options, "uri", "local"), List.copyOf(uris), dataset, batchRows,
+        get(options, "token", ""));
+  }
+
+  private static String get(Map<String, String> options, String key, String otherwise) {
+    for (Map.Entry<String, String> e : options.entrySet()) {
+      if (e.getKey().equalsIgnoreCase(key) && e.getValue() != null) {
+        return e.getValue();
+      }
+    }
+    return otherwise;
+  }
+
+  /** These options with {@code batch_rows} set where it was not given. */
+  Options withDefaultBatchRows(int rows) {
+    return batchRows > 0 ? this : new Options(uri, uris, dataset, rows, token);
+  }
+
+  /** Where partition {@code p} is written: {@code uris[p mod n]}, else {@code uri}. */
+  String target(int partition) {
+    return uris.isEmpty() ? uri : uris.get(Math.floorMod(partition, uris.size()));
+  }
+
+  /** Every server the write may touch: each of {@code uris}, else {@code uri}. */
+  List<String> targets() {
+    return uris.isEmpty() ? List.of(uri) : uris;
+  }
+}

@@ -1,0 +1,104 @@
+package flightdeck.spark;
+
+import java.net.URI;
+import java.util.Iterator;
+import java.util.Optional;
+import org.apache.arrow.flight.Action;
+import org.apache.arrow.flight.CallOption;
+import org.apache.arrow.flight.FlightCallHeaders;
+import org.apache.arrow.flight.FlightClient;
+import org.apache.arrow.flight.FlightRuntimeException;
+import org.apache.arrow.flight.FlightStatusCode;
+import org.apache.arrow.flight.HeaderCallOption;
+import org.apache.arrow.flight.Location;
+import org.apache.arrow.flight.Result;
+import org.apache.arrow.memory.BufferAllocator;
+
+/**
+ * A connection to one flightdeck server: its location (as {@link
+ * ServerNames} reads a name), a Flight client, and the bearer token sent
+ * with every call ({@code token} option, else {@code FLIGHTDECK_TOKEN}).
+ */
+final class Server implements AutoCloseable {
+  /** The location, {@code grpc://HOST:PORT} or {@code grpc+tls://HOST:PORT}. */
+  final String location;
+
+  final FlightClient client;
+  final CallOption[] options;
+
+  private Server(String location, FlightClient client, CallOption[] options) {
+    this.location = location;
+    this.client = client;
+    this.options = options;
+  }
+
+  /** Connects (lazily: the first call connects) to the server {@code name} names. */
+  static Server connect(String name, String token, BufferAllocator allocator) {
+    String location = ServerNames.normalize(name);
+    FlightClient client =
+        FlightClient.builder(allocator, new Location(URI.create(location))).build();
+    String bearer = token != null && !token.isEmpty() ? token : System.getenv("FLIGHTDECK_TOKEN");
+    CallOption[] options = new CallOption[0];
+    if (bearer != null && !bearer.isEmpty()) {
+      FlightCallHeaders headers = new FlightCallHeaders();
+      headers.insert("authorization", "Bearer " + bearer);
+      options = new CallOption[] {new HeaderCallOption(headers)};
+    }
+    return new Server(location, client, options);
+  }
+
+  /** Runs action {@code kind} and returns its one result's body. */
+  byte[] action(String kind, byte[] body) {
+    try {
+      Iterator<Result> results = client.doAction(new Action(kind, body), options);
+      if (!results.hasNext()) {
+        throw new FlightDeckException(
+            "INTERNAL", "action '" + kind + "' on " + location + " returned no result");
+      }
+      byte[] out = results.next().getBody();
+      while (results.hasNext()) {
+        results.next();
+      }
+      return out;
+    } catch (FlightRuntimeException e) {
+      throw FlightDeckException.of(e, location);
+    }
+  }
+
+  /** The dataset as {@code describe} shows it; empty when there is none. */
+  Optional<Wire.DatasetInfo> describe(String dataset) {
+    try {
+      return Optional.of(Wire.datasetInfo(action("describe", Wire.datasetName(dataset))));
+    } catch (FlightDeckException e) {
+      if (e.code.equals(FlightStatusCode.NOT_FOUND.name())) {
+        return Optional.empty();
+      }
+      throw e;
+    }
+  }
+
+  /**
+   * Drops the dataset; true if there was one. {@code abortWrite} (may be
+   * empty) names a failed write whose attempts the server refuses from now on.
+   */
+  boolean drop(String dataset, String abortWrite) {
+    try {
+      action("drop", Wire.drop(dataset, abortWrite));
+      return true;
+    } catch (FlightDeckException e) {
+      if (e.code.equals(FlightStatusCode.NOT_FOUND.name())) {
+        return false;
+      }
+      throw e;
+    }
+  }
+
+  @Override
+  public void close() {
+    try {
+      client.close();
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+    }
+  }
+}

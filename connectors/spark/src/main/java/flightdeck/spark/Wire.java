@@ -1,0 +1,241 @@
+package flightdeck.spark;
+
+import com.google.protobuf.CodedInputStream;
+import com.google.protobuf.CodedOutputStream;
+import java.io.ByteArrayOutputStream;
+import java.io.IOException;
+import java.io.UncheckedIOException;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.SortedMap;
+
+/**
+ * The few messages of {@code protos/flightdeck.proto} the connector sends
+ * and reads, in protobuf's wire format (protobuf-java's coded streams).
+ * Field numbers are the .proto's; the server reading them in the PySpark
+ * tests is their check.
+ */
+final class Wire {
+  private Wire() {}
+
+  /** One message being written. */
+  private static final class Out {
+    private final ByteArrayOutputStream bytes = new ByteArrayOutputStream();
+    private final CodedOutputStream out = CodedOutputStream.newInstance(bytes);
+
+    private interface Write {
+      void run() throws IOException;
+    }
+
+    private Out io(Write w) {
+      try {
+        w.run();
+      } catch (IOException e) {
+        throw new UncheckedIOException(e);
+      }
+      return this;
+    }
+
+    Out string(int field, String v) {
+      return io(() -> {
+        if (!v.isEmpty()) {
+          out.writeString(field, v);
+        }
+      });
+    }
+
+    Out repeatedString(int field, List<String> vs) {
+      return io(() -> {
+        for (String v : vs) {
+          out.writeString(field, v);
+        }
+      });
+    }
+
+    Out uint32(int field, long v) {
+      return io(() -> {
+        if (v != 0) {
+          out.writeUInt32(field, (int) v);
+        }
+      });
+    }
+
+    Out uint64(int field, long v) {
+      return io(() -> {
+        if (v != 0) {
+          out.writeUInt64(field, v);
+        }
+      });
+    }
+
+    /** A proto3 {@code optional} field: written even when 0. */
+    Out optionalUint64(int field, long v) {
+      return io(() -> out.writeUInt64(field, v));
+    }
+
+    Out bool(int field, boolean v) {
+      return io(() -> {
+        if (v) {
+          out.writeBool(field, true);
+        }
+      });
+    }
+
+    Out message(int field, byte[] v) {
+      return io(() -> out.writeByteArray(field, v));
+    }
+
+    byte[] bytes() {
+      io(out::flush);
+      return bytes.toByteArray();
+    }
+  }
+
+  /** {@code PutPartition}: the descriptor command of a {@code DoPut}. */
+  static byte[] putPartition(String dataset, int partition, int attempt, String writeId) {
+    return new Out()
+        .string(1, dataset)
+        .uint32(2, partition)
+        .uint32(3, attempt)
+        .bool(4, true) // explicit commit: PutCommit{rows} on the last message
+        .string(7, writeId)
+        .bytes();
+  }
+
+  /**
+   * {@code DropDataset}, naming the failed write {@code abortWrite} (may be
+   * empty): the server refuses that write's attempts from then on.
+   */
+  static byte[] drop(String dataset, String abortWrite) {
+    return new Out().string(1, dataset).string(3, abortWrite).bytes();
+  }
+
+  /** {@code PutCommit{rows}}: the writer's marker on the last message. */
+  static byte[] putCommit(long rows) {
+    return new Out().optionalUint64(1, rows).bytes();
+  }
+
+  private static byte[] partitionAttempt(int partition, int attempt) {
+    return new Out().uint32(1, partition).uint32(2, attempt).bytes();
+  }
+
+  /**
+   * {@code SealDataset}: the winning attempt of every partition, on one
+   * server ({@code members} of one location: named in {@code attempts}) or
+   * on several (a cluster seal, {@code members} by location).
+   */
+  static byte[] seal(
+      String dataset, int partitions, SortedMap<String, SortedMap<Integer, Integer>> members) {
+    Out seal = new Out().string(1, dataset).uint32(2, partitions);
+    if (members.size() == 1) {
+      for (Map.Entry<Integer, Integer> w : members.values().iterator().next().entrySet()) {
+        seal.message(3, partitionAttempt(w.getKey(), w.getValue()));
+      }
+      return seal.bytes();
+    }
+    for (Map.Entry<String, SortedMap<Integer, Integer>> m : members.entrySet()) {
+      Out member = new Out().string(1, m.getKey());
+      for (Map.Entry<Integer, Integer> w : m.getValue().entrySet()) {
+        member.message(2, partitionAttempt(w.getKey(), w.getValue()));
+      }
+      seal.message(4, member.bytes());
+    }
+    return seal.bytes();
+  }
+
+  /** {@code DescribeDataset}: a dataset's name. */
+  static byte[] datasetName(String dataset) {
+    return new Out().string(1, dataset).bytes();
+  }
+
+  /**
+   * {@code ReadPlan} for one rank reading unshuffled from
+   * {@code startSample}, projected to {@code columns} (none: all).
+   */
+  static byte[] readFrom(String dataset, long startSample, int batchRows, List<String> columns) {
+    return new Out()
+        .string(1, dataset)
+        .uint32(2, 1)
+        .uint32(6, batchRows)
+        .repeatedString(8, columns)
+        .uint64(9, startSample)
+        .bytes();
+  }
+
+  /** {@code PutAck}: what the server stored of an attempt. */
+  record PutAck(int partition, int attempt, long rows, long bytes, String location) {}
+
+  static PutAck putAck(byte[] body) {
+    String location = "";
+    int partition = 0;
+    int attempt = 0;
+    long rows = 0;
+    long bytes = 0;
+    try {
+      CodedInputStream in = CodedInputStream.newInstance(body);
+      for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+        switch (tag >>> 3) {
+          case 2 -> partition = in.readUInt32();
+          case 3 -> attempt = in.readUInt32();
+          case 4 -> rows = in.readUInt64();
+          case 5 -> bytes = in.readUInt64();
+          case 6 -> location = in.readString();
+          default -> in.skipField(tag);
+        }
+      }
+    } catch (IOException e) {
+      throw new IllegalStateException("the server's PutAck does not decode: " + e.getMessage(), e);
+    }
+    return new PutAck(partition, attempt, rows, bytes, location);
+  }
+
+  /** A partition of a described dataset: its winning attempt's rows. */
+  record Partition(int partition, int attempt, long rows) {}
+
+  /** {@code DatasetInfo}, the parts the connector reads. */
+  record DatasetInfo(int state, long rows, List<Partition> partitions) {
+    static final int SEALED = 2;
+
+    String stateName() {
+      return state == SEALED ? "sealed" : "being written";
+    }
+  }
+
+  static DatasetInfo datasetInfo(byte[] body) {
+    int state = 0;
+    long rows = 0;
+    List<Partition> partitions = new ArrayList<>();
+    try {
+      CodedInputStream in = CodedInputStream.newInstance(body);
+      for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+        switch (tag >>> 3) {
+          case 2 -> state = in.readEnum();
+          case 3 -> rows = in.readUInt64();
+          case 7 -> partitions.add(partition(in.readByteArray()));
+          default -> in.skipField(tag);
+        }
+      }
+    } catch (IOException e) {
+      throw new IllegalStateException(
+          "the server's DatasetInfo does not decode: " + e.getMessage(), e);
+    }
+    return new DatasetInfo(state, rows, partitions);
+  }
+
+  private static Partition partition(byte[] body) throws IOException {
+    int partition = 0;
+    int attempt = 0;
+    long rows = 0;
+    CodedInputStream in = CodedInputStream.newInstance(body);
+    for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+      switch (tag >>> 3) {
+        case 1 -> partition = in.readUInt32();
+        case 2 -> attempt = in.readUInt32();
+        case 3 -> rows = in.readUInt64();
+        default -> in.skipField(tag);
+      }
+    }
+    return new Partition(partition, attempt, rows);
+  }
+}

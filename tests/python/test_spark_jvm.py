@@ -1,0 +1,153 @@
+"""The JVM Spark connector (`connectors/spark`, on `spark.jars`) from
+PySpark, with no Python between the executor and the server: every row
+exactly once when a task fails mid-partition and is retried, the winner
+named; overwrite, append refused, a failed job leaving nothing; every type
+Arrow carries round-trips (read back with the Python client and with
+`spark.read.format("flightdeck")`); a type Arrow cannot carry is refused
+before any byte is sent."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+import flightdeck  # noqa: E402
+from conftest import SPARK_JAR  # noqa: E402
+from test_spark import always_fail, fail_first_attempt, source  # noqa: E402
+
+ROWS = 200_000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jar():
+    if not SPARK_JAR.exists():
+        pytest.fail(f"{SPARK_JAR} not built: run `mvn -q -f connectors/spark package` "
+                    "(scripts/test.sh does)")
+
+
+def write(df, uri, dataset, mode="overwrite", **options):
+    w = df.write.format("flightdeck").option("uri", uri).option("dataset", dataset)
+    for k, v in options.items():
+        w = w.option(k, v)
+    w.mode(mode).save()
+
+
+def everything(client, dataset):
+    plan = client.plan(dataset)
+    return client.read_table(plan.shards[0])
+
+
+def test_every_row_once_when_a_task_fails_mid_partition(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    # Several batches per partition, so the failure comes after some were sent.
+    write(fail_first_attempt(source(spark)), uri, "jvm", batch_rows=1000)
+    client = flightdeck.connect(uri)
+    info = client.describe("jvm")
+    assert info.state == 2 and info.rows == ROWS
+    assert {p.partition: p.attempt for p in info.partitions}[3] == 1, "the retry won"
+    assert all(p.attempt == 0 for p in info.partitions if p.partition != 3)
+    ids = everything(client, "jvm").column("id").to_pylist()
+    assert sorted(ids) == list(range(ROWS)), "every row exactly once"
+    # A failed first attempt was refused (explicit commit), not stored.
+    assert next(p for p in info.partitions if p.partition == 3).committed_attempts == 1
+
+
+def test_modes_and_a_failed_job(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    write(spark.range(100, numPartitions=2), uri, "m")
+    with pytest.raises(Exception, match="cannot append to dataset 'm'"):
+        write(spark.range(10), uri, "m", mode="append")
+    write(spark.range(30, numPartitions=3), uri, "m")  # overwrite replaces
+    assert client.describe("m").rows == 30
+    write(spark.range(7), uri, "new", mode="append")  # append creates
+    assert client.describe("new").rows == 7
+    with pytest.raises(Exception, match=r'set the dataset to write or read: \.option\("dataset"'):
+        spark.range(3).write.format("flightdeck").option("uri", uri).mode("overwrite").save()
+
+    df = always_fail(spark.range(80_000, numPartitions=4).selectExpr("id", "cast(id as float) x"))
+    with pytest.raises(Exception, match="injected failure of every attempt"):
+        write(df, uri, "failed", batch_rows=1000)
+    with pytest.raises(flightdeck.NotFound):
+        client.describe("failed")
+    log = "".join(flightdeck_server.stderr_lines)
+    assert "committed attempt dataset=failed " in log, "partitions had been committed"
+    assert "dropped dataset dataset=failed " in log
+
+
+TYPES = [
+    "id",
+    "cast(id % 100 as tinyint) as i8",
+    "cast(id % 30000 as smallint) as i16",
+    "cast(id as int) as i32",
+    "id * 3 as i64",
+    "cast(id / 3 as float) as f32",
+    "id / 7 as f64",
+    "id % 2 = 0 as flag",
+    "case when id % 10 = 0 then null else concat('row-', id) end as name",
+    "cast(concat('b', id) as binary) as bin",
+    "date_add(date'2024-01-01', cast(id % 1000 as int)) as day",
+    "timestamp_micros(1700000000000000 + id) as ts",
+    "cast(id / 100 as decimal(12, 2)) as dec",
+    "array(cast(id as float), cast(-id as float), 1.0f) as vec",
+    "case when id % 7 = 0 then null else array(cast(id as int), null) end as tags",
+    "named_struct('a', id, 'b', concat('s', id)) as st",
+    "map('k', cast(id as int), 'j', 0) as m",
+]
+
+
+def test_every_type_round_trips(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    df = spark.range(5_000, numPartitions=4).selectExpr(*TYPES)
+    write(df, uri, "types", batch_rows=700)
+    client = flightdeck.connect(uri)
+    stored = everything(client, "types")
+    order = stored.column("id").to_pylist()  # the dataset's row order
+    stored = stored.sort_by("id")
+    expected = df.toArrow().sort_by("id")
+    assert stored.column_names == expected.column_names
+    for name in expected.column_names:
+        assert stored.column(name).to_pylist() == expected.column(name).to_pylist(), name
+
+    # Read back by Spark: one partition per stored partition, the same rows.
+    back = spark.read.format("flightdeck").option("uri", uri).option("dataset", "types").load()
+    assert back.rdd.getNumPartitions() == 4
+    assert back.schema == df.schema
+    assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)
+    # Columns are pruned on the server; partitions read in the dataset's order.
+    assert [r.id for r in back.select("id").collect()] == order
+
+
+def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    df = spark.range(10).selectExpr("id", "make_interval(0, 0, 0, cast(id as int), 0, 0, 0) as gap")
+    # (Spark itself refuses CalendarInterval for any table; every type it
+    # lets through, Arrow carries — variant and day/month intervals too.)
+    with pytest.raises(Exception, match="gap"):
+        write(df, uri, "interval")
+    with pytest.raises(flightdeck.NotFound):
+        flightdeck.connect(uri).describe("interval")
+
+
+def test_server_names_read_as_the_shared_table_says(spark):
+    """The JVM connector reads `uri`/`uris` by the table the Rust and
+    Python clients are tested with."""
+    from pathlib import Path
+
+    names = spark.sparkContext._jvm.flightdeck.spark.ServerNames
+    table = Path(__file__).resolve().parents[1] / "server_names.tsv"
+    cases = 0
+    for line in table.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, local, want = line.split("\t")
+        local = "" if local == "-" else local
+        if want == "error":
+            # (PySpark turns the JVM's IllegalArgumentException into its own.)
+            with pytest.raises(Exception, match="does not name a server"):
+                names.normalize(name, local)
+        else:
+            assert names.normalize(name, local) == want, name
+        cases += 1
+    assert cases >= 30
