@@ -31,19 +31,9 @@ async fn put(
     a: u32,
     ids: std::ops::Range<i64>,
 ) -> Result<u64, ClientError> {
-    let batches = partition_batches(ids, a, 64);
-    timed(
-        "put",
-        client.put_partition(
-            ds,
-            p,
-            a,
-            schema(),
-            stream::iter(batches.into_iter().map(Ok)),
-        ),
-    )
-    .await
-    .map(|ack| ack.rows)
+    flightdeck_tests::put_ids(client, ds, p, a, ids, 64)
+        .await
+        .map(|ack| ack.rows)
 }
 
 /// A plan of `ds` for `world_size` ranks in batches of `batch_rows`.

@@ -11,8 +11,8 @@ use flightdeck_client::{
     Client, DatasetState, PartitionAttempt, ReadPlan, SealDataset, Shard, Shuffle,
 };
 use flightdeck_tests::{
-    CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, raw_bytes,
-    schema, timed,
+    CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, put_ids,
+    raw_bytes, schema, timed,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -29,19 +29,9 @@ const FIRST_WINS: u32 = 7;
 const CUT_OFF: u32 = 5;
 
 async fn put(client: &mut Client, p: u32, attempt: u32, ids: std::ops::Range<i64>) -> u64 {
-    let batches = partition_batches(ids.clone(), attempt, 500);
-    let ack = timed(
-        "put_partition",
-        client.put_partition(
-            DATASET,
-            p,
-            attempt,
-            schema(),
-            stream::iter(batches.into_iter().map(Ok)),
-        ),
-    )
-    .await
-    .expect("put succeeds");
+    let ack = put_ids(client, DATASET, p, attempt, ids.clone(), 500)
+        .await
+        .expect("put succeeds");
     assert_eq!((ack.partition, ack.attempt), (p, attempt));
     assert_eq!(ack.rows, (ids.end - ids.start) as u64);
     ack.bytes
@@ -424,19 +414,7 @@ async fn plain_flight_clients_use_path_descriptors() {
 
 /// Writes `ids` as partition `p`, attempt 0, of `ds`.
 async fn put_rows(c: &mut Client, ds: &str, p: u32, ids: std::ops::Range<i64>) {
-    let batches = partition_batches(ids, 0, 500);
-    timed(
-        "put",
-        c.put_partition(
-            ds,
-            p,
-            0,
-            schema(),
-            stream::iter(batches.into_iter().map(Ok)),
-        ),
-    )
-    .await
-    .expect("put");
+    put_ids(c, ds, p, 0, ids, 500).await.expect("put");
 }
 
 /// The metadata calls as the README's protocol table says: `ListFlights`

@@ -30,19 +30,9 @@ async fn try_write_sealed(
 ) -> Result<flightdeck_client::DatasetInfo, flightdeck_client::ClientError> {
     for p in 0..PARTS {
         let start = i64::from(p) * ROWS_PER_PART;
-        let batches = partition_batches(start..start + ROWS_PER_PART, 0, 1_000);
-        timed(
-            "put",
-            c.put_partition(
-                ds,
-                p,
-                0,
-                schema(),
-                stream::iter(batches.into_iter().map(Ok)),
-            ),
-        )
-        .await
-        .expect("put fits");
+        flightdeck_tests::put_ids(c, ds, p, 0, start..start + ROWS_PER_PART, 1_000)
+            .await
+            .expect("put fits");
     }
     timed(
         "seal",

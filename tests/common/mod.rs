@@ -372,6 +372,31 @@ pub fn partition_batches(ids: std::ops::Range<i64>, attempt: u32, chunk: i64) ->
     out
 }
 
+/// Writes rows `ids` of the synthetic dataset ([`batch`]) as attempt
+/// `attempt` of partition `p` of `ds`, in batches of `chunk` rows; the
+/// server's acknowledgement.
+pub async fn put_ids(
+    c: &mut Client,
+    ds: &str,
+    p: u32,
+    attempt: u32,
+    ids: std::ops::Range<i64>,
+    chunk: i64,
+) -> Result<flightdeck_client::PutAck, flightdeck_client::ClientError> {
+    let batches = partition_batches(ids, attempt, chunk);
+    timed(
+        "put",
+        c.put_partition(
+            ds,
+            p,
+            attempt,
+            schema(),
+            futures::stream::iter(batches.into_iter().map(Ok)),
+        ),
+    )
+    .await
+}
+
 /// Checks every value of every row of `batch` (any projection of [`schema`]
 /// that includes `id`) against the values attempt `attempt_of(id)` wrote.
 /// Returns the ids in order.

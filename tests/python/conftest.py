@@ -54,6 +54,21 @@ def eventually(what: str, probe, timeout: float = 30.0):
         pause = min(pause * 2, 0.1)
 
 
+def server_name_cases() -> list[tuple[str, str | None, str]]:
+    """`tests/server_names.tsv`, the table every client's parser of server
+    names is tested with: (name, FLIGHTDECK_URI or None, location or
+    "error")."""
+    table = REPO / "tests" / "server_names.tsv"
+    cases = []
+    for line in table.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, local, want = line.split("\t")
+        cases.append((name, None if local == "-" else local, want))
+    assert len(cases) >= 30
+    return cases
+
+
 def strided_order(per_rank: list[list], count: int | None = None) -> list:
     """The epoch order behind strided shards: global position q is the
     sample q // W of rank q % W. `count` defaults to every sample."""

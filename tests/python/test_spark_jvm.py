@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
-from conftest import SPARK_JAR  # noqa: E402
+from conftest import SPARK_JAR, server_name_cases  # noqa: E402
 from test_spark import always_fail, fail_first_attempt, source  # noqa: E402
 
 ROWS = 200_000
@@ -133,21 +133,11 @@ def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server,
 def test_server_names_read_as_the_shared_table_says(spark):
     """The JVM connector reads `uri`/`uris` by the table the Rust and
     Python clients are tested with."""
-    from pathlib import Path
-
     names = spark.sparkContext._jvm.flightdeck.spark.ServerNames
-    table = Path(__file__).resolve().parents[1] / "server_names.tsv"
-    cases = 0
-    for line in table.read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        name, local, want = line.split("\t")
-        local = "" if local == "-" else local
+    for name, local, want in server_name_cases():
         if want == "error":
             # (PySpark turns the JVM's IllegalArgumentException into its own.)
             with pytest.raises(Exception, match="does not name a server"):
-                names.normalize(name, local)
+                names.normalize(name, local or "")
         else:
-            assert names.normalize(name, local) == want, name
-        cases += 1
-    assert cases >= 30
+            assert names.normalize(name, local or "") == want, name
