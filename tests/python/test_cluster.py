@@ -99,6 +99,17 @@ def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
         assert attempts[3] == 1, "the failed first attempt left nothing; the retry won"
         assert sum(x.rows for x in layout.members) == ROWS
 
+    if writer == "flightdeck":
+        # Read back through any member: one Spark partition per stored
+        # partition over the whole layout, every row once, in the order.
+        back = (spark.read.format("flightdeck").option("uri", members[2].uri)
+                .option("dataset", "events").load())
+        assert back.rdd.getNumPartitions() == 12
+        order = ids(flightdeck.connect(members[0].uri).read_shard(
+            flightdeck.connect(members[0].uri).plan("events").shards[0]))
+        assert [r.id for r in back.select("id").collect()] == order
+        assert sorted(order) == list(range(ROWS))
+
     # Four ranks, GLOBAL: equal counts, every row once, each from its member.
     client = flightdeck.connect(members[1].uri)
     plan = client.plan("events", world_size=4, shuffle="global", seed=3, batch_rows=1000)

@@ -234,14 +234,31 @@ final class FlightDeckWrite {
       this.options = options;
       this.partition = partition;
       this.attempt = attempt;
-      this.allocator = ArrowUtils.rootAllocator()
+      BufferAllocator a = ArrowUtils.rootAllocator()
           .newChildAllocator("flightdeck partition " + partition + " attempt " + attempt, 0, Long.MAX_VALUE);
-      this.root = VectorSchemaRoot.create(ArrowUtils.toArrowSchema(schema, timeZone, true), allocator);
-      this.arrow = ArrowWriter.create(root);
-      this.server = Server.connect(options.target(partition), options.token(), allocator);
-      FlightDescriptor descriptor =
-          FlightDescriptor.command(Wire.putPartition(options.dataset(), partition, attempt, writeId));
-      this.stream = server.client.startPut(descriptor, root, acks, server.options);
+      VectorSchemaRoot r = null;
+      Server s = null;
+      try {
+        r = VectorSchemaRoot.create(ArrowUtils.toArrowSchema(schema, timeZone, true), a);
+        s = Server.connect(options.target(partition), options.token(), a);
+        FlightDescriptor descriptor =
+            FlightDescriptor.command(Wire.putPartition(options.dataset(), partition, attempt, writeId));
+        this.stream = s.client.startPut(descriptor, r, acks, s.options);
+      } catch (RuntimeException e) {
+        // Spark closes only a writer it got: free what was made.
+        if (s != null) {
+          s.close();
+        }
+        if (r != null) {
+          r.close();
+        }
+        a.close();
+        throw e;
+      }
+      this.allocator = a;
+      this.root = r;
+      this.server = s;
+      this.arrow = ArrowWriter.create(r);
     }
 
     /**

@@ -193,7 +193,11 @@ final class Wire {
   /** A partition of a described dataset: its winning attempt's rows. */
   record Partition(int partition, int attempt, long rows) {}
 
-  /** {@code DatasetInfo}, the parts the connector reads. */
+  /**
+   * {@code DatasetInfo}, the parts the connector reads; {@code partitions}
+   * are every member's on a dataset sealed across servers (from its
+   * layout), this server's otherwise.
+   */
   record DatasetInfo(int state, long rows, List<Partition> partitions) {
     static final int SEALED = 2;
 
@@ -206,6 +210,7 @@ final class Wire {
     int state = 0;
     long rows = 0;
     List<Partition> partitions = new ArrayList<>();
+    List<Partition> everyMember = new ArrayList<>();
     try {
       CodedInputStream in = CodedInputStream.newInstance(body);
       for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
@@ -213,6 +218,7 @@ final class Wire {
           case 2 -> state = in.readEnum();
           case 3 -> rows = in.readUInt64();
           case 7 -> partitions.add(partition(in.readByteArray()));
+          case 12 -> layoutPartitions(in.readByteArray(), everyMember);
           default -> in.skipField(tag);
         }
       }
@@ -220,7 +226,26 @@ final class Wire {
       throw new IllegalStateException(
           "the server's DatasetInfo does not decode: " + e.getMessage(), e);
     }
-    return new DatasetInfo(state, rows, partitions);
+    return new DatasetInfo(state, rows, everyMember.isEmpty() ? partitions : everyMember);
+  }
+
+  /** The partitions of every member of a {@code ClusterLayout}. */
+  private static void layoutPartitions(byte[] layout, List<Partition> out) throws IOException {
+    CodedInputStream in = CodedInputStream.newInstance(layout);
+    for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+      if (tag >>> 3 != 2) {
+        in.skipField(tag);
+        continue;
+      }
+      CodedInputStream member = CodedInputStream.newInstance(in.readByteArray());
+      for (int t = member.readTag(); t != 0; t = member.readTag()) {
+        if (t >>> 3 == 3) {
+          out.add(partition(member.readByteArray()));
+        } else {
+          member.skipField(t);
+        }
+      }
+    }
   }
 
   private static Partition partition(byte[] body) throws IOException {
