@@ -63,6 +63,10 @@ def test_modes_and_a_failed_job(flightdeck_server, spark):
     assert client.describe("m").rows == 30
     write(spark.range(7), uri, "new", mode="append")  # append creates
     assert client.describe("new").rows == 7
+    # Spark's default mode is not offered to a catalog-less V2 source; it
+    # says so (append is the create-only write).
+    with pytest.raises(Exception, match="UNSUPPORTED_DATA_SOURCE_SAVE_MODE"):
+        spark.range(3).write.format("flightdeck").option("uri", uri).option("dataset", "d").save()
     with pytest.raises(Exception, match=r'set the dataset to write or read: \.option\("dataset"'):
         spark.range(3).write.format("flightdeck").option("uri", uri).mode("overwrite").save()
 
