@@ -139,12 +139,14 @@ final class FlightDeckScan {
     private final List<Server> servers = new ArrayList<>();
     private final FlightStream stream;
     private final int columns;
+    private final long start;
     private long remaining;
     private ColumnarBatch batch;
 
     Reader(Part part) {
       Options o = part.options();
       this.remaining = part.rows();
+      this.start = part.start();
       this.columns = part.columns().size();
       this.allocator = ArrowUtils.rootAllocator()
           .newChildAllocator("flightdeck read from row " + part.start(), 0, Long.MAX_VALUE);
@@ -175,8 +177,13 @@ final class FlightDeckScan {
 
     @Override
     public boolean next() {
-      if (remaining <= 0 || !stream.next()) {
+      if (remaining <= 0) {
         return false;
+      }
+      if (!stream.next()) {
+        // Never a partition cut short as if complete.
+        throw new FlightDeckException("INTERNAL", "the stream of rows from " + start
+            + " ended " + remaining + " rows short of its partition; read the dataset again");
       }
       VectorSchemaRoot root = stream.getRoot();
       ColumnVector[] vectors = new ColumnVector[columns];
