@@ -13,8 +13,10 @@ Compares, on one Spark `local[N]` session and one flightdeck server:
 - `parquet write` + `parquet read`: the path users take today,
   `df.write.parquet` then `--ranks` readers each reading their files.
 
-The DataFrame is cached first so generating it is not measured. Each phase
-runs `--reps` times; medians are reported. Usage:
+The DataFrame is cached first so generating it is not measured. Every
+phase first runs `--warmup` times unmeasured (the first run of each pays
+JIT compilation and first-touch allocation in Spark's JVM and the server:
+about 2× the later ones), then `--reps` times; medians are reported. Usage:
 
     .venv/bin/python bench/spark_to_ddp.py --rows 2000000 --cols 32 \
         --server target/release/flightdeck --json bench/spark_to_ddp.json
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs of every phase first")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--batch-rows", type=int, default=8192)
     ap.add_argument("--arrow-batch", type=int, default=10000,
@@ -150,6 +153,14 @@ def main() -> None:
         assert rows == args.rows
 
     try:
+        for _ in range(args.warmup):
+            df.mapInArrow(noop, "id long").count()
+            for w in writers:
+                fd_write(w)
+            fd_read()
+            fd_read("none")
+            pq_write()
+            pq_read()
         for rep in range(args.reps):
             results["floor"].append(timed(lambda: df.mapInArrow(noop, "id long").count()))
             for w in writers:
@@ -175,6 +186,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "rows": args.rows, "cols": args.cols, "payload_bytes": payload,
         "partitions": args.partitions, "ranks": args.ranks, "reps": args.reps,
+        "warmup": args.warmup,
         "arrow_batch": args.arrow_batch,
         "median_s": med, "runs_s": results,
         "write_vs_floor": write / med["floor"],
