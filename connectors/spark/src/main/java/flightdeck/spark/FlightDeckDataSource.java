@@ -3,7 +3,6 @@ package flightdeck.spark;
 import java.util.Map;
 import org.apache.arrow.flight.FlightDescriptor;
 import org.apache.arrow.flight.FlightRuntimeException;
-import org.apache.arrow.memory.BufferAllocator;
 import org.apache.spark.sql.connector.catalog.Table;
 import org.apache.spark.sql.connector.catalog.TableProvider;
 import org.apache.spark.sql.connector.expressions.Transform;
@@ -41,9 +40,7 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
   @Override
   public StructType inferSchema(CaseInsensitiveStringMap map) {
     Options options = Options.of(map);
-    try (BufferAllocator allocator =
-            ArrowUtils.rootAllocator().newChildAllocator("schema", 0, 16 << 20);
-        Server server = Server.connect(options.uri(), options.token(), allocator)) {
+    try (Server server = Server.open(options.uri(), options.token())) {
       try {
         return ArrowUtils.fromArrowSchema(
             server.client

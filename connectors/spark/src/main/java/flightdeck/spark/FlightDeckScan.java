@@ -1,7 +1,6 @@
 package flightdeck.spark;
 
 import java.io.Serializable;
-import java.net.URI;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Comparator;
@@ -84,9 +83,7 @@ final class FlightDeckScan {
     @Override
     public InputPartition[] planInputPartitions() {
       Wire.DatasetInfo info;
-      try (BufferAllocator allocator =
-              ArrowUtils.rootAllocator().newChildAllocator("describe", 0, 16 << 20);
-          Server server = Server.connect(options.uri(), options.token(), allocator)) {
+      try (Server server = Server.open(options.uri(), options.token())) {
         info = server.describe(options.dataset()).orElseThrow(() -> new FlightDeckException(
             "NOT_FOUND", "dataset '" + options.dataset() + "' does not exist on " + server.location
                 + "; write it first (df.write.format(\"flightdeck\"))"));
@@ -160,13 +157,13 @@ final class FlightDeckScan {
         FlightEndpoint endpoint = info.getEndpoints().get(0);
         Server serving = server;
         // On a dataset sealed across servers, the member that serves it.
-        for (Location l : endpoint.getLocations()) {
-          URI uri = l.getUri();
-          if (!ServerNames.normalize(uri.toString(), "").equals(server.location)) {
-            serving = Server.connect(uri.toString(), o.token(), allocator);
+        List<Location> at = endpoint.getLocations();
+        if (!at.isEmpty()) {
+          String location = at.get(0).getUri().toString();
+          if (!ServerNames.normalize(location, "").equals(server.location)) {
+            serving = Server.connect(location, o.token(), allocator);
             servers.add(serving);
           }
-          break;
         }
         this.stream = serving.client.getStream(endpoint.getTicket(), serving.options);
       } catch (FlightRuntimeException e) {

@@ -89,8 +89,8 @@ final class FlightDeckWrite {
     }
   }
 
-  /** Arrow's schema for {@code schema}, or the column Arrow cannot carry, named. */
-  static org.apache.arrow.vector.types.pojo.Schema checkTypes(StructType schema) {
+  /** Refuses, naming it, a column Arrow cannot carry. */
+  static void checkTypes(StructType schema) {
     for (var field : schema.fields()) {
       try {
         ArrowUtils.toArrowSchema(new StructType().add(field), "UTC", true);
@@ -102,29 +102,26 @@ final class FlightDeckWrite {
             e);
       }
     }
-    return ArrowUtils.toArrowSchema(schema, "UTC", true);
   }
 
   /** On the driver, before any task: drop for overwrite, refuse append to an existing dataset. */
   static void prepare(Options options, boolean overwrite) {
-    try (BufferAllocator allocator = ArrowUtils.rootAllocator().newChildAllocator("prepare", 0, 1 << 20)) {
-      for (String target : new LinkedHashSet<>(options.targets())) {
-        try (Server server = Server.connect(target, options.token(), allocator)) {
-          Optional<Wire.DatasetInfo> info = server.describe(options.dataset());
-          if (info.isEmpty()) {
-            continue;
-          }
-          if (overwrite) {
-            server.drop(options.dataset(), "");
-            continue;
-          }
-          throw new FlightDeckException(
-              "FAILED_PRECONDITION",
-              "cannot append to dataset '" + options.dataset() + "': it already exists ("
-                  + info.get().stateName() + ", " + info.get().rows() + " rows) and a flightdeck "
-                  + "dataset is immutable once sealed; use mode(\"overwrite\") to replace it, or "
-                  + "write to a new dataset name");
+    for (String target : new LinkedHashSet<>(options.targets())) {
+      try (Server server = Server.open(target, options.token())) {
+        Optional<Wire.DatasetInfo> info = server.describe(options.dataset());
+        if (info.isEmpty()) {
+          continue;
         }
+        if (overwrite) {
+          server.drop(options.dataset(), "");
+          continue;
+        }
+        throw new FlightDeckException(
+            "FAILED_PRECONDITION",
+            "cannot append to dataset '" + options.dataset() + "': it already exists ("
+                + info.get().stateName() + ", " + info.get().rows() + " rows) and a flightdeck "
+                + "dataset is immutable once sealed; use mode(\"overwrite\") to replace it, or "
+                + "write to a new dataset name");
       }
     }
   }
@@ -174,8 +171,7 @@ final class FlightDeckWrite {
             "no committed task for partitions " + missing + " of dataset '" + options.dataset() + "'");
       }
       String through = members.isEmpty() ? options.target(0) : members.firstKey();
-      try (BufferAllocator allocator = ArrowUtils.rootAllocator().newChildAllocator("seal", 0, 1 << 20);
-          Server server = Server.connect(through, options.token(), allocator)) {
+      try (Server server = Server.open(through, options.token())) {
         server.action("seal", Wire.seal(options.dataset(), messages.length, members));
       }
     }
@@ -189,15 +185,13 @@ final class FlightDeckWrite {
         }
       }
       written.addAll(options.targets());
-      try (BufferAllocator allocator = ArrowUtils.rootAllocator().newChildAllocator("abort", 0, 1 << 20)) {
-        for (String target : written) {
-          try (Server server = Server.connect(target, options.token(), allocator)) {
-            // Naming the write: a task still running is refused, not
-            // left to bring the dataset back.
-            server.drop(options.dataset(), writeId);
-          } catch (RuntimeException e) {
-            // Best effort: the job's own failure is what the user sees.
-          }
+      for (String target : written) {
+        try (Server server = Server.open(target, options.token())) {
+          // Naming the write: a task still running is refused, not left
+          // to bring the dataset back.
+          server.drop(options.dataset(), writeId);
+        } catch (RuntimeException e) {
+          // Best effort: the job's own failure is what the user sees.
         }
       }
     }

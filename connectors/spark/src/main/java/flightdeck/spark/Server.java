@@ -13,6 +13,7 @@ import org.apache.arrow.flight.HeaderCallOption;
 import org.apache.arrow.flight.Location;
 import org.apache.arrow.flight.Result;
 import org.apache.arrow.memory.BufferAllocator;
+import org.apache.spark.sql.util.ArrowUtils;
 
 /**
  * A connection to one flightdeck server: its location (as {@link
@@ -25,15 +26,37 @@ final class Server implements AutoCloseable {
 
   final FlightClient client;
   final CallOption[] options;
+  /** An allocator this connection made for itself (see {@link #open}); else null. */
+  private final BufferAllocator own;
 
-  private Server(String location, FlightClient client, CallOption[] options) {
+  private Server(String location, FlightClient client, CallOption[] options, BufferAllocator own) {
     this.location = location;
     this.client = client;
     this.options = options;
+    this.own = own;
+  }
+
+  /**
+   * A connection for actions and metadata calls (describe, drop, seal,
+   * schema, plan) with a small allocator of its own, freed on close.
+   */
+  static Server open(String name, String token) {
+    BufferAllocator own = ArrowUtils.rootAllocator().newChildAllocator("flightdeck " + name, 0, 16 << 20);
+    try {
+      return connect(name, token, own, own);
+    } catch (RuntimeException e) {
+      own.close();
+      throw e;
+    }
   }
 
   /** Connects (lazily: the first call connects) to the server {@code name} names. */
   static Server connect(String name, String token, BufferAllocator allocator) {
+    return connect(name, token, allocator, null);
+  }
+
+  private static Server connect(
+      String name, String token, BufferAllocator allocator, BufferAllocator own) {
     String location = ServerNames.normalize(name);
     FlightClient client =
         FlightClient.builder(allocator, new Location(URI.create(location))).build();
@@ -44,7 +67,7 @@ final class Server implements AutoCloseable {
       headers.insert("authorization", "Bearer " + bearer);
       options = new CallOption[] {new HeaderCallOption(headers)};
     }
-    return new Server(location, client, options);
+    return new Server(location, client, options, own);
   }
 
   /** Runs action {@code kind} and returns its one result's body. */
@@ -99,6 +122,10 @@ final class Server implements AutoCloseable {
       client.close();
     } catch (InterruptedException e) {
       Thread.currentThread().interrupt();
+    } finally {
+      if (own != null) {
+        own.close();
+      }
     }
   }
 }
