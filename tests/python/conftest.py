@@ -54,6 +54,18 @@ def eventually(what: str, probe, timeout: float = 30.0):
         pause = min(pause * 2, 0.1)
 
 
+def require_torch():
+    """torch, imported; where it is not installed the calling test is
+    skipped, except under CI (`CI` set), where the test environment installs
+    it (`tests/python/requirements.txt`) and a missing torch is a failure,
+    not a skip."""
+    if os.environ.get("CI"):
+        import torch
+
+        return torch
+    return pytest.importorskip("torch")
+
+
 def server_name_cases() -> list[tuple[str, str | None, str]]:
     """`tests/server_names.tsv`, the table every client's parser of server
     names is tested with: (name, FLIGHTDECK_URI or None, location or

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer, scaled
+from conftest import RunningServer, require_torch, scaled
 from flightdeck import ShardedDataset
 from flightdeck import _wire as wire
 
@@ -207,7 +207,7 @@ WORKER = textwrap.dedent(
 
 
 def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
-    pytest.importorskip("torch")
+    require_torch()
     import json
     import socket
 

@@ -1,16 +1,17 @@
 """PyTorch: zero-copy tensors and a DataLoader with worker processes that
 together yield every row of a rank's shard exactly once. Runs where torch is
-installed."""
+installed, and always under CI (`conftest.require_torch`)."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import require_torch, strided_order
+
+torch = require_torch()
 
 import flightdeck  # noqa: E402
-from conftest import strided_order  # noqa: E402
 from flightdeck import to_torch  # noqa: E402
 from flightdeck.torch import FlightDeckIterableDataset  # noqa: E402
 
