@@ -1,13 +1,15 @@
-"""PyTorch fed by flightdeck vs PyTorch on an in-memory tensor, same model.
+"""PyTorch fed by flightdeck, PyTorch on an in-memory tensor, and
+flightdeck's embedded trainer: the same model on the same data.
 
 Starts a release `flightdeck` server, writes a synthetic dataset (rows ×
 `--dim` float32 features as one fixed_size_list column, int64 labels from a
-random linear map), then trains one epoch of the same model (an MLP with one
-hidden layer, AdamW, batch `--batch-size`, `--threads` torch threads) three
-ways and prints samples/s: on an in-memory tensor (the compute floor), and
-through `FlightDeckIterableDataset` with `prefetch=0` and `--prefetch`
-batches read ahead, with the loop's stall (`stall_seconds`) as a share of
-the epoch.
+random linear map), then trains one epoch of each model (linear, and an MLP
+with one hidden layer of `--hidden`; AdamW, batch `--batch-size`) five ways
+and prints samples/s: PyTorch (`--threads` threads) on an in-memory tensor
+(the compute floor), PyTorch through `FlightDeckIterableDataset` with
+`prefetch=0` and `--prefetch` batches read ahead (with the loop's stall,
+`stall_seconds`, as a share of the epoch), and the embedded trainer on 1
+and 2 CPU ranks (with its data stall).
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
@@ -21,15 +23,21 @@ import time
 import numpy as np
 import torch
 
+import flightdeck
 import synthetic
 from flightdeck.torch import FlightDeckIterableDataset
 
 
 def model(dim: int, hidden: int, classes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model in PyTorch: an MLP with one hidden layer of `hidden`, or
+    linear with `hidden` 0; AdamW."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
-    )
+    if hidden:
+        net = torch.nn.Sequential(
+            torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
+        )
+    else:
+        net = torch.nn.Linear(dim, classes)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
 
 
@@ -39,12 +47,31 @@ def step(net, opt, x, y) -> None:
     opt.step()
 
 
+def embedded(uri: str, args: argparse.Namespace, hidden: int, ranks: int) -> tuple[float, float]:
+    """One epoch of the same model in flightdeck's embedded trainer on
+    `ranks` CPU ranks: samples/s up to the last step's report (before the
+    final evaluation pass, which PyTorch's rows do not run either) and the
+    data stall of the last report."""
+    client = flightdeck.connect(uri)
+    start = time.perf_counter()
+    reports = client.train(
+        "bench", "features", "label", classes=args.classes, hidden=[hidden] if hidden else [],
+        lr=1e-3, batch_size=args.batch_size, cpu_ranks=ranks, seed=1,
+    )
+    for report in reports:
+        if report.step == report.total_steps and not report.done:
+            took = time.perf_counter() - start
+            stall = report.data_stall_fraction
+    return report.step * args.batch_size / took, stall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--models", default="linear,mlp", help="comma-separated: linear, mlp")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=2)
@@ -56,41 +83,52 @@ def main() -> None:
     with synthetic.server(args.bin) as uri:
         x, y = synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        results: dict[str, list[float]] = {}
-        stalls: dict[str, list[float]] = {}
-        for _ in range(args.reps):
-            net, opt = model(args.dim, args.hidden, args.classes)
-            # Shuffled once before the clock: the floor is the compute alone.
-            perm = torch.randperm(args.rows)
-            xs, ys = xt[perm].contiguous(), yt[perm].contiguous()
-            start = time.perf_counter()
-            for i in range(0, args.rows, args.batch_size):
-                step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
-            results.setdefault("in-memory tensor", []).append(args.rows / (time.perf_counter() - start))
-            for depth in (0, args.prefetch):
-                name = f"FlightDeckIterableDataset prefetch={depth}"
-                data = FlightDeckIterableDataset(
-                    uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, prefetch=depth
-                )
-                net, opt = model(args.dim, args.hidden, args.classes)
+        print(f"{args.rows} rows x {args.dim} float32, {args.classes} classes, AdamW, batch {args.batch_size}, "
+              f"one epoch, {args.threads} torch threads, {args.reps} reps (medians)")
+        print()
+        print("| model | path | samples/s | of the in-memory floor | waiting for data |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        for name in args.models.split(","):
+            hidden = {"linear": 0, "mlp": args.hidden}[name]
+            label = f"MLP [{hidden}]" if hidden else "linear"
+            results: dict[str, list[float]] = {}
+            stalls: dict[str, list[float]] = {}
+            for _ in range(args.reps):
+                net, opt = model(args.dim, hidden, args.classes)
+                # Shuffled once before the clock: the floor is the compute alone.
+                perm = torch.randperm(args.rows)
+                xs, ys = xt[perm].contiguous(), yt[perm].contiguous()
                 start = time.perf_counter()
-                rows = 0
-                for batch in data:
-                    step(net, opt, batch["features"], batch["label"])
-                    rows += len(batch["label"])
-                took = time.perf_counter() - start
-                assert rows == args.rows, rows
-                results.setdefault(name, []).append(rows / took)
-                stalls.setdefault(name, []).append(data.stall_seconds / took)
-        floor = float(np.median(results["in-memory tensor"]))
-        print(f"{args.rows} rows x {args.dim} float32, MLP {args.hidden}, AdamW, batch {args.batch_size}, "
-              f"{args.threads} torch threads, {args.reps} reps (medians)")
-        print("| path | samples/s | of the in-memory floor | loop waiting for data |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, rates in results.items():
-            rate = float(np.median(rates))
-            stall = f"{float(np.median(stalls[name])) * 100:.0f} %" if name in stalls else "—"
-            print(f"| {name} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} |")
+                for i in range(0, args.rows, args.batch_size):
+                    step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
+                results.setdefault("PyTorch, in-memory tensor", []).append(
+                    args.rows / (time.perf_counter() - start)
+                )
+                for depth in (0, args.prefetch):
+                    path = f"PyTorch, FlightDeckIterableDataset prefetch={depth}"
+                    data = FlightDeckIterableDataset(
+                        uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, prefetch=depth
+                    )
+                    net, opt = model(args.dim, hidden, args.classes)
+                    start = time.perf_counter()
+                    rows = 0
+                    for batch in data:
+                        step(net, opt, batch["features"], batch["label"])
+                        rows += len(batch["label"])
+                    took = time.perf_counter() - start
+                    assert rows == args.rows, rows
+                    results.setdefault(path, []).append(rows / took)
+                    stalls.setdefault(path, []).append(data.stall_seconds / took)
+                for ranks in (1, 2):
+                    path = f"flightdeck's embedded trainer, {ranks} CPU rank{'s' if ranks > 1 else ''}"
+                    rate, stall = embedded(uri, args, hidden, ranks)
+                    results.setdefault(path, []).append(rate)
+                    stalls.setdefault(path, []).append(stall)
+            floor = float(np.median(results["PyTorch, in-memory tensor"]))
+            for path, rates in results.items():
+                rate = float(np.median(rates))
+                stall = f"{float(np.median(stalls[path])) * 100:.0f} %" if path in stalls else "—"
+                print(f"| {label} | {path} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} |")
 
 
 if __name__ == "__main__":

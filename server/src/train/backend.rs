@@ -16,6 +16,21 @@ pub trait Backend {
     /// `data`, in that order, on this backend's device.
     fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (Self::Buf, Self::Buf);
 
+    /// Whether [`Backend::batch`] is a host gather (`TrainData::gather`)
+    /// that another thread can run for the next step while this one
+    /// computes; its result is handed over with [`Backend::host_batch`].
+    /// False where the gather runs on the device (it is queued behind the
+    /// step's work there, not on the host's critical path).
+    fn gathers_on_host(&self) -> bool {
+        false
+    }
+
+    /// What [`Backend::batch`] returns, from features and labels gathered
+    /// on the host (`TrainData::gather` of the same rows).
+    fn host_batch(&mut self, x: Vec<f32>, y: Vec<f32>) -> (Self::Buf, Self::Buf) {
+        (self.upload(&x), self.upload(&y))
+    }
+
     /// The first device error since the job started, if any. Operations
     /// cannot fail one by one (the step is written once for every backend);
     /// a backend that hits an error records it here, and the rank stops

@@ -59,6 +59,7 @@ pub struct Cpu {
     batches: u64,
     fail_at_batch: Option<u64>,
     failure: Option<String>,
+    gather_ahead: bool,
 }
 
 impl Cpu {
@@ -70,7 +71,16 @@ impl Cpu {
             batches: 0,
             fail_at_batch: None,
             failure: None,
+            gather_ahead: true,
         }
+    }
+
+    /// Makes this rank gather each batch in its step instead of one step
+    /// ahead on another thread (the way a device backend does): to test
+    /// that both give the same training.
+    pub fn gathering_in_step(mut self) -> Self {
+        self.gather_ahead = false;
+        self
     }
 
     /// Makes this rank record a failure when it gathers its `k`-th batch
@@ -86,11 +96,20 @@ impl Backend for Cpu {
     type Buf = Vec<f32>;
 
     fn batch(&mut self, data: &TrainData, rows: &[u64]) -> (Vec<f32>, Vec<f32>) {
+        let (x, y) = data.gather(rows.iter().copied());
+        self.host_batch(x, y)
+    }
+
+    fn gathers_on_host(&self) -> bool {
+        self.gather_ahead
+    }
+
+    fn host_batch(&mut self, x: Vec<f32>, y: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
         self.batches += 1;
         if self.fail_at_batch == Some(self.batches) && self.failure.is_none() {
             self.failure = Some(format!("injected failure at batch {}", self.batches));
         }
-        data.gather(rows.iter().copied())
+        (x, y)
     }
 
     fn upload(&mut self, data: &[f32]) -> Vec<f32> {

@@ -27,6 +27,7 @@ pub mod model;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::time::Instant;
 
 use backend::Backend;
@@ -34,6 +35,9 @@ use checkpoint::{Checkpoint, Tensor};
 use cpu::{Cpu, CpuGroup};
 use data::{LabelKind, TrainData};
 use model::{Model, OptState, Optimizer, Task};
+
+/// A batch's features and labels gathered on the host.
+type HostBatch = (Vec<f32>, Vec<f32>);
 
 use crate::error::{Error, Result};
 use crate::memory::device::DevicePlacement;
@@ -434,14 +438,83 @@ impl Job {
         })
     }
 
-    /// One rank's loop; rank 0 returns the outcome.
+    /// One rank's loop; rank 0 returns the outcome. Where the backend
+    /// gathers on the host, a second thread gathers the batch of step
+    /// `s + 1` while the rank computes step `s` (one batch ahead), so the
+    /// step waits for data only when the gather is slower than the compute.
     fn rank_loop<B: Backend>(
+        &self,
+        b: B,
+        rank: u32,
+        start: u64,
+        resume: Option<&Checkpoint>,
+        hooks: &Hooks<'_>,
+    ) -> Result<Option<Outcome>> {
+        if !b.gathers_on_host() {
+            return self.rank_steps(b, rank, start, resume, hooks, None);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::scope(|s| {
+            s.spawn(move || self.gather_ahead(rank, start, tx));
+            // The receiver is dropped when the steps end, however they end;
+            // the gatherer's next send then fails and it returns.
+            self.rank_steps(b, rank, start, resume, hooks, Some(rx))
+        })
+    }
+
+    /// The host batches of steps `start..` for `rank`, in step order, into
+    /// `to`, until every step is gathered or the receiver is gone.
+    fn gather_ahead(&self, rank: u32, start: u64, to: SyncSender<Result<HostBatch>>) {
+        let mut order = None;
+        let mut rows = Vec::new();
+        for step in start..self.total_steps() {
+            let batch = self
+                .step_rows(&mut order, rank, step, &mut rows)
+                .map(|()| self.data.gather(rows.iter().copied()));
+            let failed = batch.is_err();
+            if to.send(batch).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    /// The global rows `rank` trains on at `step`, into `rows`; `order`
+    /// keeps the current epoch's shard order between calls.
+    fn step_rows(
+        &self,
+        order: &mut Option<(u64, ShardOrder)>,
+        rank: u32,
+        step: u64,
+        rows: &mut Vec<u64>,
+    ) -> Result<()> {
+        let world = self.spec.devices.world();
+        let per_rank = u64::from(self.spec.global_batch / world);
+        let epoch = step / self.steps_per_epoch;
+        let in_epoch = step % self.steps_per_epoch;
+        if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let shares = Shares::new(self.data.rows(), world, 0, true)?;
+            let epoch_order =
+                EpochOrder::new(self.data.rows(), self.spec.shuffle, self.spec.seed, epoch);
+            *order = Some((epoch, ShardOrder::new(epoch_order, shares, rank)?));
+        }
+        let Some((_, shard)) = order.as_ref() else {
+            return Err(Error::Internal("no sample order".into()));
+        };
+        rows.clear();
+        rows.extend(shard.rows(in_epoch * per_rank..(in_epoch + 1) * per_rank));
+        Ok(())
+    }
+
+    /// The steps of one rank, its batches gathered here or, with `ahead`,
+    /// received from [`Job::gather_ahead`].
+    fn rank_steps<B: Backend>(
         &self,
         mut b: B,
         rank: u32,
         start: u64,
         resume: Option<&Checkpoint>,
         hooks: &Hooks<'_>,
+        ahead: Option<Receiver<Result<HostBatch>>>,
     ) -> Result<Option<Outcome>> {
         let world = self.spec.devices.world();
         let per_rank = u64::from(self.spec.global_batch / world);
@@ -460,7 +533,6 @@ impl Job {
         };
         let total = self.total_steps();
         let report_every = (self.steps_per_epoch / 10).max(1);
-        let n = self.data.rows();
         let mut order: Option<(u64, ShardOrder)> = None;
         let mut rows = Vec::with_capacity(per_rank as usize);
         let (mut loss_sum, mut loss_steps, mut stall, mut busy) = (0.0, 0u64, 0.0, 0.0);
@@ -473,20 +545,22 @@ impl Job {
         for step in start..total {
             let epoch = step / self.steps_per_epoch;
             let in_epoch = step % self.steps_per_epoch;
-            if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                let shares = Shares::new(n, world, 0, true)?;
-                let epoch_order = EpochOrder::new(n, self.spec.shuffle, self.spec.seed, epoch);
-                order = Some((epoch, ShardOrder::new(epoch_order, shares, rank)?));
-            }
-            let Some((_, shard)) = order.as_ref() else {
-                return Err(Error::Internal("no sample order".into()));
-            };
             let t0 = Instant::now();
-            rows.clear();
-            rows.extend(shard.rows(in_epoch * per_rank..(in_epoch + 1) * per_rank));
-            let (x, y) = b.batch(&self.data, &rows);
+            let (x, y) = match &ahead {
+                Some(ahead) => {
+                    let (x, y) = ahead.recv().map_err(|_| {
+                        Error::Internal(format!("rank {rank}'s batch gatherer stopped"))
+                    })??;
+                    b.host_batch(x, y)
+                }
+                None => {
+                    self.step_rows(&mut order, rank, step, &mut rows)?;
+                    b.batch(&self.data, &rows)
+                }
+            };
             // Wait for the gather, so that the stall is the gather's time
-            // and not only the time to queue it.
+            // (or the wait for the gatherer) and not only the time to queue
+            // it.
             b.sync();
             let gathered = t0.elapsed().as_secs_f64();
             let (mut grads, loss, _) =

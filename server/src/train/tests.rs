@@ -563,6 +563,35 @@ fn one_failing_rank_stops_every_rank_at_that_step() {
     );
 }
 
+/// Gathering one step ahead on another thread trains exactly as gathering
+/// in the step does: the same batches in the same order, across an epoch
+/// boundary and from a resumed step.
+#[test]
+fn gathering_ahead_trains_exactly_as_gathering_in_the_step() {
+    use super::cpu::{Cpu, CpuGroup};
+    let data = dataset(1000);
+    let mut s = spec(2);
+    s.epochs = 2;
+    s.shuffle = Shuffle::Block { block_rows: 64 };
+    let job = Job::prepare(s, &data).expect("valid job");
+    let cancel = AtomicBool::new(false);
+    let hooks = quiet_hooks(&cancel);
+    let resume = checkpoint_after(&job.spec, &data, 40);
+    for (start, resume) in [(0, None), (40, Some(&resume))] {
+        let train = |ahead: bool| {
+            let group = CpuGroup::new(2);
+            job.run_ranks(2, start, resume, &hooks, &|rank| {
+                let cpu = Cpu::new(rank as usize, group.clone());
+                Ok(if ahead { cpu } else { cpu.gathering_in_step() })
+            })
+            .expect("job runs")
+        };
+        let (ahead, in_step) = (train(true), train(false));
+        assert_eq!(ahead.params, in_step.params, "from step {start}");
+        assert_eq!(ahead.last.loss.to_bits(), in_step.last.loss.to_bits());
+    }
+}
+
 /// The GPU kernels count with 32 bits: a job past that is refused before it
 /// starts rather than copied in part.
 #[test]
