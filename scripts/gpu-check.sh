@@ -5,7 +5,8 @@
 #                                # target/gpu-check/bins.tar.xz (~20 MB: fits a device carry)
 #   scripts/gpu-check.sh run     # on the GPU machine (carry target/gpu-check): the GPU tests
 #                                # (pinned arena, place, CUDA training vs CPU), the tier tests
-#                                # on pinned memory, and the h2d bench
+#                                # on pinned memory, the h2d bench, and the PyTorch tests
+#                                # (pinned hand-over) with the machine's own torch
 #   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
 #                                # (run by scripts/test.sh)
 #
@@ -19,15 +20,16 @@ dir=target/gpu-check
 build() {
     rm -rf "$dir"
     mkdir -p "$dir"
-    cargo build --release -p flightdeck-bench --bins
-    cp target/release/flightdeck-bench "$dir/"
+    cargo build --release -p flightdeck-bench -p flightdeck-server --bins
+    cp target/release/flightdeck-bench target/release/flightdeck "$dir/"
     # Test executables: the GPU checks of the tiers, and the end-to-end tier tests.
     cargo test --release -p flightdeck-server --test gpu --no-run --message-format=json \
         | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/gpu-tests"; done
     cargo test --release -p flightdeck-tests --test e2e_tiers --no-run --message-format=json \
         | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | while read -r exe; do cp "$exe" "$dir/tier-tests"; done
     strip "$dir"/*
-    (cd "$dir" && tar -cJf bins.tar.xz gpu-tests tier-tests flightdeck-bench && rm gpu-tests tier-tests flightdeck-bench)
+    (cd "$dir" && tar -cJf bins.tar.xz gpu-tests tier-tests flightdeck-bench flightdeck \
+        && rm gpu-tests tier-tests flightdeck-bench flightdeck)
     du -sh "$dir"
 }
 
@@ -58,6 +60,16 @@ run() {
     "$bins/tier-tests" --test-threads 1 > "$out/tier-tests.txt" 2>&1 || status=1
     "$bins/flightdeck-bench" --phases h2d --rows 1000 --baseline "" --reps 5 --in-process \
         --json "$out/h2d.json" > "$out/h2d.txt" 2>&1 || status=1
+    # PyTorch on the GPU: pinned batches handed over with non_blocking
+    # copies (test_torch.py), with the machine's own torch and the server
+    # binary built here.
+    if python3 -c "import pyarrow.flight, pytest, torch" 2>/dev/null; then
+        PYTHONPATH="$PWD/client/python:${PYTHONPATH:-}" FLIGHTDECK_BIN="$bins/flightdeck" \
+            python3 -m pytest tests/python/test_torch.py -q -p no:cacheprovider > "$out/python-torch.txt" 2>&1 || status=1
+    else
+        echo "NOT RUN: this machine's python3 lacks pyarrow, pytest or torch" > "$out/python-torch.txt"
+        status=1
+    fi
     tail -n 5 "$out"/*.txt
     exit "$status"
 }

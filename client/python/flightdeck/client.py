@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -647,12 +647,20 @@ class Prefetched:
     """A `DoGet` stream read on a background thread, at most `depth` batches
     ahead of its consumer. Iterating yields the batches in order; `stall`
     is the time the consumer has waited for them (seconds), and `received`
-    how many the thread has read. `close()` (also on the iterator's end,
-    or when a generator iterating it is closed) cancels the stream and joins
-    the thread."""
+    how many the thread has read. With `prepare`, iterating yields pairs
+    `(batch, prepare(batch))`, `prepare` run on the background thread too
+    (turning a batch into tensors, pinning them). `close()` (also on the
+    iterator's end, or when a generator iterating it is closed) cancels the
+    stream and joins the thread."""
 
-    def __init__(self, reader: flight.FlightStreamReader, depth: int) -> None:
+    def __init__(
+        self,
+        reader: flight.FlightStreamReader,
+        depth: int,
+        prepare: Callable[[pa.RecordBatch], Any] | None = None,
+    ) -> None:
         self._reader = reader
+        self._prepare = prepare
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.received = 0
@@ -668,7 +676,8 @@ class Prefetched:
                 except StopIteration:
                     break
                 self.received += 1
-                self._queue.put(chunk.data)
+                batch = chunk.data
+                self._queue.put(batch if self._prepare is None else (batch, self._prepare(batch)))
             self._queue.put(_END)
         except BaseException as exc:  # handed to the consumer
             if not self._stop.is_set():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -190,28 +190,38 @@ class ShardedDataset:
         """Batches this rank yields this epoch (from where it resumes)."""
         return self._plan().shards[self.rank].batches
 
-    def iter_batches(self, split_count: int = 0, split_index: int = 0) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self,
+        split_count: int = 0,
+        split_index: int = 0,
+        prepare: Callable[[pa.RecordBatch], Any] | None = None,
+    ) -> Iterator[Any]:
         """This rank's batches, or with a split only batches
-        `b % split_count == split_index` (one of several readers of a rank)."""
+        `b % split_count == split_index` (one of several readers of a rank).
+        With `prepare`, yields `prepare(batch)` instead of each batch, run on
+        the read-ahead thread when there is one (so that turning batches into
+        tensors overlaps the loop too)."""
         plan = self._plan(split_count, split_index)
         shard = plan.shards[self.rank]
         if self.prefetch == 0:
             batches: Iterator[pa.RecordBatch] = self.client.read_shard(shard)
             for batch in _timed(batches, self):
+                item = batch if prepare is None else prepare(batch)
                 self._yielded += batch.num_rows
-                yield batch
+                yield item
             return
-        reader = Prefetched(self.client._do_get(shard), self.prefetch)
+        reader = Prefetched(self.client._do_get(shard), self.prefetch, prepare)
         self._reader = reader
         try:
             before = self.stall_seconds
-            for batch in reader:
+            for item in reader:
                 self.stall_seconds = before + reader.stall
+                batch, item = (item, item) if prepare is None else item
                 # Counted when handed out: a state taken after the caller
                 # processed this batch must not replay it (and batches read
                 # ahead but not handed out are not counted).
                 self._yielded += batch.num_rows
-                yield batch
+                yield item
             self.stall_seconds = before + reader.stall
         finally:
             reader.close()
