@@ -79,6 +79,13 @@ pub trait Backend {
     ) -> Self::Buf;
     /// Adds `bias[cols]` to every row of `z[rows×cols]`.
     fn add_row_bias(&mut self, z: &mut Self::Buf, bias: &Self::Buf, rows: usize, cols: usize);
+    /// `z = max(z + bias, 0)` row by row: [`Backend::add_row_bias`] then
+    /// [`Backend::relu`] (a hidden layer's forward), which a backend may do
+    /// in one pass over `z`.
+    fn add_row_bias_relu(&mut self, z: &mut Self::Buf, bias: &Self::Buf, rows: usize, cols: usize) {
+        self.add_row_bias(z, bias, rows, cols);
+        self.relu(z);
+    }
     /// Column sums of `d[rows×cols]` (a bias gradient).
     fn col_sums(&mut self, d: &Self::Buf, rows: usize, cols: usize) -> Self::Buf;
     /// `z = max(z, 0)` in place.

@@ -146,6 +146,14 @@ impl Backend for Cpu {
         }
     }
 
+    fn add_row_bias_relu(&mut self, z: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, cols: usize) {
+        for r in 0..rows {
+            for (v, b) in z[r * cols..(r + 1) * cols].iter_mut().zip(bias) {
+                *v = (*v + b).max(0.0);
+            }
+        }
+    }
+
     fn col_sums(&mut self, d: &Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
         let mut acc = vec![0.0f64; cols];
         for r in 0..rows {
@@ -181,17 +189,23 @@ impl Backend for Cpu {
         let mut loss = 0.0f64;
         let mut correct = 0u64;
         let scale = 1.0 / rows.max(1) as f64;
+        // One buffer for every row's exponentials, and the maximum and its
+        // class found in one pass.
+        let mut exps = vec![0.0f64; classes];
         for r in 0..rows {
             let z = &logits[r * classes..(r + 1) * classes];
             let label = labels[r] as usize;
-            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exps: Vec<f64> = z.iter().map(|&v| f64::from(v - max).exp()).collect();
+            let (argmax, max) =
+                z.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                        if v > bv { (i, v) } else { (bi, bv) }
+                    });
+            for (e, &v) in exps.iter_mut().zip(z) {
+                *e = f64::from(v - max).exp();
+            }
             let sum: f64 = exps.iter().sum();
             loss += sum.ln() - f64::from(z[label] - max);
-            let argmax = z
-                .iter()
-                .enumerate()
-                .fold(0, |best, (i, &v)| if v > z[best] { i } else { best });
             correct += u64::from(argmax == label);
             for (c, g) in grad[r * classes..(r + 1) * classes].iter_mut().enumerate() {
                 let p = exps[c] / sum;

@@ -122,9 +122,10 @@ impl Model {
         for l in 0..self.layers() {
             let (i, o) = (self.dims[l], self.dims[l + 1]);
             let mut z = b.matmul_nt(&acts[l], &params[2 * l], rows, o, i);
-            b.add_row_bias(&mut z, &params[2 * l + 1], rows, o);
             if l + 1 < self.layers() {
-                b.relu(&mut z);
+                b.add_row_bias_relu(&mut z, &params[2 * l + 1], rows, o);
+            } else {
+                b.add_row_bias(&mut z, &params[2 * l + 1], rows, o);
             }
             acts.push(z);
         }
