@@ -78,6 +78,9 @@ pub struct ServerConfig {
     /// PEM root certificates this server trusts in other members; `None` =
     /// its own certificate (members sharing one certificate).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Where `/metrics` (Prometheus, OpenMetrics text) is served; `None` =
+    /// nowhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for ServerConfig {
@@ -103,6 +106,7 @@ impl Default for ServerConfig {
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
+            metrics_listen: None,
         }
     }
 }

@@ -26,6 +26,8 @@ pub struct JobStatus {
     pub id: u64,
     /// Dataset it trains on.
     pub dataset: String,
+    /// Samples per step (the global batch).
+    pub batch_size: u32,
     /// `running`, `finished`, `failed` or `cancelled`.
     pub state: &'static str,
     /// The last progress report.
@@ -149,6 +151,7 @@ impl State {
             JobStatus {
                 id,
                 dataset: job.spec.dataset.clone(),
+                batch_size: job.spec.global_batch,
                 state: "running",
                 last: Progress {
                     total_steps: job.total_steps(),

@@ -41,6 +41,7 @@ pub mod convert;
 pub mod error;
 pub mod jobs;
 pub mod memory;
+pub mod metrics;
 pub mod order;
 pub mod read;
 pub mod service;
@@ -114,9 +115,28 @@ pub fn peer_roots(config: &ServerConfig) -> std::result::Result<Option<Vec<u8>>,
 }
 
 /// Serves the Flight service on `listener` until `shutdown` completes, then
-/// stops accepting, lets in-flight calls finish and returns.
+/// drains: new calls are refused (`UNAVAILABLE`) and the gRPC health service
+/// says `NOT_SERVING` while the calls in flight finish; then it stops and
+/// returns. With `config.metrics_listen`, `/metrics` is served there.
 pub async fn serve(
     listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::result::Result<(), ServeError> {
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
+            Error::Unavailable(format!("cannot listen on --metrics-listen {addr}: {e}"))
+        })?),
+        None => None,
+    };
+    serve_with(listener, metrics, config, shutdown).await
+}
+
+/// [`serve`], with `/metrics` on `metrics` (bound by the caller, which can
+/// then say where) instead of `config.metrics_listen`.
+pub async fn serve_with(
+    listener: TcpListener,
+    metrics: Option<TcpListener>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::result::Result<(), ServeError> {
@@ -131,9 +151,49 @@ pub async fn serve(
     info!(addr = %bound, %location, memory_limit = config.memory_limit, "flightdeck serving");
     let tls = tls_config(&config)?;
     let state = std::sync::Arc::new(state::State::open(config, location).await?);
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics_task = metrics.map(|listener| {
+        let registry = state.metrics.registry(std::sync::Arc::downgrade(&state));
+        if let Ok(addr) = listener.local_addr() {
+            info!(%addr, "metrics on /metrics");
+        }
+        tokio::spawn(async move {
+            let stopped = async {
+                let _ = metrics_stopped.await;
+            };
+            if let Err(e) = metrics::serve(listener, registry, stopped).await {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        })
+    });
     let service = FlightServiceServer::new(FlightdeckService::new(state.clone()))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
+    // Persisted datasets are listed (State::open reloaded them): serving.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<FlightServiceServer<FlightdeckService>>()
+        .await;
+    let drain = {
+        let state = state.clone();
+        async move {
+            shutdown.await;
+            health
+                .set_not_serving::<FlightServiceServer<FlightdeckService>>()
+                .await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            state.drain();
+            info!(
+                in_flight = state.metrics.in_flight(),
+                "draining: new calls are refused while the calls in flight finish"
+            );
+            while state.metrics.in_flight() > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
     let incoming = TcpListenerStream::new(listener).map(|conn| {
         conn.inspect(|stream| {
             // Small messages (acks, actions) must not wait for Nagle.
@@ -149,9 +209,14 @@ pub async fn serve(
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health_service)
         .add_service(service::Edge::new(service, state.clone(), max_message))
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(incoming, drain)
         .await?;
+    let _ = metrics_stop.send(());
+    if let Some(task) = metrics_task {
+        let _ = task.await;
+    }
     state.shutdown().await;
     info!("flightdeck stopped");
     Ok(())

@@ -111,6 +111,22 @@ struct ServeArgs {
     /// server's own --tls-cert, for members that share one certificate).
     #[arg(long)]
     tls_ca: Option<std::path::PathBuf>,
+    /// Serve Prometheus metrics (OpenMetrics text) on http://ADDR/metrics,
+    /// e.g. 0.0.0.0:9090; port 0 picks a free port (printed on stdout).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Log lines as text for people or as JSON objects for log collectors.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 impl ServeArgs {
@@ -138,6 +154,7 @@ impl ServeArgs {
             tls_cert: self.tls_cert,
             tls_key: self.tls_key,
             tls_ca: self.tls_ca,
+            metrics_listen: self.metrics_listen,
             ..defaults
         }
     }
@@ -180,26 +197,40 @@ async fn run(args: ServeArgs) -> Result<(), String> {
     let addr = listener
         .local_addr()
         .map_err(|e| format!("cannot read the bound address: {e}"))?;
-    // One machine-readable line for scripts and tests that start the server.
+    let metrics = match config.metrics_listen {
+        Some(at) => Some(
+            TcpListener::bind(at)
+                .await
+                .map_err(|e| format!("cannot listen on --metrics-listen {at}: {e}"))?,
+        ),
+        None => None,
+    };
+    // Machine-readable lines for scripts and tests that start the server.
     let mut out = std::io::stdout();
     let _ = writeln!(out, "flightdeck listening on {addr}");
+    if let Some(at) = metrics.as_ref().and_then(|l| l.local_addr().ok()) {
+        let _ = writeln!(out, "flightdeck metrics on http://{at}/metrics");
+    }
     let _ = out.flush();
-    flightdeck_server::serve(listener, config, shutdown_signal())
+    flightdeck_server::serve_with(listener, metrics, config, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match &cli.command {
+        Command::Serve(args) if args.log_format == LogFormat::Json => {
+            logs.json().flatten_event(true).init();
+        }
+        _ => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
     let result = match cli.command {
         Command::Serve(args) => run(args).await,
         Command::Train(args) => train_cli::run(args).await,

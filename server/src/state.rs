@@ -110,6 +110,15 @@ pub struct Traffic {
     pub bytes_from_peers: AtomicU64,
 }
 
+/// Rows and IPC body bytes of one stream.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// Rows encoded.
+    pub rows: AtomicU64,
+    /// Bytes of their IPC bodies.
+    pub bytes: AtomicU64,
+}
+
 impl Traffic {
     /// Adds `rows` and `bytes` to a pair of counters.
     pub fn add(rows_counter: &AtomicU64, bytes_counter: &AtomicU64, rows: u64, bytes: u64) {
@@ -153,6 +162,11 @@ pub struct State {
     /// What read streams may hold ahead of their sockets
     /// (`--read-ahead-memory`).
     pub read_ahead: Arc<crate::service::outbox::ReadAhead>,
+    /// What the server did, for `/metrics` and the calls' log lines.
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// Set on SIGTERM/SIGINT: new calls are refused while the ones in
+    /// flight finish.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl State {
@@ -216,6 +230,8 @@ impl State {
             tokens,
             traffic: Arc::new(Traffic::default()),
             read_ahead: crate::service::outbox::ReadAhead::new(config_read_ahead),
+            metrics: Arc::default(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -366,6 +382,7 @@ impl State {
     /// there is neither.
     async fn spill_one(&self, except: Option<&str>) -> Result<bool> {
         let _one = self.spill_lock.lock().await;
+        let started = std::time::Instant::now();
         // Packed copies go first: giving one up loses no data.
         let packed = self.catalog().give_up_packed(except);
         if packed > 0 {
@@ -401,6 +418,7 @@ impl State {
         };
         self.catalog().release_host(&victim.name, victim.generation);
         self.spills.fetch_add(1, Ordering::Relaxed);
+        self.metrics.spilled(started.elapsed());
         info!(
             dataset = %victim.name,
             rows = victim.data.rows(),
@@ -442,6 +460,7 @@ impl State {
         };
         // Another reader may be restoring it: wait, then look again.
         let _one = self.restore_lock.lock().await;
+        let started = std::time::Instant::now();
         let again = self.catalog().lookup(name)?;
         if let SealedView::Resident { generation, data } = again {
             self.catalog().touch(name);
@@ -462,6 +481,7 @@ impl State {
             })?;
         self.catalog().touch(name);
         self.restores.fetch_add(1, Ordering::Relaxed);
+        self.metrics.restored(started.elapsed());
         info!(dataset = %name, rows = data.rows(), "brought dataset back from the store");
         Ok((generation, data))
     }
@@ -842,6 +862,16 @@ impl State {
             persist: self.config.persist,
             cuda_devices: self.cuda.as_ref().map_or(0, CudaHost::device_count),
         }
+    }
+
+    /// Refuses new calls from now on (the server is shutting down).
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// Whether the server is shutting down.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     /// Cleans up at shutdown: this server's spill files (not persisted ones).

@@ -111,7 +111,10 @@ class RunningServer:
         )
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
-        self.addr = self._wait_for_address()
+        #: http://HOST:PORT/metrics with `--metrics-listen`.
+        self.metrics_url: str | None = None
+        metrics = any(a.split("=", 1)[0] == "--metrics-listen" for a in extra_args)
+        self.addr = self._wait_for_address(metrics=metrics)
         self.uri = f"grpc://{self.addr}"
         self.checkpoint_root: Path | None = None
 
@@ -120,7 +123,7 @@ class RunningServer:
         for line in self.proc.stderr:
             self.stderr_lines.append(line)
 
-    def _wait_for_address(self) -> str:
+    def _wait_for_address(self, metrics: bool) -> str:
         found: list[str] = []
 
         def read() -> None:
@@ -128,6 +131,10 @@ class RunningServer:
             for line in self.proc.stdout:
                 if line.startswith("flightdeck listening on "):
                     found.append(line.split()[-1])
+                    if not metrics:
+                        return
+                elif line.startswith("flightdeck metrics on "):
+                    self.metrics_url = line.split()[-1]
                     return
 
         reader = threading.Thread(target=read, daemon=True)

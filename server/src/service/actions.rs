@@ -82,7 +82,9 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
     match action.r#type.as_str() {
         actions::SEAL => {
             let req = convert::seal_request(&action.body)?;
-            Ok(state.seal(&req).await?.encode_to_vec().into())
+            let sealed = state.seal(&req).await?;
+            state.metrics.sealed();
+            Ok(sealed.encode_to_vec().into())
         }
         actions::DROP => {
             let req = convert::drop_request(&action.body)?;

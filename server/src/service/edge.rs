@@ -25,6 +25,7 @@ use tonic::server::NamedService;
 use super::get;
 use super::outbox;
 use crate::auth;
+use crate::metrics::CallGuard;
 use crate::state::State;
 
 /// The path of `DoGet`.
@@ -100,66 +101,169 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        let path = req.uri().path();
+        let method = path.rsplit('/').next().unwrap_or(path).to_string();
+        let mut guard = self
+            .state
+            .metrics
+            .call(method_label(path), remote_addr(&req));
+        let refuse = |guard: CallGuard, status: Status| -> Self::Future {
+            guard.end(status.code());
+            Box::pin(async move { Ok(advertise(status.into_http())) })
+        };
+        if self.state.draining() {
+            return refuse(
+                guard,
+                Status::unavailable(
+                    "this server is shutting down: it finishes the calls in flight and takes no \
+                     new ones; call again once it is back (or read from another member)",
+                ),
+            );
+        }
         // Every call, DoGet here included, proves its role first.
         if let Some(tokens) = &self.state.tokens {
             let header = req
                 .headers()
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.as_bytes());
-            let path = req.uri().path();
             let allowed = tokens.role_of(header).and_then(|role| {
-                let call = path.rsplit('/').next().unwrap_or(path);
-                auth::check(role, auth::needed(path, None), call).map(|()| role)
+                auth::check(role, auth::needed(path, None), &method).map(|()| role)
             });
             match allowed {
                 Ok(role) => {
                     req.extensions_mut().insert(role);
                 }
-                Err(e) => {
-                    let status = Status::from(e);
-                    return Box::pin(async move { Ok(advertise(status.into_http())) });
-                }
+                Err(e) => return refuse(guard, Status::from(e)),
             }
         }
         if req.uri().path() != DO_GET {
             let fut = self.inner.call(req);
-            return Box::pin(async move { fut.await.map(advertise) });
+            return Box::pin(async move { fut.await.map(|r| advertise(tracked(r, guard))) });
         }
         if let Err(status) = check_encoding(req.headers()) {
-            return Box::pin(async move { Ok(advertise(status.into_http())) });
+            return refuse(guard, status);
         }
         let state = self.state.clone();
         let max_message = self.max_message;
         Box::pin(async move {
-            Ok(advertise(
-                match do_get(&state, req.into_body(), max_message).await {
-                    Ok(body) => {
-                        let mut response = http::Response::new(Body::new(body));
-                        response.headers_mut().insert(
-                            http::header::CONTENT_TYPE,
-                            http::HeaderValue::from_static("application/grpc"),
-                        );
-                        response
-                    }
-                    Err(status) => status.into_http(),
-                },
-            ))
+            let body = async {
+                let ticket = read_ticket(req.into_body()).await?;
+                Ok::<_, Status>(get::shard_messages(&state, &ticket).await?)
+            };
+            Ok(advertise(match body.await {
+                Ok((messages, info)) => {
+                    guard.reading(&info.dataset, info.rank, info.for_peer, info.tally);
+                    let body = ShardBody {
+                        messages,
+                        max_message,
+                        done: false,
+                        guard: Some(guard),
+                    };
+                    let mut response = http::Response::new(Body::new(body));
+                    response.headers_mut().insert(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/grpc"),
+                    );
+                    response
+                }
+                Err(status) => {
+                    guard.end(status.code());
+                    status.into_http()
+                }
+            }))
         })
     }
 }
 
-async fn do_get(
-    state: &State,
-    body: Body,
-    max_message: usize,
-) -> std::result::Result<ShardBody, Status> {
-    let ticket = read_ticket(body).await?;
-    let messages = get::shard_messages(state, &ticket).await?;
-    Ok(ShardBody {
-        messages,
-        max_message,
-        done: false,
+/// The Flight methods, as metrics label them.
+const FLIGHT_METHODS: [&str; 10] = [
+    "Handshake",
+    "ListFlights",
+    "GetFlightInfo",
+    "PollFlightInfo",
+    "GetSchema",
+    "DoGet",
+    "DoPut",
+    "DoExchange",
+    "DoAction",
+    "ListActions",
+];
+
+/// The method a metric names for `path`: a Flight method, or `other` (any
+/// path a client makes up), so that labels stay bounded.
+fn method_label(path: &str) -> &'static str {
+    path.strip_prefix("/arrow.flight.protocol.FlightService/")
+        .and_then(|m| FLIGHT_METHODS.iter().find(|&&k| k == m))
+        .copied()
+        .unwrap_or("other")
+}
+
+/// The caller's address, over TCP or TLS.
+fn remote_addr<B>(req: &http::Request<B>) -> Option<std::net::SocketAddr> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let ext = req.extensions();
+    ext.get::<TcpConnectInfo>()
+        .and_then(TcpConnectInfo::remote_addr)
+        .or_else(|| {
+            ext.get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(|i| i.get_ref().remote_addr())
+        })
+}
+
+/// `response` with its call ended when its status is known: at once for a
+/// status-only response, else when its body's trailers pass.
+fn tracked(response: http::Response<Body>, guard: CallGuard) -> http::Response<Body> {
+    if let Some(status) = Status::from_header_map(response.headers()) {
+        guard.end(status.code());
+        return response;
+    }
+    response.map(|inner| {
+        Body::new(Tracked {
+            inner,
+            guard: Some(guard),
+        })
     })
+}
+
+/// A response body that ends its call with the status of its trailers.
+struct Tracked {
+    inner: Body,
+    guard: Option<CallGuard>,
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, Status>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let code = match &polled {
+            Poll::Ready(Some(Ok(frame))) => frame
+                .trailers_ref()
+                .map(|t| Status::from_header_map(t).map_or(tonic::Code::Ok, |s| s.code())),
+            Poll::Ready(Some(Err(e))) => Some(e.code()),
+            Poll::Ready(None) => Some(tonic::Code::Ok),
+            Poll::Pending => None,
+        };
+        if let Some(code) = code
+            && let Some(guard) = this.guard.take()
+        {
+            guard.end(code);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Reads the request: one uncompressed gRPC message holding a `Ticket`.
@@ -220,11 +324,16 @@ struct ShardBody {
     messages: outbox::Receiver,
     max_message: usize,
     done: bool,
+    /// The call, ended with the status the trailers carry.
+    guard: Option<CallGuard>,
 }
 
 impl ShardBody {
     fn trailers(&mut self, status: &Status) -> Frame<Bytes> {
         self.done = true;
+        if let Some(guard) = self.guard.take() {
+            guard.end(status.code());
+        }
         let mut trailers = http::HeaderMap::new();
         if status.add_header(&mut trailers).is_err() {
             trailers.insert("grpc-status", http::HeaderValue::from_static("13"));
@@ -251,7 +360,12 @@ impl HttpBody for ShardBody {
             .poll_piece(cx, |m| m.to_grpc_frame(max_message))
         {
             Poll::Pending => return Poll::Pending,
-            Poll::Ready(Some(Ok(piece))) => return Poll::Ready(Some(Ok(Frame::data(piece)))),
+            Poll::Ready(Some(Ok(piece))) => {
+                if let Some(guard) = &mut this.guard {
+                    guard.sent_data();
+                }
+                return Poll::Ready(Some(Ok(Frame::data(piece))));
+            }
             Poll::Ready(Some(Err(e))) => Status::from(e),
             Poll::Ready(None) => Status::ok(""),
         };

@@ -26,7 +26,7 @@ use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
 use crate::order::{Locality, ReadPlan};
 use crate::read::{Gather, Picks, Shard, project};
-use crate::state::{State, Traffic, unfinished_seal};
+use crate::state::{State, Tally, Traffic, unfinished_seal};
 
 /// Batches (the schema counted as one) a stream queues ahead of the one
 /// being sent.
@@ -236,19 +236,35 @@ type Sender = outbox::Sender;
 /// The IPC messages of `batch`, the record batch tagged with `tag` (the
 /// batch's index, on streams between members); its rows and body bytes are
 /// added to `rows` and `bytes`.
+/// What a `DoGet` stream is, and what it has sent so far.
+#[derive(Debug, Clone)]
+pub(super) struct StreamInfo {
+    /// The dataset read.
+    pub dataset: String,
+    /// The rank whose stream it is.
+    pub rank: u32,
+    /// A member's part of another member's rank stream.
+    pub for_peer: bool,
+    /// Rows and batch bytes encoded for it.
+    pub tally: Arc<Tally>,
+}
+
 fn encode(
     messages: &mut Messages,
     batch: &RecordBatch,
     tag: Option<u64>,
     rows: &std::sync::atomic::AtomicU64,
     bytes: &std::sync::atomic::AtomicU64,
+    stream: &Tally,
 ) -> Result<Vec<IpcMessage>> {
     let mut m = messages.batch(batch)?;
     if let (Some(tag), Some(last)) = (tag, m.last_mut()) {
         last.app_metadata = Bytes::copy_from_slice(&tag.to_le_bytes());
     }
     let body = m.iter().map(|x| x.body_len as u64).sum();
-    Traffic::add(rows, bytes, batch.num_rows() as u64, body);
+    let n = batch.num_rows() as u64;
+    Traffic::add(rows, bytes, n, body);
+    Traffic::add(&stream.rows, &stream.bytes, n, body);
     Ok(m)
 }
 
@@ -257,8 +273,21 @@ fn encode(
 /// encoded on a blocking thread into the stream's small outbox, charged to
 /// the server's read-ahead allowance, so a slow reader holds back the
 /// gather; dropping the receiver (the client hung up) stops it.
-pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<outbox::Receiver> {
+///
+/// Also returns what the stream is (dataset, rank, whether for another
+/// member) and its tally of rows and bytes, for metrics and the call's log.
+pub(super) async fn shard_messages(
+    state: &State,
+    ticket: &Ticket,
+) -> Result<(outbox::Receiver, StreamInfo)> {
     let t = convert::decode_ticket(&ticket.ticket, &state.config)?;
+    let info = StreamInfo {
+        dataset: t.plan.dataset.clone(),
+        rank: t.rank,
+        for_peer: t.peer.is_some(),
+        tally: Arc::new(Tally::default()),
+    };
+    let tally = info.tally.clone();
     let name = t.plan.dataset.clone();
     let summary = sealed_summary(state, &name)?;
     check_batch_bytes(&t.plan, &summary, state.config.max_message_bytes)?;
@@ -305,9 +334,10 @@ pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<out
             next: 0,
             messages,
             traffic,
+            tally,
         };
         spawn_stream(tx, stream, run);
-        return Ok(rx);
+        return Ok((rx, info));
     }
     let nodes = source.nodes(&t.plan)?;
     let rows = RankRows::new(&t.plan, source.layout.clone(), &nodes, t.rank)?;
@@ -322,6 +352,7 @@ pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<out
         index: source.index,
         messages,
         traffic,
+        tally,
     };
     if let Some(peer) = t.peer {
         if peer as usize != source.index {
@@ -338,7 +369,7 @@ pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<out
         // it ends when the rank stream does.
         run.account = None;
         spawn_stream(tx, PeerStream { read, next: 0 }, run);
-        return Ok(rx);
+        return Ok((rx, info));
     }
     let mut feeds = HashMap::new();
     let wanted: Vec<usize> = read
@@ -379,7 +410,7 @@ pub(super) async fn shard_messages(state: &State, ticket: &Ticket) -> Result<out
         next: 0,
     };
     spawn_stream(tx, stream, run);
-    Ok(rx)
+    Ok((rx, info))
 }
 
 /// One stream's work, a batch at a time.
@@ -533,6 +564,7 @@ struct ShardStream {
     next: u64,
     messages: Messages,
     traffic: Arc<Traffic>,
+    tally: Arc<Tally>,
 }
 
 impl Batches for ShardStream {
@@ -547,6 +579,7 @@ impl Batches for ShardStream {
                 None,
                 &t.rows_served,
                 &t.bytes_served,
+                &self.tally,
             )
         }))
     }
@@ -613,6 +646,7 @@ struct MergedRead {
     index: usize,
     messages: Messages,
     traffic: Arc<Traffic>,
+    tally: Arc<Tally>,
 }
 
 /// Per member: its location and the batches it streams.
@@ -649,6 +683,7 @@ impl MergedRead {
                         Some(b),
                         &t.rows_to_peers,
                         &t.bytes_to_peers,
+                        &self.tally,
                     )
                 }),
         )
@@ -670,6 +705,7 @@ impl MergedRead {
             None,
             &t.rows_served,
             &t.bytes_served,
+            &self.tally,
         )
     }
 
@@ -747,7 +783,7 @@ impl MergedRead {
 /// `DoGet` through the generated service (the network edge answers it in
 /// `edge.rs` instead): the same messages as `FlightData`.
 pub(super) async fn do_get(state: &State, ticket: &Ticket) -> Result<Stream<FlightData>> {
-    let rx = shard_messages(state, ticket).await?;
+    let (rx, _) = shard_messages(state, ticket).await?;
     let items = futures::stream::unfold(rx, |mut rx| async move {
         let item = rx.recv().await?;
         Some((item, rx))

@@ -120,7 +120,18 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
-        let ack = put::do_put(&self.state, request.into_inner()).await?;
+        let ack = match put::do_put(&self.state, request.into_inner()).await {
+            Ok(ack) => {
+                self.state
+                    .metrics
+                    .committed(&ack.dataset, ack.rows, ack.bytes);
+                ack
+            }
+            Err(e) => {
+                self.state.metrics.aborted();
+                return Err(e.into());
+            }
+        };
         Ok(Response::new(once(PutResult {
             app_metadata: ack.encode_to_vec().into(),
         })))

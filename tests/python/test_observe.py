@@ -1,0 +1,189 @@
+"""Observing a running server the way a cluster's tools do: Prometheus
+scrapes `/metrics` (checked here with prometheus_client's OpenMetrics
+parser against what the test did), and Kubernetes probes the standard gRPC
+health service (checked with grpcio's health client), which says
+NOT_SERVING while a drain lets a read in flight finish."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+import flightdeck
+from conftest import RunningServer, eventually, scaled
+
+FLIGHT_SERVICE = "arrow.flight.protocol.FlightService"
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of `/metrics`: (name, labels) → value."""
+    with urllib.request.urlopen(url, timeout=scaled(10)) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+    assert key in samples, f"{name}{labels} not in the scrape: {sorted(k for k in samples if k[0] == name)}"
+    return samples[key]
+
+
+@pytest.fixture
+def observed():
+    server = RunningServer("--memory-limit", "256MiB", "--metrics-listen", "127.0.0.1:0")
+    yield server
+    assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_metrics_count_what_a_put_seal_read_and_train_did(observed):
+    assert observed.metrics_url and observed.metrics_url.endswith("/metrics")
+    c = flightdeck.connect(observed.uri)
+    rng = np.random.default_rng(3)
+    sizes = [3000, 5000, 2000]
+    acks = []
+    for p, n in enumerate(sizes):
+        x = rng.standard_normal((n, 4)).astype(np.float32)
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 4),
+                "y": pa.array((x[:, 0] > 0).astype(np.int64)),
+            }
+        )
+        acks.append(c.put_partition("m", p, table))
+    c.seal("m", partitions=3)
+    total = sum(sizes)
+    plan = c.plan("m", world_size=4, shuffle="global", seed=1, batch_rows=1000)
+    rank_rows = [sum(b.num_rows for b in c.read_shard(shard)) for shard in plan.shards]
+    assert sum(rank_rows) == total
+    with pytest.raises(flightdeck.NotFound):
+        c.describe("missing")
+    reports = list(c.train("m", "x", "y", classes=2, batch_size=500, cpu_ranks=2, epochs=2))
+    assert reports[-1].done
+
+    m = scrape(observed.metrics_url)
+    # Ingest: rows and bytes exactly as the acks said.
+    assert value(m, "flightdeck_committed_rows_total", dataset="m") == total
+    assert value(m, "flightdeck_committed_bytes_total", dataset="m") == sum(a.bytes for a in acks)
+    assert value(m, "flightdeck_attempts_total", outcome="committed") == 3
+    assert value(m, "flightdeck_seals_total") == 1
+    assert value(m, "flightdeck_dataset_rows", dataset="m") == total
+    assert value(m, "flightdeck_dataset_sealed", dataset="m") == 1
+    # Calls: by method and code, with their durations.
+    assert value(m, "flightdeck_calls_total", method="DoPut", code="OK") == 3
+    assert value(m, "flightdeck_calls_total", method="DoGet", code="OK") == 4
+    assert value(m, "flightdeck_calls_total", method="DoAction", code="NOT_FOUND") == 1
+    assert value(m, "flightdeck_call_duration_seconds_count", method="DoPut") == 3
+    assert value(m, "flightdeck_call_duration_seconds_count", method="DoGet") == 4
+    assert value(m, "flightdeck_read_first_batch_seconds_count") == 4
+    assert value(m, "flightdeck_active_calls", method="DoGet") == 0
+    # Reads: each rank's rows, bytes and time.
+    for rank, rows in enumerate(rank_rows):
+        assert value(m, "flightdeck_rank_rows_served_total", dataset="m", rank=rank) == rows
+        assert value(m, "flightdeck_rank_bytes_served_total", dataset="m", rank=rank) > 0
+        assert value(m, "flightdeck_rank_read_seconds_total", dataset="m", rank=rank) > 0
+    assert value(m, "flightdeck_rows_served_total") == total
+    assert value(m, "flightdeck_bytes_served_total") == sum(
+        value(m, "flightdeck_rank_bytes_served_total", dataset="m", rank=r) for r in range(4)
+    )
+    # Memory and the budget.
+    assert value(m, "flightdeck_memory_limit_bytes") == 256 << 20
+    assert 0 < value(m, "flightdeck_memory_used_bytes") <= 256 << 20
+    assert value(m, "flightdeck_memory_bytes", tier="live") >= sum(a.bytes for a in acks)
+    assert value(m, "flightdeck_datasets") == 1
+    # The training job, labelled by its id.
+    steps = 2 * (total // 500)
+    job = {"job": reports[-1].job, "dataset": "m"}
+    assert value(m, "flightdeck_job_step", **job) == steps
+    assert value(m, "flightdeck_job_running", **job) == 0
+    assert value(m, "flightdeck_job_samples_per_second", **job) > 0
+    assert 0 <= value(m, "flightdeck_job_data_stall_fraction", **job) <= 1
+    assert value(m, "flightdeck_job_step_seconds", **job) > 0
+
+
+def test_every_call_is_one_log_line_and_json_logs_parse():
+    server = RunningServer("--log-format", "json")
+    try:
+        c = flightdeck.connect(server.uri)
+        c.put_partition("j", 0, pa.table({"id": pa.array(range(100), pa.int64())}))
+        c.seal("j")
+        [shard] = c.plan("j").shards
+        assert sum(b.num_rows for b in c.read_shard(shard)) == 100
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+    events = [json.loads(line) for line in server.stderr_lines if line.strip()]
+    calls = [e for e in events if e.get("message") == "call"]
+    [read] = [e for e in calls if e["method"] == "DoGet"]
+    assert read["dataset"] == "j" and read["rank"] == 0 and read["rows"] == 100
+    assert read["code"] == "OK" and read["ms"] >= 0 and read["peer"].startswith("127.0.0.1:")
+    [put] = [e for e in calls if e["method"] == "DoPut"]
+    assert put["code"] == "OK"
+    assert all(e["level"] in ("INFO", "WARN", "ERROR", "DEBUG") for e in events)
+
+
+def health_status(addr: str, service: str = "") -> int:
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=scaled(5)).status
+
+
+def test_health_says_not_serving_while_a_drain_finishes_a_read():
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    rows = 3_000_000  # 24 MB: more than the windows hold, still sending at SIGTERM
+    server = RunningServer("--default-batch-rows", "10000")
+    try:
+        assert health_status(server.addr) == serving
+        assert health_status(server.addr, FLIGHT_SERVICE) == serving
+        with flightdeck.connect(server.uri) as c:
+            c.put_partition("d", 0, pa.table({"id": pa.array(np.arange(rows, dtype=np.int64))}))
+            c.seal("d")
+            [shard] = c.plan("d").shards
+            batches = c.read_shard(shard)
+            seen = [next(batches).column("id")]
+            server.proc.send_signal(signal.SIGTERM)
+            eventually(
+                "health to say NOT_SERVING",
+                lambda: True if health_status(server.addr) == not_serving else None,
+            )
+            assert health_status(server.addr, FLIGHT_SERVICE) == not_serving
+            with pytest.raises(flightdeck.Unavailable, match="shutting down"):
+                with flightdeck.connect(server.uri, timeout=5) as other:
+                    other.stats()
+            assert server.proc.poll() is None, "".join(server.stderr_lines)
+            seen += [b.column("id") for b in batches]
+            ids = pa.chunked_array(seen).to_numpy()
+            assert len(ids) == rows and (ids == np.arange(rows)).all()
+        server.proc.wait(timeout=scaled(30))
+        assert server.proc.returncode == 0, "".join(server.stderr_lines)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def test_health_answers_probes_without_a_token(tmp_path):
+    """Kubernetes probes carry no token: health answers them on a server
+    whose every Flight call needs one."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("reader probe-test-reader-token\nwriter probe-test-writer-token\n")
+    server = RunningServer("--auth-token-file", str(tokens))
+    try:
+        assert health_status(server.addr) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(flightdeck.Unauthenticated):
+            with flightdeck.connect(server.uri, token="") as c:
+                c.stats()
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
