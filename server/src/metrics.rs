@@ -146,6 +146,7 @@ impl Metrics {
             peer,
             started: Instant::now(),
             read: None,
+            detail: CallDetail::default(),
             ended: false,
         }
     }
@@ -296,7 +297,39 @@ pub struct CallGuard {
     peer: Option<SocketAddr>,
     started: Instant,
     read: Option<ReadStream>,
+    detail: CallDetail,
     ended: bool,
+}
+
+/// What a handler behind the edge says about its call, for the call's log
+/// line: the edge puts one in the request's extensions, `DoPut` fills it.
+#[derive(Debug, Default, Clone)]
+pub struct CallDetail(Arc<std::sync::Mutex<Option<WriteDetail>>>);
+
+/// A committed write attempt.
+#[derive(Debug, Clone)]
+pub struct WriteDetail {
+    /// The dataset written.
+    pub dataset: String,
+    /// Its partition.
+    pub partition: u32,
+    /// The attempt.
+    pub attempt: u32,
+    /// Rows committed.
+    pub rows: u64,
+    /// Bytes committed.
+    pub bytes: u64,
+}
+
+impl CallDetail {
+    /// The call committed `write`.
+    pub fn wrote(&self, write: WriteDetail) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(write);
+    }
+
+    fn take(&self) -> Option<WriteDetail> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 /// The `DoGet` stream a call serves.
@@ -310,6 +343,11 @@ struct ReadStream {
 }
 
 impl CallGuard {
+    /// A handle for the handler behind the edge to describe the call.
+    pub fn detail(&self) -> CallDetail {
+        self.detail.clone()
+    }
+
     /// The call serves `rank`'s stream of `dataset` (for another member's
     /// rank with `for_peer`), whose rows and bytes `tally` counts.
     pub fn reading(&mut self, dataset: &str, rank: u32, for_peer: bool, tally: Arc<Tally>) {
@@ -377,7 +415,21 @@ impl CallGuard {
                     "call"
                 );
             }
-            None => info!(method, ms, peer, code, "call"),
+            None => match self.detail.take() {
+                Some(w) => info!(
+                    method,
+                    dataset = %w.dataset,
+                    partition = w.partition,
+                    attempt = w.attempt,
+                    rows = w.rows,
+                    bytes = w.bytes,
+                    ms,
+                    peer,
+                    code,
+                    "call"
+                ),
+                None => info!(method, ms, peer, code, "call"),
+            },
         }
     }
 }
@@ -479,12 +531,31 @@ impl Collector for StateCollector {
             (TierLabel { tier: "idle" }, gauge(tiers.arena.idle_bytes)),
             (TierLabel { tier: "packed" }, gauge(totals.packed_bytes)),
             (TierLabel { tier: "device" }, gauge(tiers.device_bytes)),
+            (
+                TierLabel { tier: "pinned" },
+                gauge(if tiers.arena.pinned {
+                    tiers.arena.held_bytes
+                } else {
+                    0
+                }),
+            ),
+            (
+                TierLabel { tier: "spilled" },
+                gauge(
+                    datasets
+                        .iter()
+                        .filter(|d| !d.resident)
+                        .map(|d| d.bytes)
+                        .sum(),
+                ),
+            ),
         ];
         family(
             &mut e,
             "memory_bytes",
             "bytes per tier: host arena slabs held, live data in them, idle slabs, packed row \
-             copies (part of live), placed GPU columns",
+             copies (part of live), placed GPU columns, page-locked slabs (held, when pinned), \
+             datasets only in the spill store",
             MetricType::Gauge,
             &tier_bytes,
         )?;

@@ -102,6 +102,7 @@ def test_metrics_count_what_a_put_seal_read_and_train_did(observed):
     assert value(m, "flightdeck_memory_limit_bytes") == 256 << 20
     assert 0 < value(m, "flightdeck_memory_used_bytes") <= 256 << 20
     assert value(m, "flightdeck_memory_bytes", tier="live") >= sum(a.bytes for a in acks)
+    assert value(m, "flightdeck_memory_bytes", tier="spilled") == 0
     assert value(m, "flightdeck_datasets") == 1
     # The training job, labelled by its id.
     steps = 2 * (total // 500)
@@ -129,7 +130,8 @@ def test_every_call_is_one_log_line_and_json_logs_parse():
     assert read["dataset"] == "j" and read["rank"] == 0 and read["rows"] == 100
     assert read["code"] == "OK" and read["ms"] >= 0 and read["peer"].startswith("127.0.0.1:")
     [put] = [e for e in calls if e["method"] == "DoPut"]
-    assert put["code"] == "OK"
+    assert put["code"] == "OK" and put["dataset"] == "j" and put["partition"] == 0
+    assert put["attempt"] == 0 and put["rows"] == 100 and put["bytes"] > 0
     assert all(e["level"] in ("INFO", "WARN", "ERROR", "DEBUG") for e in events)
 
 
@@ -185,5 +187,27 @@ def test_health_answers_probes_without_a_token(tmp_path):
         with pytest.raises(flightdeck.Unauthenticated):
             with flightdeck.connect(server.uri, token="") as c:
                 c.stats()
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_metrics_show_a_spill_and_a_restore():
+    server = RunningServer("--memory-limit", "16MiB", "--metrics-listen", "127.0.0.1:0")
+    try:
+        c = flightdeck.connect(server.uri)
+        rows = 1_500_000  # 12 MB: two do not fit in 16 MiB
+        for name in ("a", "b"):
+            c.put_partition(name, 0, pa.table({"id": pa.array(np.arange(rows, dtype=np.int64))}))
+            c.seal(name)
+        m = scrape(server.metrics_url)
+        assert value(m, "flightdeck_spills_total") == 1
+        assert value(m, "flightdeck_spill_duration_seconds_count") == 1
+        assert value(m, "flightdeck_spilled_datasets") == 1
+        assert value(m, "flightdeck_memory_bytes", tier="spilled") == c.describe("a").bytes
+        [shard] = c.plan("a").shards
+        assert sum(b.num_rows for b in c.read_shard(shard)) == rows
+        m = scrape(server.metrics_url)
+        assert value(m, "flightdeck_restores_total") == 1
+        assert value(m, "flightdeck_restore_duration_seconds_count") == 1
     finally:
         assert server.stop() == 0, "".join(server.stderr_lines)

@@ -137,6 +137,7 @@ where
             }
         }
         if req.uri().path() != DO_GET {
+            req.extensions_mut().insert(guard.detail());
             let fut = self.inner.call(req);
             return Box::pin(async move { fut.await.map(|r| advertise(tracked(r, guard))) });
         }

@@ -28,6 +28,7 @@ use futures::{StreamExt, stream};
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::metrics::{CallDetail, WriteDetail};
 use crate::state::State;
 
 /// The flightdeck Flight service.
@@ -120,11 +121,21 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
+        let detail = request.extensions().get::<CallDetail>().cloned();
         let ack = match put::do_put(&self.state, request.into_inner()).await {
             Ok(ack) => {
                 self.state
                     .metrics
                     .committed(&ack.dataset, ack.rows, ack.bytes);
+                if let Some(detail) = detail {
+                    detail.wrote(WriteDetail {
+                        dataset: ack.dataset.clone(),
+                        partition: ack.partition,
+                        attempt: ack.attempt,
+                        rows: ack.rows,
+                        bytes: ack.bytes,
+                    });
+                }
                 ack
             }
             Err(e) => {
