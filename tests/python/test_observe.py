@@ -141,7 +141,11 @@ def health_status(addr: str, service: str = "") -> int:
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=scaled(5)).status
 
 
-def test_health_says_not_serving_while_a_drain_finishes_a_read():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_health_says_not_serving_while_a_drain_finishes_a_read(sig):
+    """On SIGTERM (Kubernetes) or SIGINT (Ctrl-C): health says NOT_SERVING,
+    a new caller is turned away, the read under way gets its last row, and
+    the server exits 0."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     rows = 3_000_000  # 24 MB: more than the windows hold, still sending at SIGTERM
@@ -155,7 +159,7 @@ def test_health_says_not_serving_while_a_drain_finishes_a_read():
             [shard] = c.plan("d").shards
             batches = c.read_shard(shard)
             seen = [next(batches).column("id")]
-            server.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(sig)
             eventually(
                 "health to say NOT_SERVING",
                 lambda: True if health_status(server.addr) == not_serving else None,
@@ -170,6 +174,7 @@ def test_health_says_not_serving_while_a_drain_finishes_a_read():
             assert len(ids) == rows and (ids == np.arange(rows)).all()
         server.proc.wait(timeout=scaled(30))
         assert server.proc.returncode == 0, "".join(server.stderr_lines)
+        assert any(f"{sig.name} received" in line for line in server.stderr_lines)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
