@@ -23,6 +23,9 @@
 //!       ├── memory    budget, host arena (pinned with CUDA), device tier, spill store
 //!       └── jobs      training jobs: start, progress, checkpoints, cancel
 //!             └── train   the runtime: model, step, CPU and CUDA backends, checkpoints
+//! metrics   what the server did (counted where it happens) and holds (read at
+//!           scrape), served as OpenMetrics on --metrics-listen; the edge ends each
+//!           call's count, duration and log line
 //! convert   wire (prost) <-> domain types, the one place a malformed message fails
 //! error     the error enum and its mapping to gRPC codes
 //! ```
