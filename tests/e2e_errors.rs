@@ -388,7 +388,9 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
             "train",
             "job",
             "member_prepare",
-            "member_commit"
+            "member_commit",
+            "derive",
+            "member_select"
         ]
     );
 
@@ -1054,6 +1056,8 @@ async fn every_call_needs_a_token_with_its_role() {
         ("train", Need::Writer),
         ("member_prepare", Need::Writer),
         ("member_commit", Need::Writer),
+        ("derive", Need::Writer),
+        ("member_select", Need::Reader),
     ];
     let mut attempt = 0;
     for (name, need) in calls {
@@ -1145,6 +1149,8 @@ async fn every_call_needs_a_token_with_its_role() {
                 },
                 "member_prepare" => raw_action(actions::MEMBER_PREPARE).await,
                 "member_commit" => raw_action(actions::MEMBER_COMMIT).await,
+                "derive" => raw_action(actions::DERIVE).await,
+                "member_select" => raw_action(actions::MEMBER_SELECT).await,
                 other => panic!("no call {other}"),
             };
             let code = outcome.err().map(|e| e.code());

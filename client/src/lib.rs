@@ -48,6 +48,15 @@ use futures::stream::BoxStream;
 use futures::{Stream, StreamExt, TryStreamExt};
 use prost::Message;
 pub use tonic::Code;
+
+/// Makes aws-lc-rs rustls' provider for the process (once; a provider
+/// already chosen is kept). tonic's TLS uses it, but other crates in a
+/// program (object stores' HTTP clients) may enable ring too, and with two
+/// providers compiled in rustls cannot pick one by itself. Called before
+/// any TLS connection this crate or the server makes.
+pub fn use_aws_lc_crypto() {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+}
 use tonic::codec::{Codec, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
@@ -373,6 +382,7 @@ impl Client {
         };
         let mut endpoint = Endpoint::from_shared(uri)?;
         if tls {
+            use_aws_lc_crypto();
             let roots = tls_root_certs.ok_or_else(|| {
                 ClientError::Protocol(format!(
                     "{given} is served over TLS: pass its root certificates (tls_root_certs, \

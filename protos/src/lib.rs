@@ -38,6 +38,12 @@ pub mod actions {
     /// `CommitLayout` -> `DatasetInfo`: adopt a cluster layout (sent between
     /// members).
     pub const MEMBER_COMMIT: &str = "member_commit";
+    /// `SelectRows` -> `SelectedRows`: rows a read-plan filter selects in
+    /// each of this member's partitions (sent between members).
+    pub const MEMBER_SELECT: &str = "member_select";
+    /// `DeriveDataset` -> `DatasetInfo`: keep a SQL query's result as a new
+    /// sealed dataset.
+    pub const DERIVE: &str = "derive";
 }
 
 /// The proto source, for clients that compile it themselves.

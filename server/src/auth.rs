@@ -145,7 +145,9 @@ pub fn needed(path: &str, action: Option<&str>) -> Role {
         return Role::Writer;
     }
     match action {
-        Some(actions::DESCRIBE | actions::STATS | actions::JOB) | None => Role::Reader,
+        Some(actions::DESCRIBE | actions::STATS | actions::JOB | actions::MEMBER_SELECT) | None => {
+            Role::Reader
+        }
         Some(_) => Role::Writer,
     }
 }

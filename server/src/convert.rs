@@ -26,6 +26,10 @@ pub const MAX_LOCATION: usize = 1024;
 
 /// Longest accepted dataset name, in bytes.
 pub const MAX_DATASET_NAME: usize = 256;
+/// Longest filter and select list of a read plan, in bytes of SQL together.
+pub const MAX_SQL_BYTES: usize = 64 << 10;
+/// Most expressions in a read plan's select list.
+pub const MAX_SELECT: usize = 1024;
 
 /// Checks a dataset name: non-empty, at most [`MAX_DATASET_NAME`] bytes, no
 /// control characters.
@@ -199,6 +203,19 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
              {MAX_LOCATION} bytes"
         )));
     }
+    if !p.select.is_empty() && !p.columns.is_empty() {
+        return Err(Error::invalid(format!(
+            "the plan for dataset '{dataset}' names both columns and a select list; put the \
+             columns in the select list instead"
+        )));
+    }
+    let sql_bytes = p.filter.len() + p.select.iter().map(String::len).sum::<usize>();
+    if sql_bytes > MAX_SQL_BYTES || p.select.len() > MAX_SELECT {
+        return Err(Error::invalid(format!(
+            "the plan's filter and select list are too long: at most {MAX_SQL_BYTES} bytes of \
+             SQL and {MAX_SELECT} expressions"
+        )));
+    }
     Ok(ReadPlan {
         dataset,
         world_size: p.world_size,
@@ -218,6 +235,8 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
         ranks_per_node: p.ranks_per_node,
         nodes: p.nodes.clone(),
         resume_world_size: p.resume_world_size,
+        filter: p.filter.trim().to_string(),
+        select: p.select.clone(),
     })
 }
 
@@ -253,6 +272,8 @@ pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
         ranks_per_node: plan.ranks_per_node,
         nodes: plan.nodes.clone(),
         resume_world_size: plan.resume_world_size,
+        filter: plan.filter.clone(),
+        select: plan.select.clone(),
     }
 }
 
@@ -269,6 +290,9 @@ pub struct ShardTicket {
     pub layout: u64,
     /// A request between members: only member `peer`'s rows.
     pub peer: Option<u32>,
+    /// Cluster plans with a filter: the rows selected in each partition of
+    /// the layout (members in order, each one's partitions in order).
+    pub selected: Vec<u64>,
 }
 
 /// Encodes a ticket.
@@ -279,6 +303,7 @@ pub fn encode_ticket(t: &ShardTicket) -> Bytes {
         generation: t.generation,
         layout: t.layout,
         peer: t.peer,
+        selected_rows: t.selected.clone(),
     }
     .encode_to_vec()
     .into()
@@ -305,6 +330,7 @@ pub fn decode_ticket(bytes: &[u8], config: &ServerConfig) -> Result<ShardTicket>
         generation: t.generation,
         layout: t.layout,
         peer: t.peer,
+        selected: t.selected_rows,
     })
 }
 
@@ -517,6 +543,36 @@ pub struct DropRequest {
 pub fn describe_request(body: &[u8]) -> Result<String> {
     let d: pb::DescribeDataset = decode(body, "body of action 'describe'", "DescribeDataset")?;
     dataset_name(&d.dataset)
+}
+
+/// A `derive` request: its target named validly and its SQL non-empty.
+pub fn derive_request(body: &[u8]) -> Result<pb::DeriveDataset> {
+    let d: pb::DeriveDataset = decode(body, "body of action 'derive'", "DeriveDataset")?;
+    dataset_name(&d.target)?;
+    if !d.source.is_empty() {
+        dataset_name(&d.source)?;
+    }
+    if d.sql.trim().is_empty() || d.sql.len() > MAX_SQL_BYTES {
+        return Err(Error::invalid(format!(
+            "action 'derive' needs a SQL query of at most {MAX_SQL_BYTES} bytes"
+        )));
+    }
+    Ok(d)
+}
+
+/// A `member_select` request: dataset, layout id and filter.
+pub fn select_request(body: &[u8], config: &ServerConfig) -> Result<(String, u64, ReadPlan)> {
+    let r: pb::SelectRows = decode(body, "body of action 'member_select'", "SelectRows")?;
+    let plan = read_plan_from_proto(
+        &pb::ReadPlan {
+            dataset: r.dataset,
+            world_size: 1,
+            filter: r.filter,
+            ..Default::default()
+        },
+        config,
+    )?;
+    Ok((plan.dataset.clone(), r.layout, plan))
 }
 
 /// A schema as an encapsulated IPC schema message (as in `FlightInfo.schema`).
@@ -822,6 +878,7 @@ mod tests {
             generation: 9,
             layout: 0x1234,
             peer: Some(2),
+            selected: vec![3, 0, 5],
         };
         assert_eq!(
             decode_ticket(&encode_ticket(&t), &config).expect("valid"),

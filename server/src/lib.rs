@@ -18,6 +18,7 @@
 //!   │             peer.rs: sealing members and fetching rows from them
 //!   ├── order     sample order: keyed permutation, equal shares, resume (pure)
 //!   ├── read      gathering a shard's rows into record batches (synchronous)
+//!   ├── query     read-plan filters and derived columns on DataFusion; SQL over the cache
 //!   └── state     tier policy: arena copies, spill on pressure, restore on read,
 //!       │         persist at seal, device placements (owns the catalog)
 //!       ├── memory    budget, host arena (pinned with CUDA), device tier, spill store
@@ -46,6 +47,7 @@ pub mod jobs;
 pub mod memory;
 pub mod metrics;
 pub mod order;
+pub mod query;
 pub mod read;
 pub mod service;
 pub mod state;
@@ -95,6 +97,8 @@ fn read_pem(path: &std::path::Path, flag: &str) -> std::result::Result<Vec<u8>, 
 fn tls_config(
     config: &ServerConfig,
 ) -> std::result::Result<Option<tonic::transport::ServerTlsConfig>, Error> {
+    // Peers and the spill store may speak TLS even when callers do not.
+    flightdeck_client::use_aws_lc_crypto();
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);
     };

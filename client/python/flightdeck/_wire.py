@@ -264,6 +264,8 @@ ReadPlan = _message(
     Field("ranks_per_node", 14, "uint32"),
     Field("nodes", 15, "string", repeated=True),
     Field("resume_world_size", 16, "uint32"),
+    Field("filter", 17, "string"),
+    Field("select", 18, "string", repeated=True),
 )
 ShardInfo = _message(
     "ShardInfo",
@@ -278,7 +280,22 @@ ShardTicket = _message(
     Field("generation", 3, "uint64"),
     Field("layout", 4, "uint64"),
     Field("peer", 5, "uint32", optional=True),
+    Field("selected_rows", 6, "uint64", repeated=True),
 )
+SelectRows = _message(
+    "SelectRows",
+    Field("dataset", 1, "string"),
+    Field("layout", 2, "uint64"),
+    Field("filter", 3, "string"),
+)
+DeriveDataset = _message(
+    "DeriveDataset",
+    Field("target", 1, "string"),
+    Field("sql", 2, "string"),
+    Field("source", 3, "string"),
+)
+SqlHandle = _message("SqlHandle", Field("query", 1, "string"), Field("parameters", 2, "bytes"))
+SelectedRows = _message("SelectedRows", Field("partition_rows", 1, "uint64", repeated=True))
 PartitionAttempt = _message(
     "PartitionAttempt", Field("partition", 1, "uint32"), Field("attempt", 2, "uint32")
 )

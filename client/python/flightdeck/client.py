@@ -442,6 +442,16 @@ class Client:
         body = wire.DropDataset(dataset=dataset, abort_write=abort_write)
         return self._action("drop", body, wire.DatasetInfo)
 
+    def derive(self, target: str, sql: str, *, source: str = "") -> wire.Message:
+        """Runs the SQL query `sql` over the server's sealed datasets (each
+        a table by its name; `source`, when given, is also the table
+        `source`) and keeps the result as the new sealed dataset `target`:
+        a hold-out split (`SELECT * FROM source WHERE hash_bucket(id) >= 90`),
+        derived features, a sample — without a Spark round trip. Returns the
+        target's info; refused if `target` exists."""
+        body = wire.DeriveDataset(target=target, sql=sql, source=source)
+        return self._action("derive", body, wire.DatasetInfo)
+
     def describe(self, dataset: str) -> wire.Message:
         """State, rows, bytes, partitions and schema (see :func:`dataset_schema`)."""
         return self._action("describe", wire.DescribeDataset(dataset=dataset), wire.DatasetInfo)
@@ -569,6 +579,8 @@ class Client:
         ranks_per_node: int = 0,
         nodes: Sequence[str] = (),
         resume_world_size: int = 0,
+        filter: str = "",
+        select: Sequence[str] = (),
     ) -> Plan:
         """Plans one epoch of a sealed dataset for `world_size` ranks.
 
@@ -577,7 +589,15 @@ class Client:
         its own node's rows. Rank r runs on node r // `ranks_per_node`
         (torchrun's convention; 0 = ranks spread over the members), and
         `nodes` names each node's server (default: the members in layout
-        order). Each shard's `location` is the member that serves it."""
+        order). Each shard's `location` is the member that serves it.
+
+        `filter` is a SQL condition over the dataset's columns (DataFusion's
+        dialect, plus `hash_bucket(value [, buckets])`): only the rows where
+        it is true are read, and everything above (equal shares, orders,
+        `start_sample`, `drop_last`) applies to them as to a dataset of
+        that many rows. `select` lists SQL expressions with aliases
+        (`"CAST(price AS FLOAT) / 100 AS price_eur"`) read instead of the
+        stored columns; it cannot be given with `columns`."""
         cmd = wire.ReadPlan(
             dataset=dataset,
             world_size=world_size,
@@ -595,6 +615,8 @@ class Client:
             ranks_per_node=ranks_per_node,
             nodes=list(nodes),
             resume_world_size=resume_world_size,
+            filter=filter,
+            select=list(select),
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))

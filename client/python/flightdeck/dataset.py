@@ -44,6 +44,9 @@ class ShardedDataset:
     plus the least transfer that keeps counts equal; such an epoch resumes
     only at the world size it started with. `nodes` names each node's
     server, in node order (see `FlightDeckIterableDataset`, which fills it).
+
+    `filter` and `select` read a query of the dataset (see `Client.plan`):
+    `filter="hash_bucket(id) < 90"` trains on 90 % and holds out the rest.
     """
 
     def __init__(
@@ -64,6 +67,8 @@ class ShardedDataset:
         ranks_per_node: int | None = None,
         nodes: Sequence[str] | None = None,
         prefetch: int = 2,
+        filter: str = "",
+        select: Sequence[str] = (),
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
@@ -88,6 +93,11 @@ class ShardedDataset:
         self.locality = locality
         self.ranks_per_node = env_ranks_per_node() if ranks_per_node is None else ranks_per_node
         self.nodes = list(nodes) if nodes else []
+        #: SQL condition rows must meet (see `Client.plan`): the epoch,
+        #: its shares and its resume are over the selected rows.
+        self.filter = filter
+        #: SQL expressions read instead of the stored columns.
+        self.select = list(select)
         self.epoch = 0
         # The world size `_start_sample` was consumed at (a loaded state's).
         self._resume_world_size = 0
@@ -135,6 +145,8 @@ class ShardedDataset:
             ranks_per_node=self.ranks_per_node,
             nodes=self.nodes,
             resume_world_size=self._resume_world_size if self._start_sample else 0,
+            filter=self.filter,
+            select=self.select,
         )
 
     @property

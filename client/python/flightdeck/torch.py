@@ -126,6 +126,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         nodes: Sequence[str] | None = None,
         prefetch: int = 2,
         pin_memory: bool = False,
+        filter: str = "",
+        select: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if pin_memory and not torch.cuda.is_available():
@@ -154,6 +156,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             ranks_per_node=ranks_per_node,
             nodes=nodes,
             prefetch=prefetch,
+            filter=filter,
+            select=select,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)

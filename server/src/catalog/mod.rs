@@ -20,6 +20,7 @@ use arrow::datatypes::{Schema, SchemaRef};
 use crate::cluster::Layout;
 use crate::error::{Error, Result};
 use crate::memory::spill::{PersistedDataset, Stored};
+use crate::query::SelectionCache;
 use crate::read::packed::PackedCache;
 
 /// The most rows a dataset (and so any attempt or batch of it) may have.
@@ -118,6 +119,8 @@ pub struct SealedData {
     starts: Vec<u64>,
     /// The row-major copy shuffled reads gather from, once built.
     packed: PackedCache,
+    /// The rows read-plan filters selected, by filter.
+    selections: SelectionCache,
 }
 
 impl SealedData {
@@ -151,6 +154,7 @@ impl SealedData {
             batches,
             starts,
             packed: PackedCache::default(),
+            selections: SelectionCache::default(),
         }
     }
 
@@ -177,6 +181,11 @@ impl SealedData {
     /// The row-major copy of the fixed-width columns for shuffled reads.
     pub fn packed(&self) -> &PackedCache {
         &self.packed
+    }
+
+    /// The rows read-plan filters selected from this data.
+    pub fn selections(&self) -> &SelectionCache {
+        &self.selections
     }
 
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).

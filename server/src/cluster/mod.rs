@@ -165,6 +165,50 @@ impl Layout {
         })
     }
 
+    /// Partitions per member, in member order: the shape of a selection's
+    /// counts.
+    pub fn partition_counts(&self) -> Vec<usize> {
+        self.members.iter().map(|m| m.partitions.len()).collect()
+    }
+
+    /// Rows of each member's partitions in order (members in order).
+    pub fn partition_rows(&self, member: usize) -> Vec<u64> {
+        self.members[member]
+            .partitions
+            .iter()
+            .map(|p| p.rows)
+            .collect()
+    }
+
+    /// The row space of the rows a filter selected: the same members and
+    /// partitions, partition `j` of the flattened list (members in order,
+    /// each one's partitions in order) holding `selected[j]` rows. Member
+    /// indices are those of `self`.
+    pub fn selected(&self, selected: &[u64]) -> Result<Self> {
+        let total: usize = self.partition_counts().iter().sum();
+        if selected.len() != total {
+            return Err(Error::invalid(format!(
+                "the selection names {} partitions; the layout has {total}",
+                selected.len()
+            )));
+        }
+        let mut counts = selected.iter();
+        let mut members = self.members.clone();
+        for m in &mut members {
+            for p in &mut m.partitions {
+                let n = counts.next().copied().unwrap_or(0);
+                if n > p.rows {
+                    return Err(Error::invalid(format!(
+                        "the selection takes {n} rows of partition {}, which holds {}",
+                        p.key.partition, p.rows
+                    )));
+                }
+                p.rows = n;
+            }
+        }
+        Self::new(members, self.fixed.clone())
+    }
+
     /// Rows of the whole dataset.
     pub fn rows(&self) -> u64 {
         self.parts.last().map_or(0, |p| p.start + p.rows)

@@ -228,6 +228,8 @@ fn node_resume_needs_the_same_world_size_and_whole_steps() {
         ranks_per_node: 2,
         nodes: vec![],
         resume_world_size: 0,
+        filter: String::new(),
+        select: Vec::new(),
     };
     let nodes = || Nodes::new(6, 2, vec![], 3).expect("nodes");
     let rows = RankRows::new(&plan, Arc::new(l.clone()), &nodes(), 0).expect("same W");
@@ -238,4 +240,43 @@ fn node_resume_needs_the_same_world_size_and_whole_steps() {
     plan.resume_world_size = 0;
     plan.start_sample = 13;
     assert!(RankRows::new(&plan, Arc::new(l), &nodes(), 0).is_err());
+}
+
+proptest! {
+    /// The row space of a filter's selection: selected row `i` of the
+    /// selected layout is, through its member's selection, the `i`-th
+    /// selected row of the dataset in storage (partition) order — so every
+    /// order over it is the order over a dataset of just those rows.
+    #[test]
+    fn a_selection_numbers_the_selected_rows_in_storage_order(
+        parts in prop::collection::vec((0u64..40, 0usize..3), 1..8),
+        keep in prop::collection::vec(any::<bool>(), 97),
+    ) {
+        let sizes: Vec<u64> = parts.iter().map(|p| p.0).collect();
+        let owner: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        let l = layout(&sizes, &owner, 3);
+        let mut local: Vec<Vec<u64>> = vec![Vec::new(); l.members.len()];
+        let mut want = Vec::new();
+        for g in 0..l.rows() {
+            if keep[(g % 97) as usize] {
+                let (m, r) = l.locate(g);
+                local[m].push(r);
+                want.push(g);
+            }
+        }
+        let selections: Vec<crate::query::Selection> =
+            local.into_iter().map(crate::query::Selection::of).collect();
+        let counts: Vec<u64> = (0..l.members.len())
+            .flat_map(|m| selections[m].counts(&l.partition_rows(m)))
+            .collect();
+        let s = l.selected(&counts).expect("selected layout");
+        prop_assert_eq!(s.rows(), want.len() as u64);
+        prop_assert_eq!(s.members.len(), l.members.len());
+        for (i, &g) in want.iter().enumerate() {
+            let (m, j) = s.locate(i as u64);
+            prop_assert_eq!((m, selections[m].row(j)), l.locate(g));
+        }
+        // Counts that do not fit the layout are refused.
+        prop_assert!(l.selected(&counts[1..]).is_err());
+    }
 }

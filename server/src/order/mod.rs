@@ -277,6 +277,12 @@ pub struct ReadPlan {
     pub nodes: Vec<String>,
     /// World size `start_sample` was consumed at; 0 = `world_size`.
     pub resume_world_size: u32,
+    /// SQL condition rows must meet to be read; empty = every row. The
+    /// selected rows, in storage order, are the rows the order numbers.
+    pub filter: String,
+    /// SQL expressions (with `AS` aliases) to read instead of `columns`;
+    /// empty = the columns as stored.
+    pub select: Vec<String>,
 }
 
 /// Where a rank's rows come from on a dataset spread over several members.
@@ -445,6 +451,8 @@ mod tests {
             ranks_per_node: 0,
             nodes: vec![],
             resume_world_size: 0,
+            filter: String::new(),
+            select: Vec::new(),
         }
     }
 

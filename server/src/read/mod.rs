@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
 use crate::memory::device::{ColumnSegments, segments_at, value_bytes};
 use crate::order::{ReadPlan, ShardOrder};
+use crate::query::{Derive, Filter, Selection};
 use packed::{Packed, Slot};
 
 /// Bytes of the tile a packed gather copies records into: small enough to
@@ -80,6 +81,52 @@ pub struct Gather {
     arena: Option<Arc<Arena>>,
     /// The packed gather, decided at the first shuffled batch.
     packed: OnceLock<Option<PackedGather>>,
+    /// The rows a filter selected: read row `i` is stored row
+    /// `selection.row(i)`; `None` = every row.
+    selection: Option<Arc<Selection>>,
+    /// Columns derived from the gathered ones, the plan's `select`.
+    derive: Option<Derive>,
+}
+
+/// The columns a plan gathers and the derivation applied to them: its
+/// `select` list's inputs, or its `columns`.
+pub fn plan_columns(plan: &ReadPlan, schema: &Schema) -> Result<(Vec<String>, Option<Derive>)> {
+    if plan.select.is_empty() {
+        return Ok((plan.columns.clone(), None));
+    }
+    let derive = Derive::compile(schema, &plan.select, &plan.dataset)?;
+    Ok((derive.inputs().to_vec(), Some(derive)))
+}
+
+/// The schema a plan's batches have over a dataset of `schema`.
+pub fn plan_schema(plan: &ReadPlan, schema: &Schema) -> Result<SchemaRef> {
+    match plan_columns(plan, schema)? {
+        (_, Some(derive)) => Ok(derive.schema()),
+        (columns, None) => Ok(project(schema, &columns, &plan.dataset)?.1),
+    }
+}
+
+/// The plan's filter compiled over `schema`; `None` when it has none.
+pub fn plan_filter(plan: &ReadPlan, schema: &Schema) -> Result<Option<Filter>> {
+    if plan.filter.is_empty() {
+        return Ok(None);
+    }
+    Filter::compile(schema, &plan.filter, &plan.dataset).map(Some)
+}
+
+/// The rows of `data` a plan reads: its filter's selection (made once per
+/// dataset generation and filter, in `arena`), or `None` for every row.
+pub fn plan_selection(
+    plan: &ReadPlan,
+    data: &SealedData,
+    arena: &Arena,
+) -> Result<Option<Arc<Selection>>> {
+    let Some(filter) = plan_filter(plan, data.schema())? else {
+        return Ok(None);
+    };
+    data.selections()
+        .get_or_evaluate(data, &filter, arena, &plan.dataset)
+        .map(Some)
 }
 
 /// The projected columns a shuffled batch gathers from packed records.
@@ -114,7 +161,40 @@ impl Gather {
             schema,
             arena: None,
             packed: OnceLock::new(),
+            selection: None,
+            derive: None,
         })
+    }
+
+    /// The gather of a plan over `data`: the rows of `selection` (`None`:
+    /// all), the columns its `select` list reads (or its `columns`), and
+    /// the derived columns on top.
+    pub fn for_plan(
+        data: Arc<SealedData>,
+        plan: &ReadPlan,
+        fixed: Option<&[bool]>,
+        selection: Option<Arc<Selection>>,
+    ) -> Result<Self> {
+        let (columns, derive) = plan_columns(plan, data.schema())?;
+        let mut gather = Self::new(data, &columns, &plan.dataset, fixed)?;
+        gather.selection = selection;
+        gather.derive = derive;
+        Ok(gather)
+    }
+
+    /// Rows to read: the selected ones, or every stored row.
+    pub fn rows(&self) -> u64 {
+        self.selection
+            .as_ref()
+            .map_or_else(|| self.data.rows(), |s| s.len())
+    }
+
+    /// `(batch, row within batch)` of read row `row` (below `rows()`).
+    pub fn locate(&self, row: u64) -> (usize, usize) {
+        match &self.selection {
+            Some(s) => self.data.locate(s.row(row)),
+            None => self.data.locate(row),
+        }
     }
 
     /// Lets shuffled batches gather from the dataset's packed copy, built
@@ -124,8 +204,17 @@ impl Gather {
         self
     }
 
-    /// The projected schema every batch has.
+    /// The schema every batch has: the derived columns, or the projected.
     pub fn schema(&self) -> SchemaRef {
+        match &self.derive {
+            Some(d) => d.schema(),
+            None => self.schema.clone(),
+        }
+    }
+
+    /// The schema of gathered batches before any derivation (what one
+    /// member sends another).
+    pub fn gathered_schema(&self) -> SchemaRef {
         self.schema.clone()
     }
 
@@ -142,10 +231,19 @@ impl Gather {
             .collect()
     }
 
-    /// One batch of the picked rows. A pick's batch index past the local
-    /// batches names `extra[index - local batches]`, a batch of the
-    /// projected columns.
+    /// One batch of the picked rows, derived columns applied. A pick's
+    /// batch index past the local batches names `extra[index - local
+    /// batches]`, a batch of the gathered columns.
     pub fn batch(&self, picks: &Picks, extra: &[RecordBatch]) -> Result<RecordBatch> {
+        let gathered = self.gathered(picks, extra)?;
+        match &self.derive {
+            Some(d) => d.apply(&gathered, &self.dataset),
+            None => Ok(gathered),
+        }
+    }
+
+    /// One batch of the picked rows' gathered columns, nothing derived.
+    pub fn gathered(&self, picks: &Picks, extra: &[RecordBatch]) -> Result<RecordBatch> {
         let mut packed = match self.packed_gather(picks) {
             Some(p) => self.gather_packed(p, picks, extra)?,
             None => Vec::new(),
@@ -268,8 +366,19 @@ pub struct Shard {
 impl Shard {
     /// Rank `rank`'s shard of `plan` over `data`; checks columns and start.
     pub fn new(data: Arc<SealedData>, plan: &ReadPlan, rank: u32) -> Result<Self> {
-        let gather = Gather::new(data, &plan.columns, &plan.dataset, None)?;
-        let n = gather.data.rows();
+        Self::selecting(data, plan, rank, None)
+    }
+
+    /// Rank `rank`'s shard of `plan` over the rows of `data` that
+    /// `selection` names (`None`: all), numbered `0..` in storage order.
+    pub fn selecting(
+        data: Arc<SealedData>,
+        plan: &ReadPlan,
+        rank: u32,
+        selection: Option<Arc<Selection>>,
+    ) -> Result<Self> {
+        let gather = Gather::for_plan(data, plan, None, selection)?;
+        let n = gather.rows();
         let order = ShardOrder::new(plan.epoch_order(n), plan.shares(n)?, rank)?;
         Ok(Self {
             gather,
@@ -306,11 +415,10 @@ impl Shard {
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {
-        let data = &self.gather.data;
         let picks = Picks::new(
             self.order
                 .rows(samples)
-                .map(|row| data.locate(row))
+                .map(|row| self.gather.locate(row))
                 .collect(),
         );
         self.gather.batch(&picks, &[])
@@ -784,6 +892,8 @@ mod tests {
             ranks_per_node: 0,
             nodes: vec![],
             resume_world_size: 0,
+            filter: String::new(),
+            select: Vec::new(),
         }
     }
 }

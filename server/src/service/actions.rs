@@ -53,6 +53,14 @@ pub(super) fn list() -> Vec<ActionType> {
             actions::MEMBER_COMMIT,
             "CommitLayout -> DatasetInfo: adopt a cluster dataset's layout (between members)",
         ),
+        (
+            actions::DERIVE,
+            "DeriveDataset -> DatasetInfo: keep a SQL query's result over the cache as a new sealed dataset",
+        ),
+        (
+            actions::MEMBER_SELECT,
+            "SelectRows -> SelectedRows: rows a read-plan filter selects in each of this member's partitions (between members)",
+        ),
     ]
     .into_iter()
     .map(|(t, d)| ActionType {
@@ -103,6 +111,13 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             let (name, layout, index) = convert::commit_request(&action.body)?;
             let summary = state.commit_layout(&name, layout, index).await?;
             info(state, &summary)
+        }
+        actions::MEMBER_SELECT => {
+            let (name, layout, plan) = convert::select_request(&action.body, &state.config)?;
+            Ok(super::get::member_select(state, &name, layout, &plan)
+                .await?
+                .encode_to_vec()
+                .into())
         }
         actions::DESCRIBE => {
             let name = convert::describe_request(&action.body)?;

@@ -30,6 +30,13 @@ use crate::state::State;
 
 /// The path of `DoGet`.
 const DO_GET: &str = "/arrow.flight.protocol.FlightService/DoGet";
+/// The path of `DoPut`.
+const DO_PUT: &str = "/arrow.flight.protocol.FlightService/DoPut";
+
+/// Marks a `DoPut` whose first message names a Flight SQL command (binding
+/// a prepared statement's parameters): the service passes it to Flight SQL.
+#[derive(Debug, Clone, Copy)]
+pub struct SqlPut;
 /// Largest `DoGet` request (a ticket) read.
 const MAX_TICKET_BYTES: usize = 1 << 20;
 /// The message encodings this server accepts: uncompressed only, which
@@ -88,6 +95,7 @@ impl<S: NamedService> NamedService for Edge<S> {
 impl<S> Service<http::Request<Body>> for Edge<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
@@ -121,20 +129,64 @@ where
             );
         }
         // Every call, DoGet here included, proves its role first.
+        let mut role = None;
         if let Some(tokens) = &self.state.tokens {
             let header = req
                 .headers()
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.as_bytes());
+            // A DoPut's role depends on what it carries: checked below.
             let allowed = tokens.role_of(header).and_then(|role| {
+                if path == DO_PUT {
+                    return Ok(role);
+                }
                 auth::check(role, auth::needed(path, None), &method).map(|()| role)
             });
             match allowed {
-                Ok(role) => {
-                    req.extensions_mut().insert(role);
+                Ok(r) => {
+                    req.extensions_mut().insert(r);
+                    role = Some(r);
                 }
                 Err(e) => return refuse(guard, Status::from(e)),
             }
+        }
+        if req.uri().path() == DO_PUT {
+            let inner = self.inner.clone();
+            return Box::pin(async move {
+                let (mut parts, body) = req.into_parts();
+                let (first, body) = match peek_first(body).await {
+                    Ok(peeked) => peeked,
+                    Err(status) => {
+                        guard.end(status.code());
+                        return Ok(advertise(status.into_http()));
+                    }
+                };
+                let sql = first
+                    .and_then(|m| arrow_flight::FlightData::decode(m).ok())
+                    .and_then(|d| d.flight_descriptor)
+                    .is_some_and(|d| super::sql::is_sql_command(&d.cmd));
+                if let Some(role) = role {
+                    // Binding a query's parameters reads; everything else writes.
+                    let need = if sql {
+                        auth::Role::Reader
+                    } else {
+                        auth::needed(DO_PUT, None)
+                    };
+                    if let Err(e) = auth::check(role, need, "DoPut") {
+                        let status = Status::from(e);
+                        guard.end(status.code());
+                        return Ok(advertise(status.into_http()));
+                    }
+                }
+                if sql {
+                    parts.extensions.insert(SqlPut);
+                }
+                parts.extensions.insert(guard.detail());
+                let req = http::Request::from_parts(parts, body);
+                let mut inner = inner;
+                let response = inner.call(req).await;
+                response.map(|r| advertise(tracked(r, guard)))
+            });
         }
         if req.uri().path() != DO_GET {
             req.extensions_mut().insert(guard.detail());
@@ -146,11 +198,25 @@ where
         }
         let state = self.state.clone();
         let max_message = self.max_message;
+        let inner = self.inner.clone();
         Box::pin(async move {
-            let body = async {
-                let ticket = read_ticket(req.into_body()).await?;
-                Ok::<_, Status>(get::shard_messages(&state, &ticket).await?)
+            let (mut parts, body) = req.into_parts();
+            let (ticket, raw) = match read_ticket(body).await {
+                Ok(read) => read,
+                Err(status) => {
+                    guard.end(status.code());
+                    return Ok(advertise(status.into_http()));
+                }
             };
+            if super::sql::is_sql_command(&ticket.ticket) {
+                // A Flight SQL result: through the generated service.
+                parts.extensions.insert(guard.detail());
+                let req = http::Request::from_parts(parts, Body::new(Replay::of(raw)));
+                let mut inner = inner;
+                let response = inner.call(req).await;
+                return response.map(|r| advertise(tracked(r, guard)));
+            }
+            let body = async { Ok::<_, Status>(get::shard_messages(&state, &ticket).await?) };
             Ok(advertise(match body.await {
                 Ok((messages, info)) => {
                     guard.reading(&info.dataset, info.rank, info.for_peer, info.tally);
@@ -268,7 +334,80 @@ impl HttpBody for Tracked {
 }
 
 /// Reads the request: one uncompressed gRPC message holding a `Ticket`.
-async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
+/// A request body that yields bytes already read, then the rest of the
+/// original body.
+struct Replay {
+    head: Option<Bytes>,
+    rest: Option<Body>,
+}
+
+impl Replay {
+    /// A body of `bytes` alone.
+    fn of(bytes: Bytes) -> Self {
+        Self {
+            head: Some(bytes),
+            rest: None,
+        }
+    }
+}
+
+impl HttpBody for Replay {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, Status>>> {
+        if let Some(head) = self.head.take()
+            && !head.is_empty()
+        {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
+        match self.rest.as_mut() {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.as_ref().is_none_or(Bytes::is_empty)
+            && self.rest.as_ref().is_none_or(HttpBody::is_end_stream)
+    }
+}
+
+/// The first gRPC message of a request body (`None` when the body ends
+/// first, or the message is larger than a ticket may be, so it is no
+/// Flight SQL command), and a body that yields the whole request again.
+async fn peek_first(mut body: Body) -> std::result::Result<(Option<Bytes>, Body), Status> {
+    let mut buf = BytesMut::new();
+    let first = loop {
+        if buf.len() >= 5 {
+            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+            if len > MAX_TICKET_BYTES {
+                break None;
+            }
+            if buf.len() >= 5 + len {
+                break Some(Bytes::copy_from_slice(&buf[5..5 + len]));
+            }
+        }
+        match std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            None => break None,
+            Some(frame) => {
+                if let Ok(data) = frame?.into_data() {
+                    buf.put(data);
+                }
+            }
+        }
+    };
+    let replay = Replay {
+        head: Some(buf.freeze()),
+        rest: Some(body),
+    };
+    Ok((first, Body::new(replay)))
+}
+
+async fn read_ticket(mut body: Body) -> std::result::Result<(Ticket, Bytes), Status> {
     let mut buf = BytesMut::new();
     while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
         if let Ok(data) = frame?.into_data() {
@@ -280,7 +419,8 @@ async fn read_ticket(mut body: Body) -> std::result::Result<Ticket, Status> {
             buf.put(data);
         }
     }
-    parse_ticket_request(&buf)
+    let raw = buf.freeze();
+    Ok((parse_ticket_request(&raw)?, raw))
 }
 
 /// The `Ticket` of a whole `DoGet` request body: one uncompressed gRPC

@@ -25,7 +25,8 @@ use crate::cluster::{self, Layout, Nodes, RankRows};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
 use crate::order::{Locality, ReadPlan};
-use crate::read::{Gather, Picks, Shard, project};
+use crate::query::Selection;
+use crate::read::{self, Gather, Picks, Shard};
 use crate::state::{State, Tally, Traffic, unfinished_seal};
 
 /// Batches (the schema counted as one) a stream queues ahead of the one
@@ -98,6 +99,140 @@ impl Source {
     }
 }
 
+/// The rows a plan reads: the source's whole row space, or — for a plan
+/// with a filter — the row space of the rows the filter selects on every
+/// member, numbered in the same partition order.
+struct Space {
+    layout: Arc<Layout>,
+    /// This member's selected rows; `None`: all of them.
+    selection: Option<Arc<Selection>>,
+    /// Rows selected per partition of the layout (members in order); empty
+    /// without a filter.
+    selected: Vec<u64>,
+}
+
+impl Space {
+    fn whole(source: &Source) -> Self {
+        Self {
+            layout: source.layout.clone(),
+            selection: None,
+            selected: Vec::new(),
+        }
+    }
+
+    fn of(source: &Source, selection: Arc<Selection>, selected: Vec<u64>) -> Result<Self> {
+        Ok(Self {
+            layout: Arc::new(source.layout.selected(&selected)?),
+            selection: Some(selection),
+            selected,
+        })
+    }
+}
+
+/// Where member `index`'s partitions start in a flattened selection.
+fn member_offset(layout: &Layout, index: usize) -> usize {
+    layout.partition_counts()[..index].iter().sum()
+}
+
+/// The row space of `plan` over `data` (this member's rows of `source`):
+/// with a filter, every member's selection, asked of the others.
+async fn plan_space(
+    state: &State,
+    plan: &ReadPlan,
+    source: &Source,
+    data: &Arc<crate::catalog::SealedData>,
+) -> Result<Space> {
+    let Some(selection) = plan_selection(state, plan, data).await? else {
+        return Ok(Space::whole(source));
+    };
+    let own = selection.counts(&source.layout.partition_rows(source.index));
+    if !source.cluster {
+        return Space::of(source, selection, own);
+    }
+    let layout = &source.layout;
+    let replies =
+        futures::future::join_all(layout.members.iter().enumerate().map(|(m, member)| {
+            let own = own.clone();
+            async move {
+                if m == source.index {
+                    return Ok(own);
+                }
+                let reply: pb::SelectedRows = state
+                    .peers
+                    .action(
+                        &member.location,
+                        &plan.dataset,
+                        flightdeck_protos::actions::MEMBER_SELECT,
+                        pb::SelectRows {
+                            dataset: plan.dataset.clone(),
+                            layout: layout.id,
+                            filter: plan.filter.clone(),
+                        },
+                    )
+                    .await?;
+                if reply.partition_rows.len() != member.partitions.len() {
+                    return Err(Error::Internal(format!(
+                        "member {} counted its selection over {} partitions; it holds {}",
+                        member.location,
+                        reply.partition_rows.len(),
+                        member.partitions.len()
+                    )));
+                }
+                Ok(reply.partition_rows)
+            }
+        }))
+        .await;
+    let mut selected = Vec::new();
+    for r in replies {
+        selected.extend(r?);
+    }
+    Space::of(source, selection, selected)
+}
+
+/// This member's selection of a plan's filter (evaluated off the reactor
+/// the first time); `None` without a filter.
+async fn plan_selection(
+    state: &State,
+    plan: &ReadPlan,
+    data: &Arc<crate::catalog::SealedData>,
+) -> Result<Option<Arc<Selection>>> {
+    if plan.filter.is_empty() {
+        return Ok(None);
+    }
+    let (plan, data, arena) = (plan.clone(), data.clone(), state.arena().clone());
+    tokio::task::spawn_blocking(move || read::plan_selection(&plan, &data, &arena))
+        .await
+        .map_err(|e| Error::Internal(format!("selecting rows failed: {e}")))?
+}
+
+/// Action `member_select`: the rows a filter selects in each of this
+/// member's partitions of cluster dataset `name`, laid out as `layout`.
+pub(super) async fn member_select(
+    state: &State,
+    name: &str,
+    layout: u64,
+    plan: &ReadPlan,
+) -> Result<pb::SelectedRows> {
+    let summary = sealed_summary(state, name)?;
+    let source = Source::of(state, &summary)?;
+    if !source.cluster || source.layout.id != layout {
+        return Err(Error::FailedPrecondition(format!(
+            "this member does not hold the layout of dataset '{name}' the plan was made for (it \
+             was dropped or written again here, or its seal is unfinished); seal the cluster \
+             again, or drop the dataset and write it again"
+        )));
+    }
+    let (_, data) = state.resident(name).await?;
+    let selection = plan_selection(state, plan, &data).await?;
+    let lengths = source.layout.partition_rows(source.index);
+    Ok(pb::SelectedRows {
+        partition_rows: match selection {
+            Some(s) => s.counts(&lengths),
+            None => lengths,
+        },
+    })
+}
+
 /// The endpoints of a plan over the sealed dataset `s` (resident or
 /// spilled), one per rank in rank order; on a cluster each names the member
 /// that serves the rank.
@@ -105,14 +240,15 @@ fn plan_info(
     plan: &ReadPlan,
     s: &DatasetSummary,
     source: &Source,
+    space: &Space,
     descriptor: FlightDescriptor,
 ) -> Result<FlightInfo> {
-    let (_, schema) = project(&s.schema, &plan.columns, &plan.dataset)?;
-    let n = source.layout.rows();
+    let schema = read::plan_schema(plan, &s.schema)?;
+    let n = space.layout.rows();
     let nodes = source.nodes(plan)?;
     if plan.locality == Locality::Node {
         // Refuses a resume it cannot make exact, before any ticket exists.
-        cluster::node_order(plan, &source.layout, nodes.clone())?;
+        cluster::node_order(plan, &space.layout, nodes.clone())?;
     }
     let shares = plan.shares(n)?;
     let (rows, batches) = plan.stream_size(shares.per_rank());
@@ -129,6 +265,11 @@ fn plan_info(
             generation: if source.cluster { 0 } else { s.generation },
             layout: if source.cluster { source.layout.id } else { 0 },
             peer: None,
+            selected: if source.cluster {
+                space.selected.clone()
+            } else {
+                Vec::new()
+            },
         });
         let meta = pb::ShardInfo {
             rank,
@@ -155,12 +296,32 @@ pub(super) async fn flight_info(state: &State, descriptor: FlightDescriptor) -> 
     let summary = sealed_summary(state, &plan.dataset)?;
     check_batch_bytes(&plan, &summary, state.config.max_message_bytes)?;
     let source = Source::of(state, &summary)?;
-    if source.cluster {
-        state
-            .check_members(&plan.dataset, &source.layout, source.index)
-            .await?;
+    if plan.filter.is_empty() {
+        if source.cluster {
+            state
+                .check_members(&plan.dataset, &source.layout, source.index)
+                .await?;
+        }
+        return plan_info(&plan, &summary, &source, &Space::whole(&source), descriptor);
     }
-    plan_info(&plan, &summary, &source, descriptor)
+    // A filter is checked before anything is restored or asked of others.
+    read::plan_filter(&plan, &summary.schema)?;
+    read::plan_schema(&plan, &summary.schema)?;
+    let (generation, data) = state.resident(&plan.dataset).await?;
+    let expected = if source.cluster {
+        source.layout.members[source.index].generation
+    } else {
+        summary.generation
+    };
+    if generation != expected {
+        return Err(Error::FailedPrecondition(format!(
+            "dataset '{}' was dropped and written again while the plan was made; plan again",
+            plan.dataset
+        )));
+    }
+    // Members answering `member_select` also confirm they hold the layout.
+    let space = plan_space(state, &plan, &source, &data).await?;
+    plan_info(&plan, &summary, &source, &space, descriptor)
 }
 
 /// Refuses a plan whose record batches would not fit in one message:
@@ -201,7 +362,7 @@ fn sealed_summary(state: &State, name: &str) -> Result<DatasetSummary> {
 pub(super) fn schema(state: &State, descriptor: &FlightDescriptor) -> Result<SchemaResult> {
     let plan = convert::read_plan(descriptor, &state.config)?;
     let schema = state.catalog().schema(&plan.dataset)?;
-    let (_, projected) = project(&schema, &plan.columns, &plan.dataset)?;
+    let projected = read::plan_schema(&plan, &schema)?;
     SchemaAsIpc::new(&projected, &IpcWriteOptions::default())
         .try_into()
         .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))
@@ -218,7 +379,8 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
             s.state == DatasetState::Sealed && !matches!(s.cluster, Some(ClusterState::Pending));
         let info = if sealed {
             let plan = convert::read_plan(&descriptor, &state.config)?;
-            plan_info(&plan, &s, &Source::of(state, &s)?, descriptor)?
+            let source = Source::of(state, &s)?;
+            plan_info(&plan, &s, &source, &Space::whole(&source), descriptor)?
         } else {
             FlightInfo::new()
                 .try_with_schema(&s.schema)
@@ -316,6 +478,24 @@ pub(super) async fn shard_messages(
     if generation != expected {
         return Err(stale());
     }
+    let space = match plan_selection(state, &t.plan, &data).await? {
+        None => Space::whole(&source),
+        Some(selection) => {
+            let own = selection.counts(&source.layout.partition_rows(source.index));
+            if !source.cluster {
+                Space::of(&source, selection, own)?
+            } else {
+                let at = member_offset(&source.layout, source.index);
+                if t.selected.get(at..at + own.len()) != Some(own.as_slice()) {
+                    return Err(Error::FailedPrecondition(format!(
+                        "this ticket's selection of dataset '{name}' is not what the filter \
+                         selects on this member now; call GetFlightInfo again"
+                    )));
+                }
+                Space::of(&source, selection, t.selected.clone())?
+            }
+        }
+    };
     let traffic = state.traffic.clone();
     let (tx, rx) = outbox::outbox(READ_AHEAD);
     let mut run = Run {
@@ -326,7 +506,8 @@ pub(super) async fn shard_messages(
         estimate: batch_bytes(&t.plan, &summary),
     };
     if !source.cluster && t.plan.locality == Locality::Global {
-        let shard = Shard::new(data, &t.plan, t.rank)?.packing(state.arena().clone());
+        let shard = Shard::selecting(data, &t.plan, t.rank, space.selection)?
+            .packing(state.arena().clone());
         let messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
         let stream = ShardStream {
@@ -340,10 +521,17 @@ pub(super) async fn shard_messages(
         return Ok((rx, info));
     }
     let nodes = source.nodes(&t.plan)?;
-    let rows = RankRows::new(&t.plan, source.layout.clone(), &nodes, t.rank)?;
+    let rows = RankRows::new(&t.plan, space.layout.clone(), &nodes, t.rank)?;
     let fixed = source.cluster.then_some(source.layout.fixed.as_slice());
-    let gather = Gather::new(data, &t.plan.columns, &name, fixed)?.packing(state.arena().clone());
-    let messages = Messages::new(&gather.schema())?;
+    let gather = Gather::for_plan(data, &t.plan, fixed, space.selection.clone())?
+        .packing(state.arena().clone());
+    // Members send each other the gathered columns; the rank's member
+    // derives the plan's `select` columns from them.
+    let messages = if t.peer.is_some() {
+        Messages::new(&gather.gathered_schema())?
+    } else {
+        Messages::new(&gather.schema())?
+    };
     start(&tx, &messages)?;
     let read = MergedRead {
         gather,
@@ -385,6 +573,7 @@ pub(super) async fn shard_messages(
             generation: 0,
             layout: source.layout.id,
             peer: Some(m as u32),
+            selected: t.selected.clone(),
         });
         state
             .peers
@@ -661,12 +850,12 @@ impl MergedRead {
         b: u64,
         samples: std::ops::Range<u64>,
     ) -> Option<Result<Vec<IpcMessage>>> {
-        let data = self.gather.data();
+        let gather = &self.gather;
         let local: Vec<(usize, usize)> = samples
             .filter_map(|k| {
                 self.rows
                     .sample_from(k, self.index)
-                    .map(|row| data.locate(row))
+                    .map(|row| gather.locate(row))
             })
             .collect();
         if local.is_empty() {
@@ -675,7 +864,7 @@ impl MergedRead {
         let t = &self.traffic;
         Some(
             self.gather
-                .batch(&Picks::new(local), &[])
+                .gathered(&Picks::new(local), &[])
                 .and_then(|batch| {
                     encode(
                         &mut self.messages,
@@ -724,7 +913,7 @@ impl MergedRead {
         for k in samples {
             let (m, row) = self.rows.sample(k);
             if m == self.index {
-                picks.push(data.locate(row));
+                picks.push(self.gather.locate(row));
                 continue;
             }
             let (e, next) = match taken.get_mut(&m) {

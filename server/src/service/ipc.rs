@@ -231,12 +231,12 @@ impl Pieces {
             };
             if front.len() > n {
                 self.pieces.push_front(front.slice(n));
-                out.push(Bytes::from_owner(front.slice_with_length(0, n)));
+                out.push(shared(front.slice_with_length(0, n)));
                 n = 0;
             } else {
                 n -= front.len();
                 if !front.is_empty() {
-                    out.push(Bytes::from_owner(front));
+                    out.push(shared(front));
                 }
             }
         }
@@ -272,6 +272,20 @@ impl Pieces {
             }
             None => self.take_contiguous(padded),
         }
+    }
+}
+
+/// An Arrow buffer's bytes as `Bytes`, sharing its memory (no copy).
+pub fn shared(buffer: Buffer) -> Bytes {
+    Bytes::from_owner(Owned(buffer))
+}
+
+/// A buffer as the owner `Bytes::from_owner` keeps alive.
+struct Owned(Buffer);
+
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
     }
 }
 

@@ -12,6 +12,7 @@ mod get;
 mod ipc;
 pub mod outbox;
 mod put;
+pub mod sql;
 
 pub use edge::{Edge, parse_ticket_request};
 pub use put::do_put;
@@ -28,19 +29,22 @@ use futures::{StreamExt, stream};
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::convert;
 use crate::metrics::{CallDetail, WriteDetail};
 use crate::state::State;
 
-/// The flightdeck Flight service.
+/// The flightdeck Flight service; Flight SQL calls go on to [`sql`].
 #[derive(Debug, Clone)]
 pub struct FlightdeckService {
     state: Arc<State>,
+    sql: Arc<sql::SqlService>,
 }
 
 impl FlightdeckService {
     /// A service over `state`.
     pub fn new(state: Arc<State>) -> Self {
-        Self { state }
+        let sql = Arc::new(sql::SqlService::new(state.clone()));
+        Self { state, sql }
     }
 }
 
@@ -84,6 +88,9 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
+        if sql::is_sql_command(&request.get_ref().cmd) {
+            return FlightService::get_flight_info(self.sql.as_ref(), request).await;
+        }
         Ok(Response::new(
             get::flight_info(&self.state, request.into_inner()).await?,
         ))
@@ -112,6 +119,9 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
+        if sql::is_sql_command(&request.get_ref().ticket) {
+            return FlightService::do_get(self.sql.as_ref(), request).await;
+        }
         Ok(Response::new(
             get::do_get(&self.state, &request.into_inner()).await?,
         ))
@@ -121,6 +131,9 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
+        if request.extensions().get::<edge::SqlPut>().is_some() {
+            return FlightService::do_put(self.sql.as_ref(), request).await;
+        }
         let detail = request.extensions().get::<CallDetail>().cloned();
         let ack = match put::do_put(&self.state, request.into_inner()).await {
             Ok(ack) => {
@@ -152,6 +165,10 @@ impl FlightService for FlightdeckService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
+        // Flight SQL actions read; the edge checked the reader role.
+        if sql::is_sql_action(&request.get_ref().r#type) {
+            return FlightService::do_action(self.sql.as_ref(), request).await;
+        }
         if self.state.tokens.is_some() {
             // The edge checked the token and left its role here.
             let role = request
@@ -166,6 +183,14 @@ impl FlightService for FlightdeckService {
         let action = request.into_inner();
         if action.r#type == flightdeck_protos::actions::TRAIN {
             return Ok(Response::new(actions::train(&self.state, &action).await?));
+        }
+        if action.r#type == flightdeck_protos::actions::DERIVE {
+            let req = convert::derive_request(&action.body)?;
+            let summary = self.sql.derive(&req).await?;
+            let info = convert::dataset_info(&summary)?;
+            return Ok(Response::new(once(arrow_flight::Result {
+                body: info.encode_to_vec().into(),
+            })));
         }
         let body = actions::do_action(&self.state, &action).await?;
         Ok(Response::new(once(arrow_flight::Result { body })))

@@ -167,7 +167,7 @@ where
             let (body, taken) = state
                 .land_body(&message.data_body, reservation.as_mut(), &what)
                 .await?;
-            message.data_body = Bytes::from(body.clone());
+            message.data_body = super::ipc::shared(body.clone());
             landed = Some((body, taken));
         }
         // The decoder has nothing else to wait for: it decodes this message

@@ -1,0 +1,485 @@
+//! Queries over cached datasets, on DataFusion: a read plan's `filter` and
+//! `select`, and the [`hash_bucket`] function that makes a deterministic
+//! hold-out split expressible.
+//!
+//! A filter is evaluated once per (dataset generation, filter) over the
+//! stored batches and kept as the ascending ids of the selected rows
+//! ([`Selection`], in arena memory, so counted in the budget and freed with
+//! the dataset). Reads then number the selected rows `0..N'` in storage
+//! order and every part of the sample-order contract applies to them as to
+//! an `N'`-row dataset. A `select` list is evaluated on each gathered batch.
+//!
+//! Expressions are SQL in DataFusion's dialect over the dataset's columns.
+//! Bad SQL, unknown columns, a filter that is not boolean and type errors
+//! are [`Error::InvalidArgument`] carrying DataFusion's message and the
+//! expression.
+
+mod hash_bucket;
+
+use std::sync::{Arc, Mutex};
+
+use arrow::array::{Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions};
+use arrow::buffer::ScalarBuffer;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::common::DFSchema;
+use datafusion::logical_expr::{Expr, ExprSchemable};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::prelude::SessionContext;
+
+use crate::catalog::{SealedData, describe_fields};
+use crate::error::{Error, Result};
+use crate::memory::arena::Arena;
+
+pub use hash_bucket::{HashBucket, bucket_of_bytes, bucket_of_int};
+
+/// Filters kept per dataset generation; the oldest is dropped past this.
+const KEPT_SELECTIONS: usize = 8;
+
+/// The DataFusion session every expression is planned in: default
+/// functions plus [`hash_bucket`].
+pub fn session() -> SessionContext {
+    let ctx = SessionContext::new();
+    ctx.register_udf(HashBucket::udf());
+    ctx
+}
+
+/// `INVALID_ARGUMENT` for an expression DataFusion refused.
+fn refused(what: &str, sql: &str, dataset: &str, e: impl std::fmt::Display) -> Error {
+    Error::invalid(format!(
+        "the {what} `{sql}` cannot be evaluated over dataset '{dataset}': {e}"
+    ))
+}
+
+/// A parsed expression over `schema`.
+fn parse(
+    ctx: &SessionContext,
+    schema: &DFSchema,
+    what: &str,
+    sql: &str,
+    dataset: &str,
+) -> Result<Expr> {
+    let expr = ctx
+        .parse_sql_expr(sql, schema)
+        .map_err(|e| refused(what, sql, dataset, e))?;
+    // Type errors surface when the expression is typed, not when parsed.
+    expr.get_type(schema)
+        .map_err(|e| refused(what, sql, dataset, e))?;
+    Ok(expr)
+}
+
+/// A compiled read-plan filter over one dataset schema.
+#[derive(Debug, Clone)]
+pub struct Filter {
+    sql: String,
+    expr: Arc<dyn PhysicalExpr>,
+}
+
+impl Filter {
+    /// Compiles `sql`, a boolean SQL expression over `schema`'s columns.
+    pub fn compile(schema: &Schema, sql: &str, dataset: &str) -> Result<Self> {
+        let ctx = session();
+        let df = DFSchema::try_from(schema.clone())
+            .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
+        let expr = parse(&ctx, &df, "filter", sql, dataset)?;
+        let ty = expr
+            .get_type(&df)
+            .map_err(|e| refused("filter", sql, dataset, e))?;
+        if ty != DataType::Boolean && ty != DataType::Null {
+            return Err(Error::invalid(format!(
+                "the filter `{sql}` over dataset '{dataset}' is of type {ty}, not boolean; write a \
+                 condition such as `label >= 0`"
+            )));
+        }
+        let expr = ctx
+            .create_physical_expr(expr, &df)
+            .map_err(|e| refused("filter", sql, dataset, e))?;
+        Ok(Self {
+            sql: sql.to_string(),
+            expr,
+        })
+    }
+
+    /// The expression as written.
+    pub fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    /// The rows of `batch` the filter keeps (true; false and null are left
+    /// out), as offsets into the batch.
+    pub fn matches(&self, batch: &RecordBatch, dataset: &str) -> Result<Vec<u32>> {
+        let value = self
+            .expr
+            .evaluate(batch)
+            .and_then(|v| v.into_array(batch.num_rows()))
+            .map_err(|e| refused("filter", &self.sql, dataset, e))?;
+        let keep: Vec<u32> = match value.as_any().downcast_ref::<BooleanArray>() {
+            Some(b) => (0..b.len())
+                .filter(|&i| b.is_valid(i) && b.value(i))
+                .map(|i| i as u32)
+                .collect(),
+            // A null literal keeps nothing.
+            None if value.data_type() == &DataType::Null => Vec::new(),
+            None => {
+                return Err(Error::invalid(format!(
+                    "the filter `{}` over dataset '{dataset}' gave {} values, not booleans",
+                    self.sql,
+                    value.data_type()
+                )));
+            }
+        };
+        Ok(keep)
+    }
+}
+
+/// The ascending ids of the rows a filter selected from one sealed
+/// dataset, held in arena memory.
+#[derive(Debug)]
+pub struct Selection {
+    rows: ScalarBuffer<u64>,
+}
+
+impl Selection {
+    /// Evaluates `filter` over every stored batch of `data`; the ids live
+    /// in `arena` (fails with the budget's error when it has no room).
+    pub fn evaluate(
+        data: &SealedData,
+        filter: &Filter,
+        arena: &Arena,
+        dataset: &str,
+    ) -> Result<Self> {
+        let mut rows: Vec<u64> = Vec::new();
+        let mut start = 0u64;
+        for batch in data.batches() {
+            rows.extend(
+                filter
+                    .matches(batch, dataset)?
+                    .into_iter()
+                    .map(|i| start + u64::from(i)),
+            );
+            start += batch.num_rows() as u64;
+        }
+        let len = rows.len();
+        // Staged in a Vec, then copied into the arena: the ids count
+        // against the budget like any cached bytes.
+        let staged = ScalarBuffer::<u64>::from(rows);
+        let what = || {
+            format!(
+                "the rows filter `{}` selects from dataset '{dataset}'",
+                filter.sql
+            )
+        };
+        let buffer = if len == 0 {
+            staged.into_inner()
+        } else {
+            arena.copy_bytes(staged.inner().as_slice(), &what)?
+        };
+        Ok(Self {
+            rows: ScalarBuffer::new(buffer, 0, len),
+        })
+    }
+
+    /// A selection of the given ascending rows, outside the arena (tests).
+    pub fn of(rows: Vec<u64>) -> Self {
+        Self {
+            rows: ScalarBuffer::from(rows),
+        }
+    }
+
+    /// Rows selected.
+    pub fn len(&self) -> u64 {
+        self.rows.len() as u64
+    }
+
+    /// Whether no row is selected.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The stored row of selected row `i` (below `len()`).
+    pub fn row(&self, i: u64) -> u64 {
+        self.rows[i as usize]
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        (self.rows.len() * 8) as u64
+    }
+
+    /// Selected rows in each run of consecutive stored rows of the given
+    /// lengths (a member's partitions, in order).
+    pub fn counts(&self, lengths: &[u64]) -> Vec<u64> {
+        let mut counts = Vec::with_capacity(lengths.len());
+        let mut end = 0u64;
+        let mut before = 0usize;
+        for &len in lengths {
+            end += len;
+            let upto = self.rows.partition_point(|&r| r < end);
+            counts.push((upto - before) as u64);
+            before = upto;
+        }
+        counts
+    }
+}
+
+/// The selections made over one sealed dataset, by filter text.
+#[derive(Debug, Default)]
+pub struct SelectionCache(Mutex<Vec<(String, Arc<Selection>)>>);
+
+impl SelectionCache {
+    /// The selection of `filter`, evaluating it first when it is not kept.
+    pub fn get_or_evaluate(
+        &self,
+        data: &SealedData,
+        filter: &Filter,
+        arena: &Arena,
+        dataset: &str,
+    ) -> Result<Arc<Selection>> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = kept.iter().position(|(sql, _)| sql == filter.sql()) {
+            let hit = kept.remove(i);
+            let selection = hit.1.clone();
+            kept.push(hit);
+            return Ok(selection);
+        }
+        let selection = Arc::new(Selection::evaluate(data, filter, arena, dataset)?);
+        tracing::debug!(
+            dataset,
+            filter = filter.sql(),
+            rows = selection.len(),
+            bytes = selection.bytes(),
+            "selected rows"
+        );
+        if kept.len() >= KEPT_SELECTIONS {
+            kept.remove(0);
+        }
+        kept.push((filter.sql().to_string(), selection.clone()));
+        Ok(selection)
+    }
+
+    /// Drops every kept selection; the bytes they held.
+    pub fn give_up(&self) -> u64 {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let bytes = kept.iter().map(|(_, s)| s.bytes()).sum();
+        kept.clear();
+        bytes
+    }
+}
+
+/// A compiled `select` list: expressions over a dataset's columns, each
+/// named by its alias (or DataFusion's name for it).
+#[derive(Debug, Clone)]
+pub struct Derive {
+    /// The dataset columns the expressions read, in schema order.
+    inputs: Vec<String>,
+    exprs: Vec<Arc<dyn PhysicalExpr>>,
+    schema: SchemaRef,
+}
+
+impl Derive {
+    /// Compiles `select` over `schema`; fails on an empty list entry, bad
+    /// SQL, unknown columns, type errors and duplicate output names.
+    pub fn compile(schema: &Schema, select: &[String], dataset: &str) -> Result<Self> {
+        let ctx = session();
+        let full = DFSchema::try_from(schema.clone())
+            .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
+        let mut parsed = Vec::with_capacity(select.len());
+        let mut used = std::collections::BTreeSet::new();
+        for sql in select {
+            if sql.trim().is_empty() {
+                return Err(Error::invalid(format!(
+                    "an empty expression in the select list of dataset '{dataset}'"
+                )));
+            }
+            let expr = parse(&ctx, &full, "select expression", sql, dataset)?;
+            for c in expr.column_refs() {
+                used.insert(schema.index_of(&c.name).map_err(|_| {
+                    Error::invalid(format!(
+                        "dataset '{dataset}' has no column '{}'; its columns are {}",
+                        c.name,
+                        describe_fields(schema)
+                    ))
+                })?);
+            }
+            parsed.push((sql, expr));
+        }
+        // Expressions are evaluated over the gathered input columns only.
+        let indices: Vec<usize> = if used.is_empty() {
+            (0..schema.fields().len()).collect()
+        } else {
+            used.into_iter().collect()
+        };
+        let input = schema
+            .project(&indices)
+            .map_err(|e| Error::Internal(format!("projection of valid indices failed: {e}")))?;
+        let df = DFSchema::try_from(input.clone())
+            .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
+        let mut fields = Vec::with_capacity(parsed.len());
+        let mut exprs = Vec::with_capacity(parsed.len());
+        let mut names = std::collections::HashSet::new();
+        for (sql, expr) in parsed {
+            let field = expr
+                .to_field(&df)
+                .map_err(|e| refused("select expression", sql, dataset, e))?
+                .1;
+            if !names.insert(field.name().clone()) {
+                return Err(Error::invalid(format!(
+                    "the select list of dataset '{dataset}' names the column '{}' twice; give \
+                     each expression its own alias with AS",
+                    field.name()
+                )));
+            }
+            fields.push(Field::new(
+                field.name(),
+                field.data_type().clone(),
+                field.is_nullable(),
+            ));
+            exprs.push(
+                ctx.create_physical_expr(expr, &df)
+                    .map_err(|e| refused("select expression", sql, dataset, e))?,
+            );
+        }
+        Ok(Self {
+            inputs: input.fields().iter().map(|f| f.name().clone()).collect(),
+            exprs,
+            schema: Arc::new(Schema::new(fields)),
+        })
+    }
+
+    /// The dataset columns to gather for the expressions, in schema order.
+    pub fn inputs(&self) -> &[String] {
+        &self.inputs
+    }
+
+    /// The schema of the derived batches.
+    pub fn schema(&self) -> SchemaRef {
+        self.schema.clone()
+    }
+
+    /// The derived batch of a batch of the input columns.
+    pub fn apply(&self, input: &RecordBatch, dataset: &str) -> Result<RecordBatch> {
+        let n = input.num_rows();
+        let columns = self
+            .exprs
+            .iter()
+            .zip(self.schema.fields())
+            .map(|(e, f)| {
+                let array: ArrayRef = e.evaluate(input).and_then(|v| v.into_array(n)).map_err(
+                    |e| {
+                        Error::invalid(format!(
+                            "the select expression for '{}' failed over dataset '{dataset}': {e}",
+                            f.name()
+                        ))
+                    },
+                )?;
+                Ok(array)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        RecordBatch::try_new_with_options(
+            self.schema.clone(),
+            columns,
+            &RecordBatchOptions::new().with_row_count(Some(n)),
+        )
+        .map_err(|e| Error::Internal(format!("derived batch does not match its schema: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int32Array, StringArray};
+    use proptest::prelude::*;
+
+    fn batch() -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("label", DataType::Int32, true),
+            Field::new("country", DataType::Utf8, true),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int32Array::from(vec![Some(1), None, Some(-1), Some(3)])),
+                Arc::new(StringArray::from(vec![
+                    Some("DE"),
+                    Some("DE"),
+                    None,
+                    Some("FR"),
+                ])),
+            ],
+        )
+        .expect("batch")
+    }
+
+    #[test]
+    fn a_filter_keeps_the_rows_where_it_is_true() {
+        let b = batch();
+        let f = Filter::compile(&b.schema(), "label >= 0 OR country = 'FR'", "d").expect("filter");
+        // Row 1: NULL >= 0 is null, 'DE' = 'FR' false: left out.
+        assert_eq!(f.matches(&b, "d").expect("matches"), vec![0, 3]);
+        let none = Filter::compile(&b.schema(), "NULL", "d").expect("null filter");
+        assert!(none.matches(&b, "d").expect("matches").is_empty());
+    }
+
+    #[test]
+    fn bad_expressions_are_invalid_argument_naming_them() {
+        let schema = batch().schema();
+        for (sql, words) in [
+            ("label >", "label >"),
+            ("nope = 1", "nope"),
+            ("label + 1", "not boolean"),
+            ("country * 2 > 1", "country * 2"),
+        ] {
+            match Filter::compile(&schema, sql, "d") {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(words), "{sql}: {m}"),
+                other => panic!("{sql}: {other:?}"),
+            }
+        }
+        for select in [vec!["label", "label"], vec!["nope AS x"], vec![""]] {
+            let select: Vec<String> = select.into_iter().map(String::from).collect();
+            assert!(matches!(
+                Derive::compile(&schema, &select, "d"),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn derived_columns_are_computed_from_the_inputs_they_name() {
+        let b = batch();
+        let select = ["label * 2 AS twice", "upper(country) AS c"].map(String::from);
+        let d = Derive::compile(&b.schema(), &select, "d").expect("derive");
+        assert_eq!(d.inputs(), ["label", "country"]);
+        let out = d.apply(&b, "d").expect("apply");
+        assert_eq!(out.schema().field(0).name(), "twice");
+        let twice = out
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow::array::Int64Array>();
+        let twice: Vec<Option<i64>> = twice.expect("int64").iter().collect();
+        assert_eq!(twice, vec![Some(2), None, Some(-2), Some(6)]);
+        // Only `country` read: gathered alone, the expressions still apply.
+        let one = Derive::compile(&b.schema(), &["lower(country) AS c".into()], "d").expect("one");
+        assert_eq!(one.inputs(), ["country"]);
+    }
+
+    proptest! {
+        #[test]
+        fn counts_split_a_selection_by_partition(
+            keep in prop::collection::vec(any::<bool>(), 0..200),
+            cuts in prop::collection::vec(0usize..200, 0..6),
+        ) {
+            let rows: Vec<u64> = (0..keep.len() as u64).filter(|&r| keep[r as usize]).collect();
+            let s = Selection::of(rows.clone());
+            let mut bounds: Vec<usize> = cuts.into_iter().map(|c| c.min(keep.len())).collect();
+            bounds.push(0);
+            bounds.push(keep.len());
+            bounds.sort_unstable();
+            let lengths: Vec<u64> = bounds.windows(2).map(|w| (w[1] - w[0]) as u64).collect();
+            let counts = s.counts(&lengths);
+            for (i, w) in bounds.windows(2).enumerate() {
+                let want = rows.iter().filter(|&&r| (w[0] as u64..w[1] as u64).contains(&r)).count();
+                prop_assert_eq!(counts[i], want as u64);
+            }
+            prop_assert_eq!(counts.iter().sum::<u64>(), s.len());
+        }
+    }
+}

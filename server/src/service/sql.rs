@@ -1,0 +1,852 @@
+//! Arrow Flight SQL on the Flight port: every sealed dataset is a table of
+//! catalog `flightdeck`, schema `public`, queried with DataFusion over the
+//! cached batches (no copy; a spilled dataset is restored first; a cluster
+//! dataset's other members stream their rows in). Statements, prepared
+//! statements with parameters, `GetSqlInfo` and the catalog, schema, table
+//! and table-type listings are answered, so ADBC's and JDBC's Flight SQL
+//! drivers work. Queries are read-only: DDL, DML and statements are
+//! refused. Action `derive` keeps a query's result as a new sealed dataset.
+//!
+//! The edge sends a call here when its command, ticket or action is a
+//! Flight SQL one ([`is_sql_command`], [`is_sql_action`]); everything else
+//! is flightdeck's own protocol.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
+use arrow::ipc::reader::StreamReader;
+use arrow::ipc::writer::{IpcWriteOptions, StreamWriter};
+use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_server::FlightService;
+use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
+use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
+use arrow_flight::sql::{
+    ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
+    ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetDbSchemas,
+    CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
+    CommandStatementQuery, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
+    TicketStatementQuery,
+};
+use arrow_flight::{
+    Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
+    IpcMessage, SchemaAsIpc, Ticket,
+};
+use bytes::Bytes;
+use datafusion::catalog::{Session, TableProvider};
+use datafusion::common::{DataFusionError, ParamValues, ScalarValue};
+use datafusion::datasource::TableType;
+use datafusion::execution::TaskContext;
+use datafusion::execution::context::SQLOptions;
+use datafusion::logical_expr::{Expr, LogicalPlan};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
+use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
+use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
+use flightdeck_protos as pb;
+use futures::{Stream, StreamExt, TryStreamExt};
+use prost::Message;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::catalog::{ClusterState, DatasetState, SealRequest};
+use crate::convert::{self, ShardTicket};
+use crate::error::{Error, Result};
+use crate::state::State;
+
+/// The catalog every dataset is listed in.
+pub const CATALOG: &str = "flightdeck";
+/// The schema every dataset is listed in.
+pub const SCHEMA: &str = "public";
+/// Prefix of the type URL of every Flight SQL command.
+const SQL_TYPE_PREFIX: &str = "type.googleapis.com/arrow.flight.protocol.sql.";
+/// The Flight SQL actions (the rest are flightdeck's).
+const SQL_ACTIONS: [&str; 8] = [
+    "CreatePreparedStatement",
+    "ClosePreparedStatement",
+    "CreatePreparedSubstraitPlan",
+    "BeginTransaction",
+    "EndTransaction",
+    "BeginSavepoint",
+    "EndSavepoint",
+    "CancelQuery",
+];
+
+/// Whether a descriptor command or ticket is a Flight SQL message (an
+/// `Any` of a Flight SQL type); flightdeck's own never decode as one.
+pub fn is_sql_command(bytes: &[u8]) -> bool {
+    Any::decode(bytes).is_ok_and(|any| any.type_url.starts_with(SQL_TYPE_PREFIX))
+}
+
+/// Whether an action type is a Flight SQL action.
+pub fn is_sql_action(kind: &str) -> bool {
+    SQL_ACTIONS.contains(&kind)
+}
+
+type DoGetStream =
+    Pin<Box<dyn Stream<Item = std::result::Result<arrow_flight::FlightData, Status>> + Send>>;
+
+/// The Flight SQL service over the server's cached datasets.
+#[derive(Debug, Clone)]
+pub struct SqlService {
+    state: Arc<State>,
+}
+
+/// What `GetSqlInfo` answers.
+fn sql_info() -> std::result::Result<SqlInfoData, Status> {
+    let mut builder = SqlInfoDataBuilder::new();
+    builder.append(SqlInfo::FlightSqlServerName, "flightdeck");
+    builder.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
+    builder.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
+    builder.append(SqlInfo::FlightSqlServerReadOnly, true);
+    builder.append(SqlInfo::FlightSqlServerSql, true);
+    builder.append(SqlInfo::FlightSqlServerSubstrait, false);
+    builder.append(SqlInfo::FlightSqlServerTransaction, 0i32);
+    builder.append(SqlInfo::FlightSqlServerCancel, false);
+    builder.append(SqlInfo::SqlIdentifierQuoteChar, "\"");
+    builder
+        .build()
+        .map_err(|e| Status::internal(format!("cannot build the SQL info: {e}")))
+}
+
+impl SqlService {
+    /// The service over `state`.
+    pub fn new(state: Arc<State>) -> Self {
+        Self { state }
+    }
+
+    /// A session whose `flightdeck.public` schema lists the sealed
+    /// datasets, with `source` (when given) also readable as `source`.
+    fn session(&self, source: Option<&str>) -> Result<SessionContext> {
+        let config = SessionConfig::new()
+            .with_default_catalog_and_schema(CATALOG, SCHEMA)
+            .with_information_schema(true);
+        let ctx = SessionContext::new_with_config(config);
+        ctx.register_udf(crate::query::HashBucket::udf());
+        let tables = self.tables();
+        for (name, schema) in tables {
+            let table = Arc::new(CachedTable {
+                state: self.state.clone(),
+                name: name.clone(),
+                schema,
+            });
+            if source == Some(name.as_str()) {
+                ctx.register_table("source", table.clone())
+                    .map_err(|e| Error::Internal(format!("cannot register the source: {e}")))?;
+            }
+            ctx.register_table(datafusion::common::TableReference::bare(name), table)
+                .map_err(|e| Error::Internal(format!("cannot register a table: {e}")))?;
+        }
+        Ok(ctx)
+    }
+
+    /// Readable datasets and their schemas, by name.
+    fn tables(&self) -> Vec<(String, SchemaRef)> {
+        self.state
+            .catalog()
+            .list()
+            .into_iter()
+            .filter(|s| {
+                s.state == DatasetState::Sealed && !matches!(s.cluster, Some(ClusterState::Pending))
+            })
+            .map(|s| (s.name, s.schema))
+            .collect()
+    }
+
+    /// The logical plan of `sql`, read-only, with `params` bound.
+    async fn plan(
+        &self,
+        ctx: &SessionContext,
+        sql: &str,
+        params: Option<ParamValues>,
+    ) -> Result<LogicalPlan> {
+        let refused = |e: DataFusionError| query_error(sql, e);
+        let plan = ctx
+            .state()
+            .create_logical_plan(sql)
+            .await
+            .map_err(refused)?;
+        SQLOptions::new()
+            .with_allow_ddl(false)
+            .with_allow_dml(false)
+            .with_allow_statements(false)
+            .verify_plan(&plan)
+            .map_err(|e| {
+                Error::invalid(format!(
+                    "the query `{sql}` is refused: {e}; queries over the cache are read-only \
+                     (use action 'derive' to keep a result as a dataset)"
+                ))
+            })?;
+        match params {
+            Some(p) => plan.with_param_values(p).map_err(refused),
+            None => Ok(plan),
+        }
+    }
+
+    /// Runs `sql` and streams its result as Flight data in `schema`.
+    async fn run(&self, sql: &str, params: Option<ParamValues>) -> Result<DoGetStream> {
+        let ctx = self.session(None)?;
+        let plan = self.plan(&ctx, sql, params).await?;
+        let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
+        let frame = DataFrame::new(ctx.state(), plan);
+        let sql_text = sql.to_string();
+        let stream = frame
+            .execute_stream()
+            .await
+            .map_err(|e| query_error(sql, e))?;
+        let declared = schema.clone();
+        let batches = stream.map(move |item| {
+            item.map(|b| conform(&declared, b))
+                .map_err(|e| FlightError::Tonic(Box::new(Status::from(query_error(&sql_text, e)))))
+        });
+        Ok(FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(batches)
+            .map_err(Status::from)
+            .boxed())
+    }
+
+    /// The result schema of `sql`.
+    async fn schema_of(&self, sql: &str) -> Result<(Schema, Schema)> {
+        let ctx = self.session(None)?;
+        let plan = self.plan(&ctx, sql, None).await?;
+        let mut params: Vec<(String, arrow::datatypes::FieldRef)> = plan
+            .get_parameter_fields()
+            .map_err(|e| query_error(sql, e))?
+            .into_iter()
+            .map(|(name, field)| {
+                let field = field.unwrap_or_else(|| {
+                    Arc::new(arrow::datatypes::Field::new(
+                        &name,
+                        arrow::datatypes::DataType::Null,
+                        true,
+                    ))
+                });
+                (name, field)
+            })
+            .collect();
+        params.sort_by_key(|(name, _)| {
+            name.trim_start_matches('$')
+                .parse::<u64>()
+                .unwrap_or(u64::MAX)
+        });
+        let params = Schema::new(
+            params
+                .into_iter()
+                .map(|(name, f)| f.as_ref().clone().with_name(name))
+                .collect::<Vec<_>>(),
+        );
+        Ok((plan.schema().as_arrow().clone(), params))
+    }
+
+    /// Action `derive`: runs `sql` (reading `source`, when given, also as
+    /// table `source`) and keeps its result as the sealed dataset `target`
+    /// in the arena, subject to the budget like any write.
+    pub async fn derive(&self, req: &pb::DeriveDataset) -> Result<crate::catalog::DatasetSummary> {
+        let target = convert::dataset_name(&req.target)?;
+        if self.state.catalog().describe(&target).is_ok() {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{target}' exists; drop it first or derive into another name"
+            )));
+        }
+        let source = (!req.source.is_empty()).then_some(req.source.as_str());
+        if let Some(s) = source {
+            self.state.readable(s)?;
+        }
+        let ctx = self.session(source)?;
+        let plan = self.plan(&ctx, &req.sql, None).await?;
+        let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
+        let mut stream = DataFrame::new(ctx.state(), plan)
+            .execute_stream()
+            .await
+            .map_err(|e| query_error(&req.sql, e))?;
+        let what = || format!("dataset '{target}' derived by `{}`", req.sql);
+        let (mut batches, mut rows, mut bytes) = (Vec::new(), 0u64, 0u64);
+        while let Some(batch) = stream.next().await {
+            let batch = conform(&schema, batch.map_err(|e| query_error(&req.sql, e))?);
+            if batch.num_rows() == 0 {
+                continue;
+            }
+            let (kept, taken) = self.state.admit(&batch, None, None, &what).await?;
+            rows += kept.num_rows() as u64;
+            bytes += taken;
+            batches.push(kept);
+        }
+        let key = crate::catalog::AttemptKey {
+            partition: 0,
+            attempt: 0,
+        };
+        self.state.catalog().commit(
+            &target,
+            key,
+            schema,
+            crate::catalog::AttemptData {
+                batches,
+                rows,
+                bytes,
+            },
+        )?;
+        let sealed = self
+            .state
+            .seal(&SealRequest {
+                dataset: target.clone(),
+                partitions: 1,
+                winners: Vec::new(),
+                members: Vec::new(),
+            })
+            .await;
+        if let Err(e) = sealed {
+            let _ = self.state.catalog().drop_dataset(&target);
+            return Err(e);
+        }
+        tracing::info!(dataset = %target, rows, bytes, sql = %req.sql, "derived dataset");
+        self.state.catalog().describe(&target)
+    }
+}
+
+/// `INVALID_ARGUMENT` with DataFusion's message and the query; errors of
+/// the server itself (a restore that found no room) keep their own code.
+fn query_error(sql: &str, e: DataFusionError) -> Error {
+    match e {
+        DataFusionError::External(inner) => match inner.downcast::<Error>() {
+            Ok(ours) => *ours,
+            Err(other) => Error::invalid(format!("the query `{sql}` failed: {other}")),
+        },
+        DataFusionError::Context(_, inner) => query_error(sql, *inner),
+        DataFusionError::ResourcesExhausted(m) => {
+            Error::ResourceExhausted(format!("the query `{sql}` ran out of memory: {m}"))
+        }
+        other => Error::invalid(format!("the query `{sql}` cannot run: {other}")),
+    }
+}
+
+/// `batch` with the declared schema's field names and nullability (strict
+/// clients compare the stream's schema with the advertised one); as it is
+/// when the columns do not fit it.
+fn conform(schema: &SchemaRef, batch: RecordBatch) -> RecordBatch {
+    if batch.schema() == *schema {
+        return batch;
+    }
+    RecordBatch::try_new(schema.clone(), batch.columns().to_vec()).unwrap_or(batch)
+}
+
+/// An IPC schema message.
+fn ipc_schema(schema: &Schema) -> std::result::Result<Bytes, Status> {
+    let IpcMessage(bytes) = SchemaAsIpc::new(schema, &IpcWriteOptions::default())
+        .try_into()
+        .map_err(|e: arrow::error::ArrowError| {
+            Status::internal(format!("cannot encode a schema: {e}"))
+        })?;
+    Ok(bytes)
+}
+
+/// A prepared statement's handle: its query and bound parameters.
+fn encode_handle(query: &str, parameters: Bytes) -> Bytes {
+    pb::SqlHandle {
+        query: query.to_string(),
+        parameters,
+    }
+    .encode_to_vec()
+    .into()
+}
+
+fn decode_handle(handle: &[u8]) -> std::result::Result<pb::SqlHandle, Status> {
+    pb::SqlHandle::decode(handle).map_err(|_| {
+        Status::invalid_argument(
+            "the prepared statement handle is not one this server issued; prepare the statement \
+             again",
+        )
+    })
+}
+
+/// Bound parameters (an IPC stream of one row) as DataFusion's values:
+/// positional (`$1`, `$2`, …) when every column is numbered, else by name.
+fn param_values(parameters: &[u8]) -> Result<Option<ParamValues>> {
+    if parameters.is_empty() {
+        return Ok(None);
+    }
+    let bad = |e: &dyn std::fmt::Display| Error::invalid(format!("bad statement parameters: {e}"));
+    let reader = StreamReader::try_new(parameters, None).map_err(|e| bad(&e))?;
+    let batches = reader
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| bad(&e))?;
+    let Some(batch) = batches.iter().find(|b| b.num_rows() > 0) else {
+        return Ok(None);
+    };
+    let mut named = Vec::new();
+    for (i, field) in batch.schema().fields().iter().enumerate() {
+        let value = ScalarValue::try_from_array(batch.column(i), 0).map_err(|e| bad(&e))?;
+        named.push((field.name().trim_start_matches('$').to_string(), value));
+    }
+    if named.iter().all(|(n, _)| n.parse::<usize>().is_ok()) {
+        named.sort_by_key(|(n, _)| n.parse::<usize>().unwrap_or(usize::MAX));
+        return Ok(Some(ParamValues::from(
+            named.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+        )));
+    }
+    Ok(Some(ParamValues::from(named)))
+}
+
+/// A FlightInfo of `schema` with one endpoint whose ticket is `ticket`.
+fn info_for(
+    schema: &Schema,
+    ticket: Bytes,
+    descriptor: FlightDescriptor,
+) -> std::result::Result<Response<FlightInfo>, Status> {
+    let info = FlightInfo::new()
+        .try_with_schema(schema)
+        .map_err(|e| Status::internal(format!("cannot encode a schema: {e}")))?
+        .with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)))
+        .with_descriptor(descriptor);
+    Ok(Response::new(info))
+}
+
+/// One record batch as a Flight data stream.
+fn one_batch(
+    schema: SchemaRef,
+    batch: std::result::Result<RecordBatch, FlightError>,
+) -> DoGetStream {
+    FlightDataEncoderBuilder::new()
+        .with_schema(schema)
+        .build(futures::stream::once(async move { batch }))
+        .map_err(Status::from)
+        .boxed()
+}
+
+#[tonic::async_trait]
+impl FlightSqlService for SqlService {
+    type FlightService = SqlService;
+
+    async fn do_handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> std::result::Result<
+        Response<
+            Pin<Box<dyn Stream<Item = std::result::Result<HandshakeResponse, Status>> + Send>>,
+        >,
+        Status,
+    > {
+        Err(Status::unimplemented(
+            "Handshake is not used by flightdeck: send 'authorization: Bearer TOKEN' on every \
+             call when the server has --auth-token-file",
+        ))
+    }
+
+    async fn get_flight_info_statement(
+        &self,
+        query: CommandStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let (schema, _) = self.schema_of(&query.query).await?;
+        let ticket = TicketStatementQuery {
+            statement_handle: query.query.clone().into(),
+        };
+        info_for(
+            &schema,
+            ticket.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_statement(
+        &self,
+        ticket: TicketStatementQuery,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let sql = String::from_utf8(ticket.statement_handle.to_vec())
+            .map_err(|_| Status::invalid_argument("the statement ticket is not UTF-8 SQL"))?;
+        Ok(Response::new(self.run(&sql, None).await?))
+    }
+
+    async fn get_flight_info_prepared_statement(
+        &self,
+        cmd: CommandPreparedStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let handle = decode_handle(&cmd.prepared_statement_handle)?;
+        let ctx = self.session(None)?;
+        let plan = self
+            .plan(&ctx, &handle.query, param_values(&handle.parameters)?)
+            .await?;
+        let schema = plan.schema().as_arrow().clone();
+        info_for(
+            &schema,
+            cmd.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_prepared_statement(
+        &self,
+        cmd: CommandPreparedStatementQuery,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let handle = decode_handle(&cmd.prepared_statement_handle)?;
+        let params = param_values(&handle.parameters)?;
+        Ok(Response::new(self.run(&handle.query, params).await?))
+    }
+
+    async fn do_action_create_prepared_statement(
+        &self,
+        query: ActionCreatePreparedStatementRequest,
+        _request: Request<Action>,
+    ) -> std::result::Result<ActionCreatePreparedStatementResult, Status> {
+        let (schema, params) = self.schema_of(&query.query).await?;
+        Ok(ActionCreatePreparedStatementResult {
+            prepared_statement_handle: encode_handle(&query.query, Bytes::new()),
+            dataset_schema: ipc_schema(&schema)?,
+            parameter_schema: ipc_schema(&params)?,
+        })
+    }
+
+    async fn do_action_close_prepared_statement(
+        &self,
+        _query: ActionClosePreparedStatementRequest,
+        _request: Request<Action>,
+    ) -> std::result::Result<(), Status> {
+        // Handles carry their statement: nothing is held to free.
+        Ok(())
+    }
+
+    async fn do_put_prepared_statement_query(
+        &self,
+        cmd: CommandPreparedStatementQuery,
+        request: Request<PeekableFlightDataStream>,
+    ) -> std::result::Result<DoPutPreparedStatementResult, Status> {
+        let handle = decode_handle(&cmd.prepared_statement_handle)?;
+        let mut decoder = FlightDataDecoder::new(
+            request
+                .into_inner()
+                .map_err(|s| FlightError::Tonic(Box::new(s))),
+        );
+        let mut parameters = Vec::new();
+        let mut writer: Option<StreamWriter<&mut Vec<u8>>> = None;
+        let mut rows = 0;
+        let bad = |e: &dyn std::fmt::Display| {
+            Status::invalid_argument(format!("bad statement parameters: {e}"))
+        };
+        while let Some(message) = decoder.try_next().await.map_err(|e| bad(&e))? {
+            match message.payload {
+                DecodedPayload::Schema(schema) => {
+                    if writer.is_some() {
+                        return Err(bad(&"more than one schema"));
+                    }
+                    writer =
+                        Some(StreamWriter::try_new(&mut parameters, &schema).map_err(|e| bad(&e))?);
+                }
+                DecodedPayload::RecordBatch(batch) => {
+                    rows += batch.num_rows();
+                    let w = writer
+                        .as_mut()
+                        .ok_or_else(|| bad(&"rows before the schema"))?;
+                    w.write(&batch).map_err(|e| bad(&e))?;
+                }
+                DecodedPayload::None => {}
+            }
+        }
+        if rows > 1 {
+            return Err(Status::invalid_argument(format!(
+                "{rows} rows of parameters were bound; bind one row per execution"
+            )));
+        }
+        if let Some(mut w) = writer {
+            w.finish().map_err(|e| bad(&e))?;
+        }
+        Ok(DoPutPreparedStatementResult {
+            prepared_statement_handle: Some(encode_handle(&handle.query, parameters.into())),
+        })
+    }
+
+    async fn get_flight_info_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let schema = query.into_builder().schema();
+        info_for(
+            &schema,
+            query.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let mut builder = query.into_builder();
+        builder.append(CATALOG);
+        let schema = builder.schema();
+        Ok(Response::new(one_batch(schema, builder.build())))
+    }
+
+    async fn get_flight_info_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        info_for(
+            &schema,
+            query.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let mut builder = query.into_builder();
+        builder.append(CATALOG, SCHEMA);
+        let schema = builder.schema();
+        Ok(Response::new(one_batch(schema, builder.build())))
+    }
+
+    async fn get_flight_info_tables(
+        &self,
+        query: CommandGetTables,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        info_for(
+            &schema,
+            query.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_tables(
+        &self,
+        query: CommandGetTables,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let mut builder = query.into_builder();
+        for (name, schema) in self.tables() {
+            builder
+                .append(CATALOG, SCHEMA, name, "TABLE", &schema)
+                .map_err(Status::from)?;
+        }
+        let schema = builder.schema();
+        Ok(Response::new(one_batch(schema, builder.build())))
+    }
+
+    async fn get_flight_info_table_types(
+        &self,
+        query: CommandGetTableTypes,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        info_for(
+            &table_types_schema(),
+            query.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_table_types(
+        &self,
+        _query: CommandGetTableTypes,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let schema = Arc::new(table_types_schema());
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![Arc::new(arrow::array::StringArray::from(vec!["TABLE"]))],
+        )
+        .map_err(FlightError::Arrow);
+        Ok(Response::new(one_batch(schema, batch)))
+    }
+
+    async fn get_flight_info_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder(&sql_info()?).schema();
+        info_for(
+            &schema,
+            query.as_any().encode_to_vec().into(),
+            request.into_inner(),
+        )
+    }
+
+    async fn do_get_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        let info = sql_info()?;
+        let builder = query.into_builder(&info);
+        let schema = builder.schema();
+        Ok(Response::new(one_batch(schema, builder.build())))
+    }
+
+    async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
+}
+
+fn table_types_schema() -> Schema {
+    Schema::new(vec![arrow::datatypes::Field::new(
+        "table_type",
+        arrow::datatypes::DataType::Utf8,
+        false,
+    )])
+}
+
+/// A sealed dataset as a DataFusion table: its cached batches, and on a
+/// cluster dataset the other members' rows streamed from them.
+#[derive(Debug)]
+struct CachedTable {
+    state: Arc<State>,
+    name: String,
+    schema: SchemaRef,
+}
+
+#[tonic::async_trait]
+impl TableProvider for CachedTable {
+    fn schema(&self) -> SchemaRef {
+        self.schema.clone()
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        _filters: &[Expr],
+        limit: Option<usize>,
+    ) -> datafusion::common::Result<Arc<dyn ExecutionPlan>> {
+        let external = |e: Error| DataFusionError::External(Box::new(e));
+        let summary = self
+            .state
+            .catalog()
+            .describe(&self.name)
+            .map_err(external)?;
+        let (_, data) = self.state.resident(&self.name).await.map_err(external)?;
+        let mut partitions: Vec<Arc<dyn PartitionStream>> = vec![Arc::new(LocalRows {
+            schema: self.schema.clone(),
+            batches: data.batches().to_vec(),
+        })];
+        if let Some(ClusterState::Member { layout, index }) = &summary.cluster {
+            for (m, member) in layout.members.iter().enumerate() {
+                if m == *index {
+                    continue;
+                }
+                partitions.push(Arc::new(MemberRows {
+                    state: self.state.clone(),
+                    schema: self.schema.clone(),
+                    dataset: self.name.clone(),
+                    location: member.location.clone(),
+                    layout: layout.id,
+                    member: m as u32,
+                }));
+            }
+        }
+        Ok(Arc::new(StreamingTableExec::try_new(
+            self.schema.clone(),
+            partitions,
+            projection,
+            Vec::new(),
+            false,
+            limit,
+        )?))
+    }
+}
+
+/// This member's cached batches (shared, not copied).
+#[derive(Debug)]
+struct LocalRows {
+    schema: SchemaRef,
+    batches: Vec<RecordBatch>,
+}
+
+impl PartitionStream for LocalRows {
+    fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
+        let batches = self.batches.clone();
+        Box::pin(RecordBatchStreamAdapter::new(
+            self.schema.clone(),
+            futures::stream::iter(batches.into_iter().map(Ok)),
+        ))
+    }
+}
+
+/// Another member's rows of a cluster dataset, read from it in storage
+/// order as a member reads them for a rank.
+#[derive(Debug)]
+struct MemberRows {
+    state: Arc<State>,
+    schema: SchemaRef,
+    dataset: String,
+    location: String,
+    layout: u64,
+    member: u32,
+}
+
+impl PartitionStream for MemberRows {
+    fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
+        let external = |e: Error| DataFusionError::External(Box::new(e));
+        let plan = convert::read_plan_from_proto(
+            &pb::ReadPlan {
+                dataset: self.dataset.clone(),
+                world_size: 1,
+                ..Default::default()
+            },
+            &self.state.config,
+        );
+        let (state, location, dataset) = (
+            self.state.clone(),
+            self.location.clone(),
+            self.dataset.clone(),
+        );
+        let (layout, member) = (self.layout, self.member);
+        // A task of its own reads the member's stream (which borrows what it
+        // was opened with) and hands the batches over.
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            let opened = match plan {
+                Ok(plan) => {
+                    let ticket = convert::encode_ticket(&ShardTicket {
+                        plan,
+                        rank: 0,
+                        generation: 0,
+                        layout,
+                        peer: Some(member),
+                        selected: Vec::new(),
+                    });
+                    state.peers.fetch(&location, &dataset, ticket).await
+                }
+                Err(e) => Err(e),
+            };
+            let mut stream = match opened {
+                Ok(stream) => Box::pin(stream),
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            while let Some(item) = stream.next().await {
+                let failed = item.is_err();
+                if tx.send(item.map(|(_, batch, _)| batch)).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let rows =
+            tokio_stream::wrappers::ReceiverStream::new(rx).map(move |r| r.map_err(external));
+        Box::pin(RecordBatchStreamAdapter::new(self.schema.clone(), rows))
+    }
+}

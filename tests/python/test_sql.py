@@ -1,0 +1,164 @@
+"""SQL over the cache: a Flight SQL session with ADBC's Flight SQL driver on
+the server's Flight port (tables listed, a schema, an aggregate, a filter,
+results as Arrow, a prepared statement with a parameter), a cluster
+dataset queried through one member, tokens, and action `derive` keeping a
+hash split as two datasets."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import flightdeck
+from conftest import RunningServer
+from test_query import hash_bucket, table, write
+
+adbc = pytest.importorskip("adbc_driver_flightsql.dbapi")
+
+
+@pytest.fixture
+def server():
+    s = RunningServer("--memory-limit", "512MiB")
+    yield s
+    assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+def fetch(conn, sql, parameters=None) -> pa.Table:
+    with conn.cursor() as cur:
+        cur.execute(sql, parameters)
+        return cur.fetch_arrow_table()
+
+
+def test_an_adbc_session_lists_describes_aggregates_filters_and_binds(server):
+    client = flightdeck.connect(server.uri)
+    source = write(client, "events")
+    client.put_partition("open_one", 0, table(range(10)))  # not sealed: no table
+    with adbc.connect(server.uri, autocommit=True) as conn:
+        objects = conn.adbc_get_objects(depth="all").read_all().to_pylist()
+        tables = {
+            t["table_name"]: [c["column_name"] for c in t["table_columns"]]
+            for cat in objects
+            for s in cat["catalog_db_schemas"]
+            for t in s["db_schema_tables"]
+        }
+        assert objects[0]["catalog_name"] == "flightdeck"
+        assert tables == {"events": source.column_names}
+        assert conn.adbc_get_table_schema("events") == source.schema
+        assert "TABLE" in conn.adbc_get_table_types()
+
+        got = fetch(conn, "SELECT label, count(*) AS n FROM events GROUP BY label ORDER BY label NULLS FIRST")
+        want = source.group_by("label").aggregate([([], "count_all")]).to_pydict()
+        counts = dict(zip(want["label"], want["count_all"]))
+        assert dict(zip(got["label"].to_pylist(), got["n"].to_pylist())) == counts
+
+        got = fetch(conn, "SELECT id, country FROM events WHERE country = 'DE' AND label > 2 ORDER BY id")
+        want = source.filter(pc.and_(pc.equal(source["country"], "DE"), pc.greater(source["label"], 2)))
+        assert got["id"].to_pylist() == want["id"].to_pylist()
+        assert got.schema.field("country").type == pa.string()
+
+        # A prepared statement, executed twice with different parameters.
+        with conn.cursor() as cur:
+            for limit in (10, 1000):
+                cur.execute("SELECT count(*) AS n FROM events WHERE id < $1", parameters=(limit,))
+                assert cur.fetch_arrow_table()["n"].to_pylist() == [limit]
+
+        # hash_bucket is there too, and read-only is enforced.
+        got = fetch(conn, "SELECT count(*) AS n FROM events WHERE hash_bucket(id) < 90")
+        assert got["n"].to_pylist() == [sum(hash_bucket(i) < 90 for i in source["id"].to_pylist())]
+        with pytest.raises(Exception, match="read-only"):
+            fetch(conn, "CREATE TABLE t AS SELECT * FROM events")
+        with pytest.raises(Exception, match="nope"):
+            fetch(conn, "SELECT nope FROM events")
+    # The data plane still answers on the same port.
+    assert client.plan("events").total_rows == source.num_rows
+
+
+def test_derive_keeps_a_hash_split_as_two_datasets(server):
+    client = flightdeck.connect(server.uri)
+    source = write(client, "src")
+    train = client.derive("train", "SELECT * FROM source WHERE hash_bucket(id) < 80", source="src")
+    held = client.derive("held", 'SELECT * FROM "src" WHERE hash_bucket(id) >= 80')
+    assert train.rows + held.rows == source.num_rows
+    a = set(client.read_table(client.plan("train").shards[0])["id"].to_pylist())
+    b = set(client.read_table(client.plan("held").shards[0])["id"].to_pylist())
+    assert a.isdisjoint(b) and a | b == set(source["id"].to_pylist())
+    assert a == {i for i in source["id"].to_pylist() if hash_bucket(i) < 80}
+    # The derived dataset is a dataset like any other: same schema, readable shuffled.
+    whole = client.read_table(client.plan("train").shards[0])
+    assert whole.schema == source.schema
+    assert sum(s.rows for s in client.plan("train", world_size=3, shuffle="global").shards) >= len(a)
+    # Derived columns, and the errors.
+    feats = client.derive("feats", "SELECT id, CAST(price AS DOUBLE) * 2 AS p2 FROM src WHERE label = 1")
+    assert feats.rows == pc.sum(pc.equal(source["label"], 1)).as_py()
+    with pytest.raises(flightdeck.FailedPrecondition, match="exists"):
+        client.derive("train", "SELECT 1")
+    with pytest.raises(flightdeck.InvalidArgument, match="nope"):
+        client.derive("x", "SELECT nope FROM src")
+    with pytest.raises(flightdeck.NotFound):
+        client.derive("y", "SELECT * FROM source", source="missing")
+    assert "x" not in client.list_datasets()
+
+
+def test_sql_over_a_cluster_dataset_sees_every_member(server):
+    members = [RunningServer("--memory-limit", "256MiB") for _ in range(2)]
+    try:
+        start, layout, parts = 0, {}, []
+        for p, n in enumerate([300, 500, 200]):
+            t = table(range(start, start + n))
+            ack = flightdeck.connect(members[p % 2].uri).put_partition("c", p, t)
+            layout.setdefault(ack.location, {})[p] = 0
+            parts.append(t)
+            start += n
+        flightdeck.connect(members[0].uri).seal_cluster("c", layout, partitions=3)
+        source = pa.concat_tables(parts)
+        with adbc.connect(members[1].uri, autocommit=True) as conn:
+            got = fetch(conn, "SELECT count(*) AS n, sum(id) AS s FROM c WHERE label >= 0")
+        want = source.filter(pc.greater_equal(source["label"], 0))
+        assert got["n"].to_pylist() == [want.num_rows]
+        assert got["s"].to_pylist() == [pc.sum(want["id"]).as_py()]
+    finally:
+        for m in members:
+            assert m.stop() == 0, "".join(m.stderr_lines)
+
+
+def test_flight_sql_takes_the_same_tokens(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer w-sql\nreader r-sql\n")
+    s = RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+    try:
+        write(flightdeck.connect(s.uri, token="w-sql"), "t")
+        header = "adbc.flight.sql.authorization_header"
+        with adbc.connect(s.uri, db_kwargs={header: "Bearer r-sql"}, autocommit=True) as conn:
+            # A reader queries and binds parameters (a DoPut that reads).
+            got = fetch(conn, "SELECT count(*) AS n FROM t WHERE id < $1", parameters=(5,))
+            assert got["n"].to_pylist() == [5]
+        with pytest.raises(Exception, match="(?i)unauthenticated|token"):
+            with adbc.connect(s.uri, autocommit=True) as conn:
+                fetch(conn, "SELECT 1")
+        with flightdeck.connect(s.uri, token="r-sql") as r:
+            with pytest.raises(flightdeck.PermissionDenied, match="derive"):
+                r.derive("u", "SELECT * FROM t")
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+def test_a_spilled_dataset_is_restored_for_a_query_and_a_filter(tmp_path):
+    args = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    s = RunningServer(*args)
+    try:
+        source = write(flightdeck.connect(s.uri), "kept")
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)
+    s = RunningServer(*args)  # starts with the dataset in the store only
+    try:
+        c = flightdeck.connect(s.uri)
+        assert c.describe("kept").spilled
+        with adbc.connect(s.uri, autocommit=True) as conn:
+            got = fetch(conn, "SELECT count(*) AS n FROM kept WHERE country = 'FR'")
+        assert got["n"].to_pylist() == [pc.sum(pc.equal(source["country"], "FR")).as_py()]
+        assert not c.describe("kept").spilled
+        plan = c.plan("kept", filter="country = 'FR'")
+        assert plan.total_rows == got["n"][0].as_py()
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)
