@@ -19,7 +19,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 
 use clap::Parser;
-use flightdeck_client::Shuffle;
+use flightdeck_client::{Client, Shuffle};
 use serde_json::json;
 
 use data::Shape;
@@ -55,8 +55,10 @@ struct Args {
     /// Shuffle modes for get: none, global, block.
     #[arg(long, value_delimiter = ',', default_value = "none,global,block")]
     shuffle: Vec<String>,
-    /// Phases: put, get, e2e, limit, and h2d (GPU only: host-to-device
-    /// bandwidth from the arena vs pinned and pageable memory).
+    /// Phases: put, get, e2e, limit, h2d (GPU only: host-to-device
+    /// bandwidth from the arena vs pinned and pageable memory), cluster,
+    /// and filter (a global read of the rows a 50 % filter selects against
+    /// one of every row, and the first plan's selection cost).
     #[arg(long, value_delimiter = ',', default_value = "put,get,e2e,limit")]
     phases: Vec<String>,
     /// Bytes copied per h2d repetition.
@@ -103,6 +105,68 @@ struct Args {
     /// send the token `FLIGHTDECK_TOKEN` holds.
     #[arg(long)]
     auth_token_file: Option<PathBuf>,
+}
+
+/// The filter phase: one dataset, read globally shuffled by every rank
+/// whole and through a filter that selects about half its rows (`f0` is
+/// uniform in [0, 1)); each repetition first plans a filter not seen
+/// before, which is the selection's one-off cost.
+async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxError> {
+    let (ranks, batch_rows) = (run.args.ranks, run.args.batch_rows);
+    if run.args.vector || run.shape.features == 0 {
+        return Err("the filter phase needs scalar features (f0): drop --vector".into());
+    }
+    progress("filter: writing the dataset");
+    phases::drop_dataset(uri, "filtered").await?;
+    phases::put(uri, "filtered", &run.shape, &run.parts, run.args.writers).await?;
+    let payload = run.shape.payload_bytes();
+    for rep in 0..reps {
+        progress(&format!("filter: repetition {}", rep + 1));
+        let fresh = format!("f0 < 0.5 AND {rep} = {rep}");
+        let mut plan = phases::read_plan("filtered", ranks, Shuffle::Global, batch_rows);
+        plan.filter = fresh;
+        let t = std::time::Instant::now();
+        let planned = Client::connect(uri).await?.plan(plan).await?;
+        let selected: u64 = planned.shards.iter().map(|s| s.rows).sum();
+        let sample = Sample {
+            elapsed: t.elapsed(),
+            latencies: vec![],
+        };
+        run.record(
+            "filter/select",
+            "flightdeck",
+            run.shape.rows,
+            payload,
+            sample,
+        );
+
+        let plan = phases::read_plan("filtered", ranks, Shuffle::Global, batch_rows);
+        let (s, rows) = phases::get_ranks(uri, plan.clone(), None).await?;
+        run.record(
+            "filter/global-all",
+            "flightdeck",
+            rows,
+            rows * run.shape.row_bytes(),
+            s,
+        );
+        let filtered = flightdeck_client::ReadPlan {
+            filter: "f0 < 0.5".to_string(),
+            ..plan
+        };
+        let (s, rows) = phases::get_ranks(uri, filtered, None).await?;
+        run.record(
+            "filter/global-selected",
+            "flightdeck",
+            rows,
+            rows * run.shape.row_bytes(),
+            s,
+        );
+        if rows.abs_diff(selected) > u64::from(ranks) {
+            return Err(format!("the filter read {rows} rows; its plan said {selected}").into());
+        }
+    }
+    phases::drop_dataset(uri, "filtered").await?;
+    Ok(())
 }
 
 /// A server child process, killed on drop.
@@ -213,7 +277,7 @@ impl Run {
 }
 
 /// Phases the tool knows.
-const PHASES: [&str; 6] = ["put", "get", "e2e", "limit", "h2d", "cluster"];
+const PHASES: [&str; 7] = ["put", "get", "e2e", "limit", "h2d", "cluster", "filter"];
 
 async fn run(args: Args) -> Result<(), BoxError> {
     if let Some(p) = args.phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
@@ -328,6 +392,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let has = |p: &str| run.args.phases.iter().any(|x| x == p);
     let (do_limit, do_e2e, do_put, do_get) = (has("limit"), has("e2e"), has("put"), has("get"));
     let do_cluster = has("cluster");
+    let do_filter = has("filter");
     let mut peak_rss_e2e = None;
 
     if has("h2d") {
@@ -440,6 +505,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     if do_cluster {
         cluster_phase(&mut run, &fd_uri, reps).await?;
     }
+    if do_filter {
+        filter_phase(&mut run, &fd_uri, reps).await?;
+    }
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -463,7 +531,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .find(|m| m.phase == phase && m.target == "flightdeck")
             .map(Measured::gbps)
     };
+    let rows_per_s = |phase: &str| {
+        run.results
+            .iter()
+            .find(|m| m.phase == phase && m.target == "flightdeck")
+            .map(|m| m.rows as f64 / m.median().as_secs_f64())
+    };
     let ratios = json!({
+        "filter_selected_rows_vs_unfiltered_rows": ratio(rows_per_s("filter/global-selected"), rows_per_s("filter/global-all")),
         "cluster_node_vs_single_none": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks")),
         "cluster_node_vs_single_global": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks-global")),
         "cluster_global_none_vs_single_none": ratio(gbps("cluster/global-none"), gbps("cluster/single-none")),

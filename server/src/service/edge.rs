@@ -333,7 +333,6 @@ impl HttpBody for Tracked {
     }
 }
 
-/// Reads the request: one uncompressed gRPC message holding a `Ticket`.
 /// A request body that yields bytes already read, then the rest of the
 /// original body.
 struct Replay {
@@ -407,6 +406,8 @@ async fn peek_first(mut body: Body) -> std::result::Result<(Option<Bytes>, Body)
     Ok((first, Body::new(replay)))
 }
 
+/// Reads the request: one uncompressed gRPC message holding a `Ticket`;
+/// also the bytes read, to hand the request on whole.
 async fn read_ticket(mut body: Body) -> std::result::Result<(Ticket, Bytes), Status> {
     let mut buf = BytesMut::new();
     while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {

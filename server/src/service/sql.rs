@@ -403,6 +403,20 @@ fn info_for(
     Ok(Response::new(info))
 }
 
+/// The FlightInfo whose one ticket is `cmd` itself (a metadata command, a
+/// statement's ticket, a prepared statement), answered by its `do_get_*`.
+fn command_info(
+    schema: &Schema,
+    cmd: &impl ProstMessageExt,
+    request: Request<FlightDescriptor>,
+) -> std::result::Result<Response<FlightInfo>, Status> {
+    info_for(
+        schema,
+        cmd.as_any().encode_to_vec().into(),
+        request.into_inner(),
+    )
+}
+
 /// One record batch as a Flight data stream.
 fn one_batch(
     schema: SchemaRef,
@@ -443,11 +457,7 @@ impl FlightSqlService for SqlService {
         let ticket = TicketStatementQuery {
             statement_handle: query.query.clone().into(),
         };
-        info_for(
-            &schema,
-            ticket.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &ticket, request)
     }
 
     async fn do_get_statement(
@@ -471,11 +481,7 @@ impl FlightSqlService for SqlService {
             .plan(&ctx, &handle.query, param_values(&handle.parameters)?)
             .await?;
         let schema = plan.schema().as_arrow().clone();
-        info_for(
-            &schema,
-            cmd.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &cmd, request)
     }
 
     async fn do_get_prepared_statement(
@@ -565,11 +571,7 @@ impl FlightSqlService for SqlService {
         request: Request<FlightDescriptor>,
     ) -> std::result::Result<Response<FlightInfo>, Status> {
         let schema = query.into_builder().schema();
-        info_for(
-            &schema,
-            query.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &query, request)
     }
 
     async fn do_get_catalogs(
@@ -589,11 +591,7 @@ impl FlightSqlService for SqlService {
         request: Request<FlightDescriptor>,
     ) -> std::result::Result<Response<FlightInfo>, Status> {
         let schema = query.clone().into_builder().schema();
-        info_for(
-            &schema,
-            query.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &query, request)
     }
 
     async fn do_get_schemas(
@@ -613,11 +611,7 @@ impl FlightSqlService for SqlService {
         request: Request<FlightDescriptor>,
     ) -> std::result::Result<Response<FlightInfo>, Status> {
         let schema = query.clone().into_builder().schema();
-        info_for(
-            &schema,
-            query.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &query, request)
     }
 
     async fn do_get_tables(
@@ -640,11 +634,7 @@ impl FlightSqlService for SqlService {
         query: CommandGetTableTypes,
         request: Request<FlightDescriptor>,
     ) -> std::result::Result<Response<FlightInfo>, Status> {
-        info_for(
-            &table_types_schema(),
-            query.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&table_types_schema(), &query, request)
     }
 
     async fn do_get_table_types(
@@ -667,11 +657,7 @@ impl FlightSqlService for SqlService {
         request: Request<FlightDescriptor>,
     ) -> std::result::Result<Response<FlightInfo>, Status> {
         let schema = query.clone().into_builder(&sql_info()?).schema();
-        info_for(
-            &schema,
-            query.as_any().encode_to_vec().into(),
-            request.into_inner(),
-        )
+        command_info(&schema, &query, request)
     }
 
     async fn do_get_sql_info(
