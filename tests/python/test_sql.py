@@ -56,6 +56,11 @@ def test_an_adbc_session_lists_describes_aggregates_filters_and_binds(server):
         want = source.filter(pc.and_(pc.equal(source["country"], "DE"), pc.greater(source["label"], 2)))
         assert got["id"].to_pylist() == want["id"].to_pylist()
         assert got.schema.field("country").type == pa.string()
+        # The filter and the projection are pushed into the scan of the cache.
+        plan = fetch(conn, "EXPLAIN SELECT id FROM events WHERE label > 2").to_pydict()
+        logical = " ".join(plan["plan"])
+        assert "partial_filters=[events.label > Int32(2)]" in logical, logical
+        assert "projection=[id, label]" in logical, logical
 
         # A prepared statement, executed twice with different parameters.
         with conn.cursor() as cur:
@@ -114,9 +119,14 @@ def test_sql_over_a_cluster_dataset_sees_every_member(server):
         source = pa.concat_tables(parts)
         with adbc.connect(members[1].uri, autocommit=True) as conn:
             got = fetch(conn, "SELECT count(*) AS n, sum(id) AS s FROM c WHERE label >= 0")
+            everything = fetch(conn, "SELECT count(*) AS n FROM c")
+            ids = fetch(conn, "SELECT id FROM c WHERE country = 'FR' ORDER BY id")
         want = source.filter(pc.greater_equal(source["label"], 0))
         assert got["n"].to_pylist() == [want.num_rows]
         assert got["s"].to_pylist() == [pc.sum(want["id"]).as_py()]
+        assert everything["n"].to_pylist() == [source.num_rows]
+        fr = source.filter(pc.equal(source["country"], "FR"))
+        assert ids["id"].to_pylist() == sorted(fr["id"].to_pylist())
     finally:
         for m in members:
             assert m.stop() == 0, "".join(m.stderr_lines)

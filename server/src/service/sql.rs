@@ -37,11 +37,14 @@ use arrow_flight::{
 };
 use bytes::Bytes;
 use datafusion::catalog::{Session, TableProvider};
+use datafusion::common::DFSchema;
 use datafusion::common::{DataFusionError, ParamValues, ScalarValue};
 use datafusion::datasource::TableType;
 use datafusion::execution::TaskContext;
 use datafusion::execution::context::SQLOptions;
-use datafusion::logical_expr::{Expr, LogicalPlan};
+use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
@@ -701,11 +704,22 @@ impl TableProvider for CachedTable {
         TableType::Base
     }
 
+    /// Every filter is applied in the scan, to each batch as it leaves the
+    /// cache (or arrives from another member), before anything above it;
+    /// DataFusion still checks it again ("inexact"), so any expression may
+    /// be pushed.
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> datafusion::common::Result<Vec<TableProviderFilterPushDown>> {
+        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
+    }
+
     async fn scan(
         &self,
-        _state: &dyn Session,
+        session: &dyn Session,
         projection: Option<&Vec<usize>>,
-        _filters: &[Expr],
+        filters: &[Expr],
         limit: Option<usize>,
     ) -> datafusion::common::Result<Arc<dyn ExecutionPlan>> {
         let external = |e: Error| DataFusionError::External(Box::new(e));
@@ -715,18 +729,49 @@ impl TableProvider for CachedTable {
             .describe(&self.name)
             .map_err(external)?;
         let (_, data) = self.state.resident(&self.name).await.map_err(external)?;
+        // Batches are projected (no copy), then filtered: the projection
+        // holds every column the filters read, as DataFusion evaluates them
+        // again above the scan.
+        let schema = match projection {
+            Some(p) => Arc::new(self.schema.project(p)?),
+            None => self.schema.clone(),
+        };
+        let filter = match conjunction(filters.iter().cloned()) {
+            Some(expr) => {
+                let df = DFSchema::try_from(schema.as_ref().clone())?;
+                Some(session.create_physical_expr(expr, &df)?)
+            }
+            None => None,
+        };
+        let rows = ScanRows {
+            schema: schema.clone(),
+            projection: projection.cloned(),
+            filter,
+        };
         let mut partitions: Vec<Arc<dyn PartitionStream>> = vec![Arc::new(LocalRows {
-            schema: self.schema.clone(),
+            rows: rows.clone(),
             batches: data.batches().to_vec(),
         })];
         if let Some(ClusterState::Member { layout, index }) = &summary.cluster {
+            // Other members send only the projected columns (all of them
+            // when none is read, as for count(*): a read names at least one).
+            let columns: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
+            let remote = if columns.is_empty() {
+                rows.clone()
+            } else {
+                ScanRows {
+                    projection: None,
+                    ..rows.clone()
+                }
+            };
             for (m, member) in layout.members.iter().enumerate() {
                 if m == *index {
                     continue;
                 }
                 partitions.push(Arc::new(MemberRows {
                     state: self.state.clone(),
-                    schema: self.schema.clone(),
+                    rows: remote.clone(),
+                    columns: columns.clone(),
                     dataset: self.name.clone(),
                     location: member.location.clone(),
                     layout: layout.id,
@@ -735,9 +780,9 @@ impl TableProvider for CachedTable {
             }
         }
         Ok(Arc::new(StreamingTableExec::try_new(
-            self.schema.clone(),
+            schema,
             partitions,
-            projection,
+            None,
             Vec::new(),
             false,
             limit,
@@ -745,23 +790,50 @@ impl TableProvider for CachedTable {
     }
 }
 
-/// This member's cached batches (shared, not copied).
+/// What a scan makes of each stored batch: its projection, then the
+/// filters pushed into it.
+#[derive(Debug, Clone)]
+struct ScanRows {
+    schema: SchemaRef,
+    projection: Option<Vec<usize>>,
+    filter: Option<Arc<dyn PhysicalExpr>>,
+}
+
+impl ScanRows {
+    fn apply(&self, batch: &RecordBatch) -> datafusion::common::Result<RecordBatch> {
+        let batch = match &self.projection {
+            Some(p) => batch.project(p)?,
+            None => batch.clone(),
+        };
+        let Some(filter) = &self.filter else {
+            return Ok(batch);
+        };
+        let keep = filter.evaluate(&batch)?.into_array(batch.num_rows())?;
+        let keep = keep
+            .as_any()
+            .downcast_ref::<arrow::array::BooleanArray>()
+            .ok_or_else(|| DataFusionError::Internal("a pushed filter is not boolean".into()))?;
+        Ok(arrow::compute::filter_record_batch(&batch, keep)?)
+    }
+}
+
+/// This member's cached batches (shared, not copied, until filtered).
 #[derive(Debug)]
 struct LocalRows {
-    schema: SchemaRef,
+    rows: ScanRows,
     batches: Vec<RecordBatch>,
 }
 
 impl PartitionStream for LocalRows {
     fn schema(&self) -> &SchemaRef {
-        &self.schema
+        &self.rows.schema
     }
 
     fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
-        let batches = self.batches.clone();
+        let (rows, batches) = (self.rows.clone(), self.batches.clone());
         Box::pin(RecordBatchStreamAdapter::new(
-            self.schema.clone(),
-            futures::stream::iter(batches.into_iter().map(Ok)),
+            self.rows.schema.clone(),
+            futures::stream::iter(batches.into_iter().map(move |b| rows.apply(&b))),
         ))
     }
 }
@@ -771,7 +843,9 @@ impl PartitionStream for LocalRows {
 #[derive(Debug)]
 struct MemberRows {
     state: Arc<State>,
-    schema: SchemaRef,
+    rows: ScanRows,
+    /// Columns to ask for; empty = all.
+    columns: Vec<String>,
     dataset: String,
     location: String,
     layout: u64,
@@ -780,7 +854,7 @@ struct MemberRows {
 
 impl PartitionStream for MemberRows {
     fn schema(&self) -> &SchemaRef {
-        &self.schema
+        &self.rows.schema
     }
 
     fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
@@ -789,6 +863,7 @@ impl PartitionStream for MemberRows {
             &pb::ReadPlan {
                 dataset: self.dataset.clone(),
                 world_size: 1,
+                columns: self.columns.clone(),
                 ..Default::default()
             },
             &self.state.config,
@@ -831,8 +906,12 @@ impl PartitionStream for MemberRows {
                 }
             }
         });
-        let rows =
-            tokio_stream::wrappers::ReceiverStream::new(rx).map(move |r| r.map_err(external));
-        Box::pin(RecordBatchStreamAdapter::new(self.schema.clone(), rows))
+        let rows = self.rows.clone();
+        let batches = tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(move |r| r.map_err(external).and_then(|b| rows.apply(&b)));
+        Box::pin(RecordBatchStreamAdapter::new(
+            self.rows.schema.clone(),
+            batches,
+        ))
     }
 }
