@@ -135,7 +135,7 @@ impl SqlService {
                 name: name.clone(),
                 schema,
             });
-            if source == Some(name.as_str()) {
+            if source == Some(name.as_str()) && name != "source" {
                 ctx.register_table("source", table.clone())
                     .map_err(|e| Error::Internal(format!("cannot register the source: {e}")))?;
             }
