@@ -56,11 +56,12 @@ def test_an_adbc_session_lists_describes_aggregates_filters_and_binds(server):
         want = source.filter(pc.and_(pc.equal(source["country"], "DE"), pc.greater(source["label"], 2)))
         assert got["id"].to_pylist() == want["id"].to_pylist()
         assert got.schema.field("country").type == pa.string()
-        # The filter and the projection are pushed into the scan of the cache.
+        # The filter and the projection are pushed into the scan of the
+        # cache: evaluated there exactly, with no filter above it.
         plan = fetch(conn, "EXPLAIN SELECT id FROM events WHERE label > 2").to_pydict()
-        logical = " ".join(plan["plan"])
-        assert "partial_filters=[events.label > Int32(2)]" in logical, logical
-        assert "projection=[id, label]" in logical, logical
+        text = " ".join(plan["plan"])
+        assert "full_filters=[events.label > Int32(2)]" in text, text
+        assert "projection=[id]" in text and "FilterExec" not in text, text
 
         # A prepared statement, executed twice with different parameters.
         with conn.cursor() as cur:

@@ -704,15 +704,15 @@ impl TableProvider for CachedTable {
         TableType::Base
     }
 
-    /// Every filter is applied in the scan, to each batch as it leaves the
-    /// cache (or arrives from another member), before anything above it;
-    /// DataFusion still checks it again ("inexact"), so any expression may
-    /// be pushed.
+    /// Every filter is evaluated in the scan with DataFusion's own
+    /// expressions, on each batch as it leaves the cache (or arrives from
+    /// another member): exactly, so DataFusion does not filter again and
+    /// the scan copies only the projected columns of the rows kept.
     fn supports_filters_pushdown(
         &self,
         filters: &[&Expr],
     ) -> datafusion::common::Result<Vec<TableProviderFilterPushDown>> {
-        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
+        Ok(vec![TableProviderFilterPushDown::Exact; filters.len()])
     }
 
     async fn scan(
@@ -729,16 +729,15 @@ impl TableProvider for CachedTable {
             .describe(&self.name)
             .map_err(external)?;
         let (_, data) = self.state.resident(&self.name).await.map_err(external)?;
-        // Batches are projected (no copy), then filtered: the projection
-        // holds every column the filters read, as DataFusion evaluates them
-        // again above the scan.
         let schema = match projection {
             Some(p) => Arc::new(self.schema.project(p)?),
             None => self.schema.clone(),
         };
+        // The filters read stored batches (every column, no copy); the
+        // projection is taken after them.
         let filter = match conjunction(filters.iter().cloned()) {
             Some(expr) => {
-                let df = DFSchema::try_from(schema.as_ref().clone())?;
+                let df = DFSchema::try_from(self.schema.as_ref().clone())?;
                 Some(session.create_physical_expr(expr, &df)?)
             }
             None => None,
@@ -753,16 +752,19 @@ impl TableProvider for CachedTable {
             batches: data.batches().to_vec(),
         })];
         if let Some(ClusterState::Member { layout, index }) = &summary.cluster {
-            // Other members send only the projected columns (all of them
-            // when none is read, as for count(*): a read names at least one).
+            // Other members send only the projected columns when nothing
+            // else is needed: with filters (which read other columns), or
+            // when no column is read (count(*); a read names at least one),
+            // they send every column and the scan filters and projects.
             let columns: Vec<String> = schema.fields().iter().map(|f| f.name().clone()).collect();
-            let remote = if columns.is_empty() {
-                rows.clone()
+            let (columns, remote) = if rows.filter.is_some() || columns.is_empty() {
+                (Vec::new(), rows.clone())
             } else {
-                ScanRows {
+                let remote = ScanRows {
                     projection: None,
                     ..rows.clone()
-                }
+                };
+                (columns, remote)
             };
             for (m, member) in layout.members.iter().enumerate() {
                 if m == *index {
@@ -790,8 +792,8 @@ impl TableProvider for CachedTable {
     }
 }
 
-/// What a scan makes of each stored batch: its projection, then the
-/// filters pushed into it.
+/// What a scan makes of each batch it reads: the rows its filters keep
+/// (evaluated on the batch as read), of its projected columns.
 #[derive(Debug, Clone)]
 struct ScanRows {
     schema: SchemaRef,
@@ -801,19 +803,28 @@ struct ScanRows {
 
 impl ScanRows {
     fn apply(&self, batch: &RecordBatch) -> datafusion::common::Result<RecordBatch> {
+        let keep = match &self.filter {
+            Some(filter) => {
+                let keep = filter.evaluate(batch)?.into_array(batch.num_rows())?;
+                Some(
+                    keep.as_any()
+                        .downcast_ref::<arrow::array::BooleanArray>()
+                        .cloned()
+                        .ok_or_else(|| {
+                            DataFusionError::Internal("a pushed filter is not boolean".into())
+                        })?,
+                )
+            }
+            None => None,
+        };
         let batch = match &self.projection {
             Some(p) => batch.project(p)?,
             None => batch.clone(),
         };
-        let Some(filter) = &self.filter else {
-            return Ok(batch);
-        };
-        let keep = filter.evaluate(&batch)?.into_array(batch.num_rows())?;
-        let keep = keep
-            .as_any()
-            .downcast_ref::<arrow::array::BooleanArray>()
-            .ok_or_else(|| DataFusionError::Internal("a pushed filter is not boolean".into()))?;
-        Ok(arrow::compute::filter_record_batch(&batch, keep)?)
+        match keep {
+            Some(keep) => Ok(arrow::compute::filter_record_batch(&batch, &keep)?),
+            None => Ok(batch),
+        }
     }
 }
 
