@@ -173,3 +173,26 @@ def test_a_spilled_dataset_is_restored_for_a_query_and_a_filter(tmp_path):
         assert plan.total_rows == got["n"][0].as_py()
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+def test_a_query_past_its_memory_is_resource_exhausted_and_the_server_keeps_serving():
+    import numpy as np
+
+    s = RunningServer("--memory-limit", "64MiB")  # a query may hold 16 MiB
+    try:
+        c = flightdeck.connect(s.uri)
+        rows = 300_000
+        cols = {"id": pa.array(np.arange(rows, dtype=np.int64))}
+        for i in range(8):
+            cols[f"x{i}"] = pa.array(np.full(rows, float(i)))
+        c.put_partition("wide", 0, pa.table(cols))  # 21.6 MB
+        c.seal("wide", partitions=1)
+        with adbc.connect(s.uri, autocommit=True) as conn:
+            # A join's build side holds every column of one side: past 16 MiB.
+            with pytest.raises(Exception, match="needs more memory than a query may hold"):
+                fetch(conn, "SELECT a.*, b.x0 AS y FROM wide a JOIN wide b ON a.id = b.id")
+            # The server is fine, and so is a query that fits.
+            assert fetch(conn, "SELECT count(*) AS n FROM wide")["n"].to_pylist() == [rows]
+        assert c.plan("wide").total_rows == rows
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)

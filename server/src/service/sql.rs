@@ -126,7 +126,14 @@ impl SqlService {
         let config = SessionConfig::new()
             .with_default_catalog_and_schema(CATALOG, SCHEMA)
             .with_information_schema(true);
-        let ctx = SessionContext::new_with_config(config);
+        // What one query may hold beyond the cached data it reads (hash
+        // tables, join build sides, sort buffers): a quarter of the budget.
+        let limit = query_memory(self.state.config.memory_limit);
+        let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
+            .with_memory_limit(limit, 1.0)
+            .build_arc()
+            .map_err(|e| Error::Internal(format!("cannot make a query runtime: {e}")))?;
+        let ctx = SessionContext::new_with_config_rt(config, runtime);
         ctx.register_udf(crate::query::HashBucket::udf());
         let tables = self.tables();
         for (name, schema) in tables {
@@ -309,9 +316,24 @@ impl SqlService {
     }
 }
 
-/// `INVALID_ARGUMENT` with DataFusion's message and the query; errors of
-/// the server itself (a restore that found no room) keep their own code.
+/// Bytes one SQL query may hold of its own: a quarter of the memory
+/// budget, at least 16 MiB.
+pub fn query_memory(budget: u64) -> usize {
+    usize::try_from(budget / 4)
+        .unwrap_or(usize::MAX)
+        .max(16 << 20)
+}
+
+/// `INVALID_ARGUMENT` with DataFusion's message and the query; a query
+/// past its memory is `RESOURCE_EXHAUSTED`; errors of the server itself (a
+/// restore that found no room) keep their own code.
 fn query_error(sql: &str, e: DataFusionError) -> Error {
+    if let DataFusionError::ResourcesExhausted(m) = e.find_root() {
+        return Error::ResourceExhausted(format!(
+            "the query `{sql}` needs more memory than a query may hold (a quarter of \
+             --memory-limit): {m}; select fewer columns or rows, or aggregate first"
+        ));
+    }
     match e {
         DataFusionError::External(inner) => match inner.downcast::<Error>() {
             Ok(ours) => *ours,
