@@ -169,6 +169,22 @@ def flightdeck_server(tmp_path):
     assert code == 0, "server did not shut down cleanly:\n" + "".join(server.stderr_lines)
 
 
+@pytest.fixture
+def members():
+    """Three members, each its own process; always stopped, logs kept (a
+    member the test killed itself is not asked for a clean exit)."""
+    servers = []
+    try:
+        for _ in range(3):
+            servers.append(RunningServer("--memory-limit", "256MiB"))
+        yield servers
+    finally:
+        for s in servers:
+            killed = s.proc.poll() is not None  # by the test itself
+            code = s.stop()
+            assert killed or code == 0, "member did not stop cleanly:\n" + "".join(s.stderr_lines)
+
+
 @pytest.fixture(scope="session")
 def pb(tmp_path_factory):
     """`flightdeck_pb2`, compiled from protos/flightdeck.proto right now."""

@@ -19,26 +19,11 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer, require_torch, scaled
+from conftest import require_torch, scaled
 from flightdeck import ShardedDataset
 from flightdeck import _wire as wire
 
 ROWS = 24_000
-
-
-@pytest.fixture
-def members():
-    """Three members, each its own process; always stopped, logs kept."""
-    servers = []
-    try:
-        for _ in range(3):
-            servers.append(RunningServer("--memory-limit", "256MiB"))
-        yield servers
-    finally:
-        for s in servers:
-            killed = s.proc.poll() is not None  # by the test itself
-            code = s.stop()
-            assert killed or code == 0, "member did not stop cleanly:\n" + "".join(s.stderr_lines)
 
 
 def routes(members):

@@ -243,18 +243,6 @@ def test_bad_expressions_are_invalid_argument_and_the_server_keeps_serving(serve
     assert read_all(client, "bad", filter="id < 10").num_rows == 10
 
 
-@pytest.fixture
-def members():
-    servers = []
-    try:
-        for _ in range(3):
-            servers.append(RunningServer("--memory-limit", "256MiB"))
-        yield servers
-    finally:
-        for s in servers:
-            assert s.stop() == 0, "".join(s.stderr_lines)
-
-
 def test_a_filter_over_a_cluster_dataset_reads_as_one_server_would(members, server):
     single = flightdeck.connect(server.uri)
     sizes = [400, 300, 0, 500, 200, 600]

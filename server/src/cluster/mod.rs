@@ -80,8 +80,9 @@ pub struct Layout {
     parts: Vec<Part>,
 }
 
-/// FNV-1a, a stable hash (the same on every build) for layout ids.
-fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
+/// FNV-1a continued from `h`, a stable hash (the same on every build):
+/// layout ids, and `hash_bucket` from the offset basis.
+pub(crate) fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
     for &b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);

@@ -22,14 +22,9 @@ use datafusion::logical_expr::{
 /// Buckets when the call names none.
 const DEFAULT_BUCKETS: i64 = 100;
 
-/// FNV-1a over `bytes`.
+/// FNV-1a over `bytes` from its offset basis (the layout ids' hash).
 fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    crate::cluster::fnv1a(bytes, 0xcbf2_9ce4_8422_2325)
 }
 
 /// SplitMix64's finalizer: every input bit moves every output bit.

@@ -35,12 +35,16 @@ pub use hash_bucket::{HashBucket, bucket_of_bytes, bucket_of_int};
 /// Filters kept per dataset generation; the oldest is dropped past this.
 const KEPT_SELECTIONS: usize = 8;
 
-/// The DataFusion session every expression is planned in: default
-/// functions plus [`hash_bucket`].
-pub fn session() -> SessionContext {
-    let ctx = SessionContext::new();
-    ctx.register_udf(HashBucket::udf());
-    ctx
+/// The DataFusion session every read-plan expression is planned in:
+/// default functions plus [`hash_bucket`]; made once (registering every
+/// function is not free) and shared, as planning an expression only reads it.
+pub fn session() -> &'static SessionContext {
+    static SESSION: std::sync::OnceLock<SessionContext> = std::sync::OnceLock::new();
+    SESSION.get_or_init(|| {
+        let ctx = SessionContext::new();
+        ctx.register_udf(HashBucket::udf());
+        ctx
+    })
 }
 
 /// `INVALID_ARGUMENT` for an expression DataFusion refused.
@@ -50,21 +54,22 @@ fn refused(what: &str, sql: &str, dataset: &str, e: impl std::fmt::Display) -> E
     ))
 }
 
-/// A parsed expression over `schema`.
+/// A parsed expression over `schema`, and its type (type errors surface
+/// when the expression is typed, not when it is parsed).
 fn parse(
     ctx: &SessionContext,
     schema: &DFSchema,
     what: &str,
     sql: &str,
     dataset: &str,
-) -> Result<Expr> {
+) -> Result<(Expr, DataType)> {
     let expr = ctx
         .parse_sql_expr(sql, schema)
         .map_err(|e| refused(what, sql, dataset, e))?;
-    // Type errors surface when the expression is typed, not when parsed.
-    expr.get_type(schema)
+    let ty = expr
+        .get_type(schema)
         .map_err(|e| refused(what, sql, dataset, e))?;
-    Ok(expr)
+    Ok((expr, ty))
 }
 
 /// A compiled read-plan filter over one dataset schema.
@@ -80,10 +85,7 @@ impl Filter {
         let ctx = session();
         let df = DFSchema::try_from(schema.clone())
             .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
-        let expr = parse(&ctx, &df, "filter", sql, dataset)?;
-        let ty = expr
-            .get_type(&df)
-            .map_err(|e| refused("filter", sql, dataset, e))?;
+        let (expr, ty) = parse(ctx, &df, "filter", sql, dataset)?;
         if ty != DataType::Boolean && ty != DataType::Null {
             return Err(Error::invalid(format!(
                 "the filter `{sql}` over dataset '{dataset}' is of type {ty}, not boolean; write a \
@@ -290,7 +292,7 @@ impl Derive {
                     "an empty expression in the select list of dataset '{dataset}'"
                 )));
             }
-            let expr = parse(&ctx, &full, "select expression", sql, dataset)?;
+            let (expr, _) = parse(ctx, &full, "select expression", sql, dataset)?;
             for c in expr.column_refs() {
                 used.insert(schema.index_of(&c.name).map_err(|_| {
                     Error::invalid(format!(

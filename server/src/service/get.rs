@@ -66,6 +66,11 @@ impl Source {
         }
     }
 
+    /// Rows `selection` takes from each of this member's partitions.
+    fn own_counts(&self, selection: &Selection) -> Vec<u64> {
+        selection.counts(&self.layout.partition_rows(self.index))
+    }
+
     /// The plan's node map over this layout.
     fn nodes(&self, plan: &ReadPlan) -> Result<Nodes> {
         let nodes = plan
@@ -145,7 +150,7 @@ async fn plan_space(
     let Some(selection) = plan_selection(state, plan, data).await? else {
         return Ok(Space::whole(source));
     };
-    let own = selection.counts(&source.layout.partition_rows(source.index));
+    let own = source.own_counts(&selection);
     if !source.cluster {
         return Space::of(source, selection, own);
     }
@@ -481,7 +486,7 @@ pub(super) async fn shard_messages(
     let space = match plan_selection(state, &t.plan, &data).await? {
         None => Space::whole(&source),
         Some(selection) => {
-            let own = selection.counts(&source.layout.partition_rows(source.index));
+            let own = source.own_counts(&selection);
             if !source.cluster {
                 Space::of(&source, selection, own)?
             } else {
