@@ -322,6 +322,10 @@ impl Nodes {
     }
 }
 
+/// Most node indices [`NodeOrder::samples_held`] inverts (its answer holds
+/// at most that many 16-byte entries: 32 MiB).
+pub const HELD_MAX: u64 = 1 << 21;
+
 /// The `NODE` assignment of one epoch: which `(member, member row)` each
 /// node's ranks read, each row once (padding aside).
 #[derive(Debug, Clone)]
@@ -477,6 +481,55 @@ impl NodeOrder {
         (m == member).then(|| self.member_perm[m].apply(i))
     }
 
+    /// Rank `rank`'s samples from its `first` on that member `member`
+    /// holds, as `(k, member row)` in ascending `k`: what
+    /// [`Self::sample_from`] finds walking every sample, found instead by
+    /// inverting the node's shuffle over the indices the member supplies,
+    /// so it costs the member's part of the node rather than the rank's
+    /// samples. `None` when that part is not smaller than the samples left
+    /// or than [`HELD_MAX`] (walk the samples then).
+    pub fn samples_held(&self, rank: u64, first: u64, member: usize) -> Option<Vec<(u64, u64)>> {
+        let g = self.nodes.node_of(rank);
+        let part = self.node.get(g)?;
+        let ranks = self.nodes.ranks_of(g);
+        let width = ranks.end - ranks.start;
+        let local = rank - ranks.start;
+        // Indices of the node's assigned rows that may be the member's:
+        // its kept rows, its slice of the pool, and the padding.
+        let mut candidates: Vec<std::ops::Range<u64>> = Vec::new();
+        if part.member == Some(member) {
+            candidates.push(0..part.kept);
+        }
+        if let (Some(&start), Some(&end)) =
+            (self.pool_start.get(member), self.pool_start.get(member + 1))
+        {
+            let (lo, hi) = (start.max(part.from), end.min(part.from + part.received));
+            if lo < hi {
+                candidates.push(part.kept + (lo - part.from)..part.kept + (hi - part.from));
+            }
+        }
+        candidates.push(part.kept + part.received..part.capacity);
+        let count: u64 = candidates.iter().map(|r| r.end - r.start).sum();
+        if count >= self.per_rank.saturating_sub(first).min(HELD_MAX) {
+            return None;
+        }
+        let mut held: Vec<(u64, u64)> = candidates
+            .into_iter()
+            .flatten()
+            .filter_map(|i| {
+                let p = part.perm.invert(i);
+                let k = p / width;
+                if p % width != local || k < first {
+                    return None;
+                }
+                let (m, at) = self.assigned(g, i);
+                (m == member).then(|| (k, self.member_perm[m].apply(at)))
+            })
+            .collect();
+        held.sort_unstable();
+        Some(held)
+    }
+
     /// Members whose rows node `g` reads (a superset, cheap to compute).
     pub fn sources(&self, g: usize) -> Vec<usize> {
         let part = &self.node[g];
@@ -583,6 +636,23 @@ impl RankRows {
                 (m == member).then_some(row)
             }
             Self::Node { order, rank, first } => order.sample_from(*rank, first + k, member),
+        }
+    }
+
+    /// Member `member`'s samples of this rank as `(k, member row)`, `k`
+    /// counted as [`Self::sample`] counts, ascending; `None` where walking
+    /// the samples with [`Self::sample_from`] is the cheaper way
+    /// ([`NodeOrder::samples_held`]).
+    pub fn held_by(&self, member: usize) -> Option<Vec<(u64, u64)>> {
+        match self {
+            Self::Global { .. } => None,
+            Self::Node { order, rank, first } => {
+                let mut held = order.samples_held(*rank, *first, member)?;
+                for (k, _) in &mut held {
+                    *k -= first;
+                }
+                Some(held)
+            }
         }
     }
 

@@ -185,6 +185,35 @@ proptest! {
         }
     }
 
+    /// A member's samples found by inverting the node's shuffle are the
+    /// ones walking every sample finds, in the same order.
+    #[test]
+    fn held_samples_are_the_walked_ones(
+        member_rows in proptest::collection::vec(0u64..400, 1..4),
+        ranks_per_node in 1u32..4,
+        extra_nodes in 0usize..2,
+        drop_last: bool,
+        seed: u64,
+        first_frac in 0u64..4,
+    ) {
+        let m = member_rows.len();
+        let world = ranks_per_node * (m + extra_nodes) as u32;
+        let n: u64 = member_rows.iter().sum();
+        let nodes = Nodes::new(world, ranks_per_node, vec![], m).expect("nodes");
+        let full = crate::order::Shares::new(n, world, 0, drop_last).expect("shares");
+        let order = NodeOrder::new(&member_rows, nodes, full.per_rank(), seed, 3);
+        let first = full.per_rank() * first_frac / 4;
+        for r in 0..u64::from(world) {
+            for peer in 0..m {
+                let Some(held) = order.samples_held(r, first, peer) else { continue };
+                let walked: Vec<(u64, u64)> = (first..order.per_rank())
+                    .filter_map(|k| order.sample_from(r, k, peer).map(|row| (k, row)))
+                    .collect();
+                prop_assert_eq!(held, walked, "rank {} member {}", r, peer);
+            }
+        }
+    }
+
     /// Balanced members transfer nothing; epochs give different orders.
     #[test]
     fn balanced_nodes_transfer_nothing(
@@ -208,6 +237,24 @@ proptest! {
             prop_assert_ne!(node_epoch(&a, u64::from(world)), node_epoch(&b, u64::from(world)));
         }
     }
+}
+
+#[test]
+fn a_short_node_finds_its_few_transferred_rows_without_walking() {
+    // Member 0 holds 600 rows, members 1 and 2 hold 300: nodes 1 and 2
+    // each receive 100 of member 0's rows.
+    let nodes = Nodes::new(6, 2, vec![], 3).expect("nodes");
+    let order = NodeOrder::new(&[600, 300, 300], nodes, 200, 9, 0);
+    for r in 2..6 {
+        let held = order.samples_held(r, 0, 0).expect("cheaper than walking");
+        let walked: Vec<(u64, u64)> = (0..200)
+            .filter_map(|k| order.sample_from(r, k, 0).map(|row| (k, row)))
+            .collect();
+        assert_eq!(held, walked);
+        assert!(!held.is_empty() && held.len() < 100, "{}", held.len());
+    }
+    // A node's own member holds most of its rows: walking is cheaper.
+    assert!(order.samples_held(2, 0, 1).is_none());
 }
 
 #[test]

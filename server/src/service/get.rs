@@ -561,7 +561,15 @@ pub(super) async fn shard_messages(
         // streams would wait for each other. Its outbox still bounds it, and
         // it ends when the rank stream does.
         run.account = None;
-        spawn_stream(tx, PeerStream { read, next: 0 }, run);
+        spawn_stream(
+            tx,
+            PeerStream {
+                read,
+                next: 0,
+                held: None,
+            },
+            run,
+        );
         return Ok((rx, info));
     }
     let mut feeds = HashMap::new();
@@ -779,19 +787,38 @@ impl Batches for ShardStream {
     }
 }
 
+/// A member's samples of a rank as `(k, member row)`, ascending in `k`.
+type Held = std::iter::Peekable<std::vec::IntoIter<(u64, u64)>>;
+
 /// This member's rows of another member's rank stream.
 struct PeerStream {
     read: MergedRead,
     next: u64,
+    /// This member's samples of the rank as `(k, member row)`, found once
+    /// at the first batch ([`RankRows::held_by`]); inner `None`: walk each
+    /// batch's samples instead.
+    held: Option<Option<Held>>,
 }
 
 impl Batches for PeerStream {
     fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        let (rows, index) = (&self.read.rows, self.read.index);
+        let held = self
+            .held
+            .get_or_insert_with(|| rows.held_by(index).map(|h| h.into_iter().peekable()));
         loop {
             let b = self.next;
             let samples = self.read.plan.stream_batch(self.read.rows.len(), b)?;
             self.next += 1;
-            if let Some(messages) = self.read.peer_batch(b, samples) {
+            let mine: Vec<u64> = match held {
+                Some(held) => std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
+                    .map(|(_, row)| row)
+                    .collect(),
+                None => samples
+                    .filter_map(|k| self.read.rows.sample_from(k, index))
+                    .collect(),
+            };
+            if let Some(messages) = self.read.peer_batch(b, &mine) {
                 return Some(messages);
             }
         }
@@ -850,22 +877,11 @@ impl MergedRead {
     /// For another member's rank: only this member's rows of batch `b`,
     /// tagged with its index; `None` when it has no such rows (the batch is
     /// left out of the stream).
-    fn peer_batch(
-        &mut self,
-        b: u64,
-        samples: std::ops::Range<u64>,
-    ) -> Option<Result<Vec<IpcMessage>>> {
-        let gather = &self.gather;
-        let local: Vec<(usize, usize)> = samples
-            .filter_map(|k| {
-                self.rows
-                    .sample_from(k, self.index)
-                    .map(|row| gather.locate(row))
-            })
-            .collect();
-        if local.is_empty() {
+    fn peer_batch(&mut self, b: u64, rows: &[u64]) -> Option<Result<Vec<IpcMessage>>> {
+        if rows.is_empty() {
             return None;
         }
+        let local: Vec<(usize, usize)> = rows.iter().map(|&r| self.gather.locate(r)).collect();
         let t = &self.traffic;
         Some(
             self.gather
