@@ -398,6 +398,11 @@ impl Shard {
         self.gather.schema()
     }
 
+    /// The dataset the shard reads.
+    pub fn data(&self) -> &SealedData {
+        self.gather.data()
+    }
+
     /// Rows of the rank's whole share (before any split).
     pub fn rank_rows(&self) -> u64 {
         self.order.len()

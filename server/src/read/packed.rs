@@ -6,7 +6,9 @@
 //! every other reader of a sealed dataset (unshuffled reads, the device
 //! tier, the trainer, spill and persist) keeps using Arrow columns
 //! unchanged, and an unshuffled read is already a forward stream the packed
-//! layout cannot beat. The copy is built at the first shuffled read, lives
+//! layout cannot beat. The copy is built at the first shuffled read after
+//! the dataset has served one epoch's worth of shuffled streams (one pass
+//! does not repay the build; [`PackedCache::worth_packing`]), lives
 //! in the arena (so it counts in the memory budget), is only built when the
 //! budget has room for it without spilling anything, and is the first thing
 //! given up when memory is needed ([`PackedCache::give_up`]). A dataset
@@ -17,6 +19,7 @@
 //! small tile that stays in cache and transposes the tile back into columns,
 //! so the arrays it produces are the ones the columnar gather produces.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arrow::buffer::Buffer;
@@ -139,9 +142,26 @@ fn tile_rows<const N: usize>(column: &[u8], record: usize, into: &mut [u8]) {
 /// A sealed dataset's packed copy, built on demand and given up under
 /// memory pressure.
 #[derive(Debug, Default)]
-pub struct PackedCache(Mutex<Option<Arc<Packed>>>);
+pub struct PackedCache {
+    copy: Mutex<Option<Arc<Packed>>>,
+    /// Shuffled streams begun over the dataset (see [`Self::worth_packing`]).
+    shuffled: AtomicU64,
+}
 
 impl PackedCache {
+    /// Counts one more shuffled stream over the dataset, read by a plan of
+    /// `world_size` ranks, and says whether it should gather from packed
+    /// rows: once the dataset has served as many shuffled streams as one
+    /// epoch of that plan has ranks (its first epoch is read column by
+    /// column), or whenever a copy is already held. One pass does not pay
+    /// for the copy — building it costs about what it saves in one epoch —
+    /// and a dataset read shuffled once (ingest, then one epoch) keeps its
+    /// memory at the columns alone.
+    pub fn worth_packing(&self, world_size: u32) -> bool {
+        let before = self.shuffled.fetch_add(1, Ordering::Relaxed);
+        before >= u64::from(world_size.max(1)) || self.bytes() > 0
+    }
+
     /// The packed copy, building it first when there is none; `None` when
     /// the dataset has nothing worth packing or the budget has no room (the
     /// read then gathers column by column, as before). Concurrent callers
@@ -152,7 +172,7 @@ impl PackedCache {
         arena: &Arena,
         dataset: &str,
     ) -> Option<Arc<Packed>> {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.copy.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(packed) = slot.as_ref() {
             return Some(packed.clone());
         }
@@ -179,7 +199,7 @@ impl PackedCache {
     /// reads using it end); the bytes it held, 0 when there was none or a
     /// build is under way.
     pub fn give_up(&self) -> u64 {
-        let Ok(mut slot) = self.0.try_lock() else {
+        let Ok(mut slot) = self.copy.try_lock() else {
             return 0;
         };
         slot.take().map_or(0, |p| p.bytes())
@@ -187,7 +207,7 @@ impl PackedCache {
 
     /// Bytes of the packed copy now held.
     pub fn bytes(&self) -> u64 {
-        self.0
+        self.copy
             .try_lock()
             .ok()
             .and_then(|s| s.as_ref().map(|p| p.bytes()))

@@ -19,12 +19,12 @@ use tonic::Status;
 use super::Stream;
 use super::ipc::{IpcMessage, Messages};
 use super::outbox::{self, Account};
-use crate::catalog::{ClusterState, DatasetState, DatasetSummary};
+use crate::catalog::{ClusterState, DatasetState, DatasetSummary, SealedData};
 use crate::cluster::peer::PeerBatch;
 use crate::cluster::{self, Layout, Nodes, RankRows};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
-use crate::order::{Locality, ReadPlan};
+use crate::order::{Locality, ReadPlan, Shuffle};
 use crate::query::Selection;
 use crate::read::{self, Gather, Picks, Shard};
 use crate::state::{State, Tally, Traffic, unfinished_seal};
@@ -511,8 +511,10 @@ pub(super) async fn shard_messages(
         estimate: batch_bytes(&t.plan, &summary),
     };
     if !source.cluster && t.plan.locality == Locality::Global {
-        let shard = Shard::selecting(data, &t.plan, t.rank, space.selection)?
-            .packing(state.arena().clone());
+        let mut shard = Shard::selecting(data, &t.plan, t.rank, space.selection)?;
+        if packing(&t.plan, shard.data()) {
+            shard = shard.packing(state.arena().clone());
+        }
         let messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
         let stream = ShardStream {
@@ -528,8 +530,10 @@ pub(super) async fn shard_messages(
     let nodes = source.nodes(&t.plan)?;
     let rows = RankRows::new(&t.plan, space.layout.clone(), &nodes, t.rank)?;
     let fixed = source.cluster.then_some(source.layout.fixed.as_slice());
-    let gather = Gather::for_plan(data, &t.plan, fixed, space.selection.clone())?
-        .packing(state.arena().clone());
+    let mut gather = Gather::for_plan(data, &t.plan, fixed, space.selection.clone())?;
+    if packing(&t.plan, gather.data()) {
+        gather = gather.packing(state.arena().clone());
+    }
     // Members send each other the gathered columns; the rank's member
     // derives the plan's `select` columns from them.
     let messages = if t.peer.is_some() {
@@ -613,6 +617,14 @@ pub(super) async fn shard_messages(
     };
     spawn_stream(tx, stream, run);
     Ok((rx, info))
+}
+
+/// Whether a stream of `plan` over `data` gathers shuffled rows from the
+/// packed copy ([`crate::read::packed::PackedCache::worth_packing`]); an
+/// unshuffled stream never does.
+fn packing(plan: &ReadPlan, data: &SealedData) -> bool {
+    let shuffled = plan.shuffle != Shuffle::None || plan.locality == Locality::Node;
+    shuffled && data.packed().worth_packing(plan.world_size)
 }
 
 /// One stream's work, a batch at a time.
