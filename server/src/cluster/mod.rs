@@ -292,6 +292,11 @@ impl Nodes {
         })
     }
 
+    /// Ranks on each node (the last may have fewer).
+    pub fn ranks_per_node(&self) -> u64 {
+        self.ranks_per_node
+    }
+
     /// Number of nodes.
     pub fn count(&self) -> usize {
         self.members.len()

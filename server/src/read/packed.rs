@@ -149,17 +149,17 @@ pub struct PackedCache {
 }
 
 impl PackedCache {
-    /// Counts one more shuffled stream over the dataset, read by a plan of
-    /// `world_size` ranks, and says whether it should gather from packed
-    /// rows: once the dataset has served as many shuffled streams as one
-    /// epoch of that plan has ranks (its first epoch is read column by
-    /// column), or whenever a copy is already held. One pass does not pay
+    /// Counts one more shuffled stream over the dataset, one of the
+    /// `ranks` streams an epoch of its plan begins here, and says whether
+    /// it should gather from packed rows: once the dataset has begun as
+    /// many shuffled streams as one epoch has (its first epoch is read
+    /// column by column), or whenever a copy is already held. One pass does not pay
     /// for the copy — building it costs about what it saves in one epoch —
     /// and a dataset read shuffled once (ingest, then one epoch) keeps its
     /// memory at the columns alone.
-    pub fn worth_packing(&self, world_size: u32) -> bool {
+    pub fn worth_packing(&self, ranks: u64) -> bool {
         let before = self.shuffled.fetch_add(1, Ordering::Relaxed);
-        before >= u64::from(world_size.max(1)) || self.bytes() > 0
+        before >= ranks.max(1) || self.bytes() > 0
     }
 
     /// The packed copy, building it first when there is none; `None` when
@@ -212,5 +212,21 @@ impl PackedCache {
             .ok()
             .and_then(|s| s.as_ref().map(|p| p.bytes()))
             .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_waits_for_one_epoch_of_shuffled_streams() {
+        let cache = PackedCache::default();
+        let asked: Vec<bool> = (0..5).map(|_| cache.worth_packing(3)).collect();
+        assert_eq!(asked, [false, false, false, true, true]);
+        // A plan of one rank: its second epoch packs.
+        let cache = PackedCache::default();
+        assert!(!cache.worth_packing(1));
+        assert!(cache.worth_packing(1));
     }
 }

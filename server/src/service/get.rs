@@ -512,7 +512,7 @@ pub(super) async fn shard_messages(
     };
     if !source.cluster && t.plan.locality == Locality::Global {
         let mut shard = Shard::selecting(data, &t.plan, t.rank, space.selection)?;
-        if packing(&t.plan, shard.data()) {
+        if packing(&t.plan, shard.data(), u64::from(t.plan.world_size)) {
             shard = shard.packing(state.arena().clone());
         }
         let messages = Messages::new(&shard.schema())?;
@@ -531,7 +531,14 @@ pub(super) async fn shard_messages(
     let rows = RankRows::new(&t.plan, space.layout.clone(), &nodes, t.rank)?;
     let fixed = source.cluster.then_some(source.layout.fixed.as_slice());
     let mut gather = Gather::for_plan(data, &t.plan, fixed, space.selection.clone())?;
-    if packing(&t.plan, gather.data()) {
+    // A member begins about one stream per rank of an epoch over GLOBAL
+    // (its ranks' own and its part of the others'), one per rank of its
+    // node over NODE.
+    let ranks = match t.plan.locality {
+        Locality::Node => nodes.ranks_per_node(),
+        Locality::Global => u64::from(t.plan.world_size),
+    };
+    if packing(&t.plan, gather.data(), ranks) {
         gather = gather.packing(state.arena().clone());
     }
     // Members send each other the gathered columns; the rank's member
@@ -619,12 +626,13 @@ pub(super) async fn shard_messages(
     Ok((rx, info))
 }
 
-/// Whether a stream of `plan` over `data` gathers shuffled rows from the
-/// packed copy ([`crate::read::packed::PackedCache::worth_packing`]); an
-/// unshuffled stream never does.
-fn packing(plan: &ReadPlan, data: &SealedData) -> bool {
+/// Whether a stream of `plan` over `data`, one of the `ranks` streams an
+/// epoch begins here, gathers shuffled rows from the packed copy
+/// ([`crate::read::packed::PackedCache::worth_packing`]); an unshuffled
+/// stream never does.
+fn packing(plan: &ReadPlan, data: &SealedData, ranks: u64) -> bool {
     let shuffled = plan.shuffle != Shuffle::None || plan.locality == Locality::Node;
-    shuffled && data.packed().worth_packing(plan.world_size)
+    shuffled && data.packed().worth_packing(ranks)
 }
 
 /// One stream's work, a batch at a time.
