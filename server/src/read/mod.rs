@@ -317,7 +317,7 @@ impl Gather {
         let mut outs: Vec<MutableBuffer> = p
             .outputs
             .iter()
-            .map(|(_, s)| MutableBuffer::from_len_zeroed(n * s.width))
+            .map(|(_, s)| MutableBuffer::with_capacity(n * s.width))
             .collect();
         let tile_rows = (TILE_BYTES / record).max(1);
         let mut tile = vec![0u8; tile_rows * record];
@@ -340,8 +340,7 @@ impl Gather {
                 }
             }
             for (out, &(_, slot)) in outs.iter_mut().zip(&p.outputs) {
-                let out = &mut out.as_slice_mut()[start * slot.width..][..rows.len() * slot.width];
-                untile(&tile, record, slot, out);
+                untile(&tile, record, rows.len(), slot, out);
             }
         }
         let mut arrays: Vec<Option<ArrayRef>> = vec![None; self.columns.len()];
@@ -548,8 +547,17 @@ impl Column {
                     .chain(&extra_segments)
                     .map(|s| s.as_slice())
                     .collect();
-                let mut out = MutableBuffer::from_len_zeroed(picks.len() * c.row_bytes);
-                gather_bytes(&sources, picks.sorted(), c.row_bytes, out.as_slice_mut());
+                let len = picks.len() * c.row_bytes;
+                let out = if picks.in_order {
+                    // Output order is source order: append, nothing to zero.
+                    let mut out = MutableBuffer::with_capacity(len);
+                    append_bytes(&sources, picks.sorted(), c.row_bytes, &mut out);
+                    out
+                } else {
+                    let mut out = MutableBuffer::from_len_zeroed(len);
+                    gather_bytes(&sources, picks.sorted(), c.row_bytes, out.as_slice_mut());
+                    out
+                };
                 c.array(out, picks.len())
             }
         }
@@ -613,28 +621,52 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Copies column `slot` of every record in `tile` to `out`, row after row.
-fn untile(tile: &[u8], record: usize, slot: Slot, out: &mut [u8]) {
+/// Appends column `slot` of the first `rows` records in `tile` to `out`,
+/// row after row (nothing to zero first: every byte is written).
+fn untile(tile: &[u8], record: usize, rows: usize, slot: Slot, out: &mut MutableBuffer) {
+    let at = |i: usize| i * record + slot.offset;
     match slot.width {
-        1 => untile_rows::<1>(tile, record, slot.offset, out),
-        2 => untile_rows::<2>(tile, record, slot.offset, out),
-        4 => untile_rows::<4>(tile, record, slot.offset, out),
-        8 => untile_rows::<8>(tile, record, slot.offset, out),
-        16 => untile_rows::<16>(tile, record, slot.offset, out),
+        1 => out.extend((0..rows).map(|i| tile[at(i)])),
+        2 => out.extend((0..rows).map(|i| u16::from_ne_bytes(bytes_at(tile, at(i))))),
+        4 => out.extend((0..rows).map(|i| u32::from_ne_bytes(bytes_at(tile, at(i))))),
+        8 => out.extend((0..rows).map(|i| u64::from_ne_bytes(bytes_at(tile, at(i))))),
+        16 => out.extend((0..rows).map(|i| i128::from_ne_bytes(bytes_at(tile, at(i))))),
         n => {
-            for (i, to) in out.chunks_exact_mut(n).enumerate() {
-                to.copy_from_slice(&tile[i * record + slot.offset..][..n]);
+            for i in 0..rows {
+                out.extend_from_slice(&tile[at(i)..][..n]);
             }
         }
     }
 }
 
-/// [`untile`] for columns of `N` bytes a row.
-fn untile_rows<const N: usize>(tile: &[u8], record: usize, offset: usize, out: &mut [u8]) {
-    for (i, to) in out.chunks_exact_mut(N).enumerate() {
-        let mut value = [0u8; N];
-        value.copy_from_slice(&tile[i * record + offset..][..N]);
-        to.copy_from_slice(&value);
+/// The `N` bytes of `from` at `at`.
+#[inline(always)]
+fn bytes_at<const N: usize>(from: &[u8], at: usize) -> [u8; N] {
+    let mut value = [0u8; N];
+    value.copy_from_slice(&from[at..at + N]);
+    value
+}
+
+/// [`gather_bytes`] for picks in output order: each row appended to `out`.
+fn append_bytes(
+    sources: &[&[u8]],
+    picks: &[(u32, u32, u32)],
+    row_bytes: usize,
+    out: &mut MutableBuffer,
+) {
+    let at = |b: u32, r: u32| (sources[b as usize], r as usize * row_bytes);
+    let rows = picks.iter().map(|&(b, r, _)| at(b, r));
+    match row_bytes {
+        1 => out.extend(rows.map(|(s, r)| s[r])),
+        2 => out.extend(rows.map(|(s, r)| u16::from_ne_bytes(bytes_at(s, r)))),
+        4 => out.extend(rows.map(|(s, r)| u32::from_ne_bytes(bytes_at(s, r)))),
+        8 => out.extend(rows.map(|(s, r)| u64::from_ne_bytes(bytes_at(s, r)))),
+        16 => out.extend(rows.map(|(s, r)| i128::from_ne_bytes(bytes_at(s, r)))),
+        n => {
+            for (s, r) in rows {
+                out.extend_from_slice(&s[r..r + n]);
+            }
+        }
     }
 }
 
