@@ -152,6 +152,43 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
     assert set(rest) | seen == set(range(n))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_batches_sliced_from_larger_messages_are_the_batches_read_one_by_one(
+    flightdeck_server, prefetch
+):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = write(client, "coalesced", [1000, 0, 2345, 1, 6000])
+
+    def batches(rank, read_rows, state=None, world_size=3):
+        ds = ShardedDataset(
+            flightdeck_server.uri, "coalesced", rank=rank, world_size=world_size, batch_rows=64,
+            seed=9, prefetch=prefetch, read_rows=read_rows,
+        )
+        if state:
+            ds.load_state_dict(state)
+        got = [b.column("id").to_pylist() for b in ds]
+        return ds, got
+
+    for rank in range(3):
+        one_by_one = batches(rank, 64)[1]
+        chosen, coalesced = batches(rank, None)
+        # The default reads many batches a message: 16 384 rows at most.
+        assert chosen.read_rows == 64 * (16384 // 64)
+        assert coalesced == one_by_one
+        assert all(len(b) == 64 for b in coalesced[:-1]) and 0 < len(coalesced[-1]) <= 64
+        assert batches(rank, 64 * 5)[1] == one_by_one
+    # A resumed epoch too, at another world size.
+    state = {"epoch": 0, "start_sample": 64 * 3 * 7, "world_size": 3}
+    for rank in range(2):
+        resumed = batches(rank, None, state, world_size=2)[1]
+        assert resumed == batches(rank, 64, state, world_size=2)[1] and resumed
+    with pytest.raises(flightdeck.InvalidArgument, match="multiple of batch_rows"):
+        ShardedDataset(
+            flightdeck_server.uri, "coalesced", rank=0, world_size=1, batch_rows=64, read_rows=100
+        )
+    assert n == 9346
+
+
 def prefetch_threads():
     return [t for t in threading.enumerate() if t.name == "flightdeck-prefetch"]
 

@@ -665,24 +665,58 @@ class Client:
 _END = object()
 
 
+def prepared_slices(
+    message: pa.RecordBatch,
+    rows: int | None,
+    prepare: Callable[[pa.RecordBatch], Any] | None = None,
+    slice_prepared: Callable[[Any, int, int], Any] | None = None,
+) -> Iterator[tuple[pa.RecordBatch, Any]]:
+    """`message` as batches of `rows` rows (all of it: `rows` None), each
+    with what `prepare` makes of it, as `(batch, prepared)` (zero-copy
+    slices). With `slice_prepared(prepared, start, length)`, `prepare` runs
+    once on the whole message and each batch's part is sliced out of its
+    result (cheaper than preparing every slice)."""
+    n = message.num_rows
+    step = rows or n or 1
+    if step >= n:
+        yield message, None if prepare is None else prepare(message)
+        return
+    whole = prepare(message) if prepare is not None and slice_prepared is not None else None
+    for start in range(0, n, step):
+        batch = message.slice(start, step)
+        if prepare is None:
+            yield batch, None
+        elif slice_prepared is not None:
+            yield batch, slice_prepared(whole, start, batch.num_rows)
+        else:
+            yield batch, prepare(batch)
+
+
 class Prefetched:
     """A `DoGet` stream read on a background thread, at most `depth` batches
     ahead of its consumer. Iterating yields the batches in order; `stall`
     is the time the consumer has waited for them (seconds), and `received`
-    how many the thread has read. With `prepare`, iterating yields pairs
-    `(batch, prepare(batch))`, `prepare` run on the background thread too
-    (turning a batch into tensors, pinning them). `close()` (also on the
-    iterator's end, or when a generator iterating it is closed) cancels the
-    stream and joins the thread."""
+    how many the thread has read. With `slice_rows`, each message is handed
+    out as slices of that many rows (zero-copy), each counted as a batch
+    (see `prepared_slices`, also for `slice_prepared`).
+    With `prepare`, iterating yields pairs `(batch, prepare(batch))`,
+    `prepare` run on the background thread too (turning a batch into
+    tensors, pinning them). `close()` (also on the iterator's end, or when a
+    generator iterating it is closed) cancels the stream and joins the
+    thread."""
 
     def __init__(
         self,
         reader: flight.FlightStreamReader,
         depth: int,
         prepare: Callable[[pa.RecordBatch], Any] | None = None,
+        slice_rows: int | None = None,
+        slice_prepared: Callable[[Any, int, int], Any] | None = None,
     ) -> None:
         self._reader = reader
         self._prepare = prepare
+        self._slice_rows = slice_rows
+        self._slice_prepared = slice_prepared
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.received = 0
@@ -697,9 +731,13 @@ class Prefetched:
                     chunk = translate(self._reader.read_chunk)
                 except StopIteration:
                     break
-                self.received += 1
-                batch = chunk.data
-                self._queue.put(batch if self._prepare is None else (batch, self._prepare(batch)))
+                for item in prepared_slices(
+                    chunk.data, self._slice_rows, self._prepare, self._slice_prepared
+                ):
+                    if self._stop.is_set():
+                        break
+                    self.received += 1
+                    self._queue.put(item if self._prepare is not None else item[0])
             self._queue.put(_END)
         except BaseException as exc:  # handed to the consumer
             if not self._stop.is_set():

@@ -9,8 +9,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 
-from .client import Client, Prefetched, connect, locality_mode, shuffle_mode
+from .client import Client, Prefetched, connect, locality_mode, prepared_slices, shuffle_mode
 from .errors import InvalidArgument
+
+#: Most rows, and bytes, a message from the server carries when
+#: `ShardedDataset` chooses (its `read_rows`).
+MESSAGE_ROWS = 16384
+MESSAGE_BYTES = 4 << 20
 
 
 def env_ranks_per_node() -> int:
@@ -47,6 +52,14 @@ class ShardedDataset:
 
     `filter` and `select` read a query of the dataset (see `Client.plan`):
     `filter="hash_bucket(id) < 90"` trains on 90 % and holds out the rest.
+
+    The server sends `read_rows` rows a message (a multiple of
+    `batch_rows`; default: as many batches as fit in 16 384 rows and 4 MiB),
+    and each message is sliced into batches of `batch_rows` without a copy:
+    the same batches, in the same order, for a fraction of the per-message
+    work on both ends. A worker split (`iter_batches` with a
+    `split_count`) reads `batch_rows` a message, since it splits the
+    stream by batch.
     """
 
     def __init__(
@@ -69,11 +82,16 @@ class ShardedDataset:
         prefetch: int = 2,
         filter: str = "",
         select: Sequence[str] = (),
+        read_rows: int | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
         if batch_rows < 1:
             raise InvalidArgument("batch_rows must be at least 1")
+        if read_rows is not None and (read_rows < 1 or read_rows % batch_rows):
+            raise InvalidArgument(
+                f"read_rows ({read_rows}) must be a positive multiple of batch_rows ({batch_rows})"
+            )
         if prefetch < 0:
             raise InvalidArgument("prefetch must be 0 (off) or more batches")
         shuffle_mode(shuffle)  # validate early
@@ -107,6 +125,9 @@ class ShardedDataset:
         self._yielded = 0
         self._rows: int | None = None
         self.prefetch = prefetch
+        #: Rows a message from the server carries (None: chosen at the
+        #: first iteration, see the class's description).
+        self.read_rows = read_rows
         #: Seconds the loop has waited for batches this epoch.
         self.stall_seconds = 0.0
         #: The background reader of the running iteration, if any.
@@ -127,14 +148,14 @@ class ShardedDataset:
         state["_client"] = None
         return state
 
-    def _plan(self, split_count: int = 0, split_index: int = 0):
+    def _plan(self, split_count: int = 0, split_index: int = 0, batch_rows: int | None = None):
         return self.client.plan(
             self.dataset,
             world_size=self.world_size,
             epoch=self.epoch,
             seed=self.seed,
             shuffle=self.shuffle,
-            batch_rows=self.batch_rows,
+            batch_rows=batch_rows or self.batch_rows,
             drop_last=self.drop_last,
             columns=self.columns,
             start_sample=self._start_sample,
@@ -155,6 +176,24 @@ class ShardedDataset:
         if self._rows is None:
             self._rows = self.client.describe(self.dataset).rows
         return self._rows
+
+    def _message_rows(self, split_count: int) -> int:
+        """Rows per message from the server: `read_rows`, else as many
+        batches as fit in `MESSAGE_ROWS` rows and `MESSAGE_BYTES` bytes (at
+        least one); one batch when a split shares the stream out by batch."""
+        if split_count > 1:
+            return self.batch_rows
+        if self.read_rows is not None:
+            return self.read_rows
+        info = self.client.describe(self.dataset)
+        self._rows = info.rows
+        if not info.bytes:
+            # Spilled (its size is not held): one batch a message this time.
+            return self.batch_rows
+        row_bytes = max(1, info.bytes // max(1, info.rows))
+        fit = min(MESSAGE_ROWS, MESSAGE_BYTES // row_bytes) // self.batch_rows
+        self.read_rows = self.batch_rows * max(1, fit)
+        return self.read_rows
 
     # Epochs and resume
 
@@ -207,22 +246,29 @@ class ShardedDataset:
         split_count: int = 0,
         split_index: int = 0,
         prepare: Callable[[pa.RecordBatch], Any] | None = None,
+        slice_prepared: Callable[[Any, int, int], Any] | None = None,
     ) -> Iterator[Any]:
         """This rank's batches, or with a split only batches
         `b % split_count == split_index` (one of several readers of a rank).
         With `prepare`, yields `prepare(batch)` instead of each batch, run on
         the read-ahead thread when there is one (so that turning batches into
-        tensors overlaps the loop too)."""
-        plan = self._plan(split_count, split_index)
+        tensors overlaps the loop too). With `slice_prepared(prepared,
+        start, rows)` too, `prepare` runs once per message from the server
+        and each batch is sliced out of its result."""
+        plan = self._plan(split_count, split_index, self._message_rows(split_count))
         shard = plan.shards[self.rank]
         if self.prefetch == 0:
-            batches: Iterator[pa.RecordBatch] = self.client.read_shard(shard)
-            for batch in _timed(batches, self):
-                item = batch if prepare is None else prepare(batch)
-                self._yielded += batch.num_rows
-                yield item
+            messages = _timed(self.client.read_shard(shard), self)
+            for message in messages:
+                for batch, item in prepared_slices(
+                    message, self.batch_rows, prepare, slice_prepared
+                ):
+                    self._yielded += batch.num_rows
+                    yield batch if prepare is None else item
             return
-        reader = Prefetched(self.client._do_get(shard), self.prefetch, prepare)
+        reader = Prefetched(
+            self.client._do_get(shard), self.prefetch, prepare, self.batch_rows, slice_prepared
+        )
         self._reader = reader
         try:
             before = self.stall_seconds

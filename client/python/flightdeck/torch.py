@@ -96,7 +96,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     `locality="node"` reads each node's own rows.
 
     `prefetch` batches are read ahead on a background thread (see
-    `ShardedDataset`), and `transform` runs there too; `stall_seconds` is
+    `ShardedDataset`, also for `read_rows`, the rows a message from the
+    server carries), and `transform` runs there too; `stall_seconds` is
     how long this process's iteration waited for data this epoch.
 
     `pin_memory=True` (needs CUDA) copies every tensor of each batch into
@@ -128,6 +129,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         pin_memory: bool = False,
         filter: str = "",
         select: Sequence[str] = (),
+        read_rows: int | None = None,
     ) -> None:
         super().__init__()
         if pin_memory and not torch.cuda.is_available():
@@ -158,6 +160,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             prefetch=prefetch,
             filter=filter,
             select=select,
+            read_rows=read_rows,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
@@ -196,7 +199,15 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             def prepare(batch: pa.RecordBatch) -> Any:
                 return pinned(transform(batch))
 
-        yield from self.shards.iter_batches(*split, prepare=prepare)
+        # The default transform's tensors are sliced per batch out of one
+        # conversion of each message; a caller's transform sees each batch.
+        cut = sliced_tensors if self.transform is batch_to_tensors else None
+        yield from self.shards.iter_batches(*split, prepare=prepare, slice_prepared=cut)
+
+
+def sliced_tensors(tensors: dict[str, torch.Tensor], start: int, rows: int) -> dict[str, torch.Tensor]:
+    """Rows `start..start + rows` of each tensor (views, no copy)."""
+    return {name: t[start : start + rows] for name, t in tensors.items()}
 
 
 def pinned(item: Any) -> Any:
