@@ -99,6 +99,26 @@ fn node_epoch(order: &NodeOrder, world: u64) -> Vec<Vec<(usize, u64)>> {
         .collect()
 }
 
+/// The `NODE` order of members holding `member_rows`, one node per member
+/// plus `extra_nodes` without one, `ranks_per_node` ranks each: the world
+/// size, the nodes, the shares and the order.
+fn node_order_of(
+    member_rows: &[u64],
+    ranks_per_node: u32,
+    extra_nodes: usize,
+    drop_last: bool,
+    seed: u64,
+    epoch: u64,
+) -> (u32, Nodes, crate::order::Shares, NodeOrder) {
+    let m = member_rows.len();
+    let world = ranks_per_node * (m + extra_nodes) as u32;
+    let n: u64 = member_rows.iter().sum();
+    let nodes = Nodes::new(world, ranks_per_node, vec![], m).expect("nodes");
+    let full = crate::order::Shares::new(n, world, 0, drop_last).expect("shares");
+    let order = NodeOrder::new(member_rows, nodes.clone(), full.per_rank(), seed, epoch);
+    (world, nodes, full, order)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
@@ -139,11 +159,9 @@ proptest! {
     ) {
         let m = member_rows.len();
         let count = m + extra_nodes;
-        let world = ranks_per_node * count as u32;
         let n: u64 = member_rows.iter().sum();
-        let nodes = Nodes::new(world, ranks_per_node, vec![], m).expect("nodes");
-        let full = crate::order::Shares::new(n, world, 0, drop_last).expect("shares");
-        let order = NodeOrder::new(&member_rows, nodes.clone(), full.per_rank(), seed, epoch);
+        let (world, nodes, full, order) =
+            node_order_of(&member_rows, ranks_per_node, extra_nodes, drop_last, seed, epoch);
         let epoch_rows = node_epoch(&order, u64::from(world));
         let mut seen: HashMap<(usize, u64), u64> = HashMap::new();
         let mut transfers = vec![0u64; count];
@@ -197,11 +215,8 @@ proptest! {
         first_frac in 0u64..4,
     ) {
         let m = member_rows.len();
-        let world = ranks_per_node * (m + extra_nodes) as u32;
-        let n: u64 = member_rows.iter().sum();
-        let nodes = Nodes::new(world, ranks_per_node, vec![], m).expect("nodes");
-        let full = crate::order::Shares::new(n, world, 0, drop_last).expect("shares");
-        let order = NodeOrder::new(&member_rows, nodes, full.per_rank(), seed, 3);
+        let (world, _, full, order) =
+            node_order_of(&member_rows, ranks_per_node, extra_nodes, drop_last, seed, 3);
         let first = full.per_rank() * first_frac / 4;
         for r in 0..u64::from(world) {
             for peer in 0..m {
