@@ -34,6 +34,9 @@ use packed::{Packed, Slot};
 /// Bytes of the tile a packed gather copies records into: small enough to
 /// stay in the first-level cache while it is transposed into columns.
 const TILE_BYTES: usize = 32 << 10;
+/// Up to this many packed columns are copied straight from each record
+/// to their columns; more go through a tile.
+const DIRECT_COLUMNS: usize = 4;
 /// How many rows ahead a packed gather asks for a record to be loaded.
 const PREFETCH_ROWS: usize = 8;
 
@@ -293,8 +296,8 @@ impl Gather {
 
     /// The packed columns of one batch, by projected column (`None` for the
     /// others): records copied into a tile, the tile transposed into
-    /// columns. Rows from `extra` are written into the tile column by
-    /// column.
+    /// columns; for a few (wide) columns, each value copied straight from
+    /// its record. Rows from `extra` are written column by column.
     fn gather_packed(
         &self,
         p: &PackedGather,
@@ -319,6 +322,27 @@ impl Gather {
             .iter()
             .map(|(_, s)| MutableBuffer::with_capacity(n * s.width))
             .collect();
+        if p.outputs.len() <= DIRECT_COLUMNS {
+            // Few (wide) columns: each value straight from its record.
+            for (i, &(b, r)) in picks.rows.iter().enumerate() {
+                if let Some(&(b, r)) = picks.rows.get(i + PREFETCH_ROWS)
+                    && b < local
+                {
+                    prefetch(&p.packed.batch(b)[r * record..][..record]);
+                }
+                for ((out, &(_, slot)), values) in
+                    outs.iter_mut().zip(&p.outputs).zip(&extra_values)
+                {
+                    let from = if b < local {
+                        &p.packed.batch(b)[r * record + slot.offset..][..slot.width]
+                    } else {
+                        &values[b - local].as_slice()[r * slot.width..][..slot.width]
+                    };
+                    out.extend_from_slice(from);
+                }
+            }
+            return self.packed_arrays(p, outs, n);
+        }
         let tile_rows = (TILE_BYTES / record).max(1);
         let mut tile = vec![0u8; tile_rows * record];
         for start in (0..n).step_by(tile_rows) {
@@ -343,6 +367,16 @@ impl Gather {
                 untile(&tile, record, rows.len(), slot, out);
             }
         }
+        self.packed_arrays(p, outs, n)
+    }
+
+    /// The arrays of a packed gather's columns, by projected column.
+    fn packed_arrays(
+        &self,
+        p: &PackedGather,
+        outs: Vec<MutableBuffer>,
+        n: usize,
+    ) -> Result<Vec<Option<ArrayRef>>> {
         let mut arrays: Vec<Option<ArrayRef>> = vec![None; self.columns.len()];
         for (out, &(j, _)) in outs.into_iter().zip(&p.outputs) {
             let Column::Fixed(c) = &self.columns[j] else {
@@ -805,10 +839,15 @@ mod tests {
             Shuffle::Global,
             Shuffle::Block { block_rows: 64 },
         ] {
-            for (world, columns) in [
-                (1, vec![]),
-                (3, vec![]),
-                (8, vec!["c5".to_string(), "c0".to_string()]),
+            // Every column (through a tile), two narrow ones (not packed:
+            // less than half a record), four wide ones (straight from
+            // each record).
+            let wide = ["c8", "c5", "c4", "c3"].map(String::from).to_vec();
+            for (world, columns, packs) in [
+                (1, vec![], true),
+                (3, vec![], true),
+                (8, vec!["c5".to_string(), "c0".to_string()], false),
+                (3, wide.clone(), true),
             ] {
                 let plan = plan(shuffle, world, columns);
                 for (rank, packing) in (0..world).flat_map(|r| [(r, false), (r, true)]) {
@@ -839,11 +878,10 @@ mod tests {
                     // more ranks, the rows that even out the shares wrap
                     // around out of order).
                     let packed = shard.gather.packed.get().is_some_and(Option::is_some);
-                    let all = plan.columns.is_empty();
                     match shuffle {
                         Shuffle::None if world == 1 => assert!(!packed),
                         Shuffle::None => {}
-                        _ => assert_eq!(packed, packing && all, "{shuffle:?} {world}"),
+                        _ => assert_eq!(packed, packing && packs, "{shuffle:?} {world}"),
                     }
                 }
             }
