@@ -59,7 +59,8 @@ class ShardedDataset:
     the same batches, in the same order, for a fraction of the per-message
     work on both ends. A worker split (`iter_batches` with a
     `split_count`) reads `batch_rows` a message, since it splits the
-    stream by batch.
+    stream by batch, and so does a `select` list unless `read_rows` is
+    given (derived rows may be wider than stored ones).
     """
 
     def __init__(
@@ -185,6 +186,10 @@ class ShardedDataset:
             return self.batch_rows
         if self.read_rows is not None:
             return self.read_rows
+        if self.select:
+            # Derived columns may be wider than the stored rows: their size
+            # is not known here.
+            return self.batch_rows
         info = self.client.describe(self.dataset)
         self._rows = info.rows
         if not info.bytes:
