@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use arrow::buffer::Buffer;
 
 use crate::catalog::SealedData;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
 use crate::memory::device::segments_at;
 
@@ -78,6 +78,18 @@ impl Packed {
             return Ok(None);
         }
         let what = || format!("packing the rows of dataset '{dataset}' for shuffled reads");
+        // Refused up front when it cannot fit: a build that fills the
+        // budget and fails near its end would be repeated, in vain, by
+        // every shuffled stream.
+        let needed = data.rows().saturating_mul(record as u64);
+        let budget = arena.budget();
+        let room = budget.limit().saturating_sub(budget.used()) + arena.stats().idle_bytes;
+        if needed > room {
+            return Err(Error::ResourceExhausted(format!(
+                "{}: {needed} bytes needed, {room} free",
+                what()
+            )));
+        }
         let mut batches = Vec::with_capacity(data.batches().len());
         let mut staged = Vec::new();
         for (b, batch) in data.batches().iter().enumerate() {
@@ -218,6 +230,39 @@ impl PackedCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::Budget;
+    use crate::memory::arena::HostMemory;
+    use arrow::array::{Float64Array, Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    #[test]
+    fn a_copy_that_cannot_fit_is_refused_before_anything_is_copied() {
+        let (rows, batches) = (10_000, 10);
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("b", DataType::Float64, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..rows)),
+                Arc::new(Float64Array::from_iter_values((0..rows).map(|v| v as f64))),
+            ],
+        )
+        .expect("batch");
+        let data = SealedData::from_batches(schema, vec![], vec![batch; batches]);
+        // 1.6 MB of records into a 1 MiB budget: refused before the first
+        // batch's records are copied (the budget never held any).
+        let small = Arena::new(Budget::new(1 << 20), 1 << 16, HostMemory::Heap);
+        let err = Packed::build(&data, &small, "d").expect_err("does not fit");
+        assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
+        assert_eq!(small.budget().peak(), 0);
+        let roomy = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
+        let packed = Packed::build(&data, &roomy, "d")
+            .expect("fits")
+            .expect("packed");
+        assert_eq!(packed.bytes(), 16 * (rows as u64) * batches as u64);
+    }
 
     #[test]
     fn packing_waits_for_one_epoch_of_shuffled_streams() {
