@@ -44,6 +44,11 @@ RATIOS = [
         ("cluster/single-node-ranks", "flightdeck"),
     ),
     (
+        "NODE, one node / one server unshuffled, the node's rows",
+        ("cluster/node", "flightdeck"),
+        ("cluster/single-node-rows", "flightdeck"),
+    ),
+    (
         "NODE, one node / one server shuffled, same ranks",
         ("cluster/node", "flightdeck"),
         ("cluster/single-node-ranks-global", "flightdeck"),

@@ -546,6 +546,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let ratios = json!({
         "filter_selected_rows_vs_unfiltered_rows": ratio(rows_per_s("filter/global-selected"), rows_per_s("filter/global-all")),
         "cluster_node_vs_single_none": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks")),
+        "cluster_node_vs_single_same_rows": ratio(gbps("cluster/node"), gbps("cluster/single-node-rows")),
         "cluster_node_vs_single_global": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks-global")),
         "cluster_global_none_vs_single_none": ratio(gbps("cluster/global-none"), gbps("cluster/single-none")),
         "cluster_global_vs_single_none": ratio(gbps("cluster/global-global"), gbps("cluster/single-none")),
@@ -590,6 +591,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     show(
         "cluster: one node's NODE read vs one server's unshuffled read, same ranks",
         &ratios["cluster_node_vs_single_none"],
+    );
+    show(
+        "cluster: one node's NODE read vs one server's unshuffled read of the node's rows",
+        &ratios["cluster_node_vs_single_same_rows"],
     );
     show(
         "cluster: one node's NODE read vs one server's shuffled read, same ranks",
@@ -648,7 +653,10 @@ const WARM_UP: usize = 2;
 ///   LOCALITY_NODE shards (shuffled within the node) while the other nodes
 ///   are idle, node by node; against `cluster/single-node-ranks`: as many
 ///   ranks reading the single server unshuffled, and
-///   `cluster/single-node-ranks-global`: the same, globally shuffled.
+///   `cluster/single-node-ranks-global`: the same, globally shuffled; and
+///   against `cluster/single-node-rows`: as many ranks reading, unshuffled,
+///   a dataset that holds just one member's partitions on a server of its
+///   own (the same rows, and a read of the same size).
 /// - `cluster/global-none` and `cluster/global-global`: every rank reads
 ///   LOCALITY_GLOBAL (rows held elsewhere cross between members); against
 ///   `cluster/single-none`: every rank reading the single server unshuffled.
@@ -675,6 +683,24 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     phases::put_cluster(&uris, "cluster", &shape, &parts, writers).await?;
     phases::drop_dataset(single, "cluster").await?;
     phases::put(single, "cluster", &shape, &parts, writers).await?;
+    // A server of its own holding just the partitions of each member: the
+    // rows one node's `NODE` read takes (a short node's transfer aside),
+    // read by as many ranks, with the fixed costs of a read of that size.
+    let mut cmd = Command::new(&bin);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
+        .arg(limit.to_string());
+    let rows_server = ChildServer::start(cmd, "a server of each member's rows")?;
+    let single_rows = rows_server.uri.clone();
+    let node_rows = |g: usize| format!("cluster-node-{g}");
+    for g in 0..n {
+        let own: Vec<Vec<_>> = parts
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| p % n == g)
+            .map(|(_, b)| b.clone())
+            .collect();
+        phases::put(&single_rows, &node_rows(g), &shape, &Arc::new(own), writers).await?;
+    }
     let (w, batch_rows) = (run.args.ranks, run.args.batch_rows);
     let per_node = (w / n as u32).max(1);
     let plan = |shuffle| phases::read_plan("cluster", w, shuffle, batch_rows);
@@ -687,6 +713,17 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
             let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
             run.record(
                 &format!("cluster/node{first}"),
+                "flightdeck",
+                rows,
+                rows * row_bytes,
+                s,
+            );
+        }
+        for g in 0..n {
+            let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
+            let (s, rows) = phases::get_ranks(&single_rows, one, None).await?;
+            run.record(
+                &format!("cluster/single-node-rows{first}"),
                 "flightdeck",
                 rows,
                 rows * row_bytes,
@@ -727,6 +764,7 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
         }
     }
     phases::drop_dataset(single, "cluster").await?;
+    drop(rows_server);
     Ok(())
 }
 
