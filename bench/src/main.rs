@@ -705,30 +705,21 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     let per_node = (w / n as u32).max(1);
     let plan = |shuffle| phases::read_plan("cluster", w, shuffle, batch_rows);
     let row_bytes = run.shape.row_bytes();
+    let record = |run: &mut Run, phase: &str, rows: u64, s: Sample| {
+        run.record(phase, "flightdeck", rows, rows * row_bytes, s);
+    };
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
         let node_plan = phases::node_plan(plan(Shuffle::Global), per_node);
         for node in 0..n as u32 {
             let ranks = node * per_node..(node + 1) * per_node;
             let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
-            run.record(
-                &format!("cluster/node{first}"),
-                "flightdeck",
-                rows,
-                rows * row_bytes,
-                s,
-            );
+            record(run, &format!("cluster/node{first}"), rows, s);
         }
         for g in 0..n {
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
             let (s, rows) = phases::get_ranks(&single_rows, one, None).await?;
-            run.record(
-                &format!("cluster/single-node-rows{first}"),
-                "flightdeck",
-                rows,
-                rows * row_bytes,
-                s,
-            );
+            record(run, &format!("cluster/single-node-rows{first}"), rows, s);
         }
         for (phase, shuffle) in [
             ("cluster/single-node-ranks", Shuffle::None),
@@ -736,31 +727,13 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
         ] {
             let one = phases::read_plan("cluster", per_node, shuffle, batch_rows);
             let (s, rows) = phases::get_ranks(single, one, None).await?;
-            run.record(
-                &format!("{phase}{first}"),
-                "flightdeck",
-                rows,
-                rows * row_bytes,
-                s,
-            );
+            record(run, &format!("{phase}{first}"), rows, s);
         }
         let (s, rows) = phases::get_ranks(single, plan(Shuffle::None), None).await?;
-        run.record(
-            &format!("cluster/single-none{first}"),
-            "flightdeck",
-            rows,
-            rows * row_bytes,
-            s,
-        );
+        record(run, &format!("cluster/single-none{first}"), rows, s);
         for (name, shuffle) in [("none", Shuffle::None), ("global", Shuffle::Global)] {
             let (s, rows) = phases::get_ranks(&uris[0], plan(shuffle), None).await?;
-            run.record(
-                &format!("cluster/global-{name}{first}"),
-                "flightdeck",
-                rows,
-                rows * row_bytes,
-                s,
-            );
+            record(run, &format!("cluster/global-{name}{first}"), rows, s);
         }
     }
     phases::drop_dataset(single, "cluster").await?;

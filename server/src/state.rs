@@ -355,7 +355,7 @@ impl State {
              {:?}; retry later, drop datasets that are no longer needed, or start the server \
              with a larger --memory-limit (or a longer --admission-wait)",
             what(),
-            budget.limit().saturating_sub(budget.used()),
+            budget.free(),
             budget.limit(),
             self.config.admission_wait
         ))

@@ -51,6 +51,11 @@ impl Budget {
         self.used.load(Ordering::Acquire)
     }
 
+    /// Bytes not reserved.
+    pub fn free(&self) -> u64 {
+        self.limit.saturating_sub(self.used())
+    }
+
     /// The most bytes reserved at once since start.
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)

@@ -585,7 +585,11 @@ impl Column {
                 let out = if picks.in_order {
                     // Output order is source order: append, nothing to zero.
                     let mut out = MutableBuffer::with_capacity(len);
-                    append_bytes(&sources, picks.sorted(), c.row_bytes, &mut out);
+                    let values = picks
+                        .rows
+                        .iter()
+                        .map(|&(b, r)| (sources[b], r * c.row_bytes));
+                    append_values(values, c.row_bytes, &mut out);
                     out
                 } else {
                     let mut out = MutableBuffer::from_len_zeroed(len);
@@ -656,18 +660,28 @@ fn prefetch(bytes: &[u8]) {
 }
 
 /// Appends column `slot` of the first `rows` records in `tile` to `out`,
-/// row after row (nothing to zero first: every byte is written).
+/// row after row.
 fn untile(tile: &[u8], record: usize, rows: usize, slot: Slot, out: &mut MutableBuffer) {
-    let at = |i: usize| i * record + slot.offset;
-    match slot.width {
-        1 => out.extend((0..rows).map(|i| tile[at(i)])),
-        2 => out.extend((0..rows).map(|i| u16::from_ne_bytes(bytes_at(tile, at(i))))),
-        4 => out.extend((0..rows).map(|i| u32::from_ne_bytes(bytes_at(tile, at(i))))),
-        8 => out.extend((0..rows).map(|i| u64::from_ne_bytes(bytes_at(tile, at(i))))),
-        16 => out.extend((0..rows).map(|i| i128::from_ne_bytes(bytes_at(tile, at(i))))),
+    let values = (0..rows).map(|i| (tile, i * record + slot.offset));
+    append_values(values, slot.width, out);
+}
+
+/// Appends the `width` bytes at each `(source, offset)` to `out`, in order
+/// (nothing to zero first: every byte is written).
+fn append_values<'a>(
+    values: impl Iterator<Item = (&'a [u8], usize)>,
+    width: usize,
+    out: &mut MutableBuffer,
+) {
+    match width {
+        1 => out.extend(values.map(|(s, at)| s[at])),
+        2 => out.extend(values.map(|(s, at)| u16::from_ne_bytes(bytes_at(s, at)))),
+        4 => out.extend(values.map(|(s, at)| u32::from_ne_bytes(bytes_at(s, at)))),
+        8 => out.extend(values.map(|(s, at)| u64::from_ne_bytes(bytes_at(s, at)))),
+        16 => out.extend(values.map(|(s, at)| i128::from_ne_bytes(bytes_at(s, at)))),
         n => {
-            for i in 0..rows {
-                out.extend_from_slice(&tile[at(i)..][..n]);
+            for (s, at) in values {
+                out.extend_from_slice(&s[at..at + n]);
             }
         }
     }
@@ -679,29 +693,6 @@ fn bytes_at<const N: usize>(from: &[u8], at: usize) -> [u8; N] {
     let mut value = [0u8; N];
     value.copy_from_slice(&from[at..at + N]);
     value
-}
-
-/// [`gather_bytes`] for picks in output order: each row appended to `out`.
-fn append_bytes(
-    sources: &[&[u8]],
-    picks: &[(u32, u32, u32)],
-    row_bytes: usize,
-    out: &mut MutableBuffer,
-) {
-    let at = |b: u32, r: u32| (sources[b as usize], r as usize * row_bytes);
-    let rows = picks.iter().map(|&(b, r, _)| at(b, r));
-    match row_bytes {
-        1 => out.extend(rows.map(|(s, r)| s[r])),
-        2 => out.extend(rows.map(|(s, r)| u16::from_ne_bytes(bytes_at(s, r)))),
-        4 => out.extend(rows.map(|(s, r)| u32::from_ne_bytes(bytes_at(s, r)))),
-        8 => out.extend(rows.map(|(s, r)| u64::from_ne_bytes(bytes_at(s, r)))),
-        16 => out.extend(rows.map(|(s, r)| i128::from_ne_bytes(bytes_at(s, r)))),
-        n => {
-            for (s, r) in rows {
-                out.extend_from_slice(&s[r..r + n]);
-            }
-        }
-    }
 }
 
 /// Copies row `r` of source `b` to output row `at` for every pick.
@@ -724,10 +715,8 @@ fn gather_bytes(sources: &[&[u8]], picks: &[(u32, u32, u32)], row_bytes: usize, 
 /// [`gather_bytes`] for rows of `N` bytes: one load and one store per row.
 fn gather_rows<const N: usize>(sources: &[&[u8]], picks: &[(u32, u32, u32)], out: &mut [u8]) {
     for &(b, r, at) in picks {
-        let (r, at) = (r as usize * N, at as usize * N);
-        let mut row = [0u8; N];
-        row.copy_from_slice(&sources[b as usize][r..r + N]);
-        out[at..at + N].copy_from_slice(&row);
+        let at = at as usize * N;
+        out[at..at + N].copy_from_slice(&bytes_at::<N>(sources[b as usize], r as usize * N));
     }
 }
 

@@ -82,8 +82,7 @@ impl Packed {
         // budget and fails near its end would be repeated, in vain, by
         // every shuffled stream.
         let needed = data.rows().saturating_mul(record as u64);
-        let budget = arena.budget();
-        let room = budget.limit().saturating_sub(budget.used()) + arena.stats().idle_bytes;
+        let room = arena.budget().free() + arena.stats().idle_bytes;
         if needed > room {
             return Err(Error::ResourceExhausted(format!(
                 "{}: {needed} bytes needed, {room} free",
