@@ -28,11 +28,62 @@ use std::sync::Arc;
 use crate::catalog::PartitionSummary;
 use crate::error::{Error, Result};
 pub use crate::order::Locality;
-use crate::order::{KeyedPermutation, ReadPlan, ShardOrder, derive_key};
+use crate::order::{KeyedPermutation, ReadPlan, ShardOrder, derive_key, mix64};
 
-/// Domain tags of the `NODE` permutations.
+/// Domain tags of the `NODE` orders.
 const TAG_MEMBER_ROWS: u64 = 0x6D65_6D62_6572; // "member"
 const TAG_NODE_ROWS: u64 = 0x6E6F_6465; // "node"
+
+/// A keyed affine bijection `i -> (a·i + c) mod n` over a member's rows:
+/// which of them its node keeps (the images of `0..kept`) and which move.
+/// The node's own shuffle ([`KeyedPermutation`]) gives the order; this only
+/// picks, so one multiply does where a second keyed permutation would cost
+/// as much as the shuffle itself. The moved rows are an arithmetic
+/// progression mod `n` with a keyed step, spread over the member's
+/// partitions, different every epoch.
+#[derive(Debug, Clone)]
+struct MemberPick {
+    n: u64,
+    a: u64,
+    c: u64,
+}
+
+impl MemberPick {
+    fn new(n: u64, key: u64) -> Self {
+        if n <= 1 {
+            return Self { n, a: 1, c: 0 };
+        }
+        let k = mix64(key);
+        // A step coprime with n (so the map is a bijection), away from the
+        // degenerate 1 and n - 1 where n allows.
+        let mut a = if n > 3 { 2 + k % (n - 3) } else { 1 };
+        while gcd(a, n) != 1 {
+            a = if a + 1 >= n { 1 } else { a + 1 };
+        }
+        Self {
+            n,
+            a,
+            c: mix64(k) % n,
+        }
+    }
+
+    /// The member row of pick index `i < n`.
+    fn apply(&self, i: u64) -> u64 {
+        debug_assert!(i < self.n, "pick {i} of {}", self.n);
+        if self.n <= 1 << 32 {
+            // a, i, c < n: the sum fits 64 bits.
+            return (self.a * i + self.c) % self.n;
+        }
+        ((u128::from(self.a) * u128::from(i) + u128::from(self.c)) % u128::from(self.n)) as u64
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
 
 /// One member of a layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -336,9 +387,9 @@ pub const HELD_MAX: u64 = 1 << 21;
 #[derive(Debug, Clone)]
 pub struct NodeOrder {
     member_rows: Vec<u64>,
-    /// Per member: its rows in this epoch's keyed order.
-    member_perm: Vec<KeyedPermutation>,
-    /// Per member: rows its own node keeps (the first of `member_perm`).
+    /// Per member: which of its rows its node keeps and which move.
+    member_pick: Vec<MemberPick>,
+    /// Per member: rows its own node keeps (the first of `member_pick`).
     kept: Vec<u64>,
     /// Start of each member's surplus in the pool; one extra entry = pool size.
     pool_start: Vec<u64>,
@@ -363,11 +414,11 @@ impl NodeOrder {
     /// The assignment for members holding `member_rows`, nodes `nodes`,
     /// `per_rank` samples per rank over the whole epoch.
     pub fn new(member_rows: &[u64], nodes: Nodes, per_rank: u64, seed: u64, epoch: u64) -> Self {
-        let member_perm: Vec<KeyedPermutation> = member_rows
+        let member_pick: Vec<MemberPick> = member_rows
             .iter()
             .enumerate()
             .map(|(m, &n)| {
-                KeyedPermutation::new(n, derive_key(&[TAG_MEMBER_ROWS, seed, epoch, m as u64]))
+                MemberPick::new(n, derive_key(&[TAG_MEMBER_ROWS, seed, epoch, m as u64]))
             })
             .collect();
         let mut kept = vec![0u64; member_rows.len()];
@@ -408,7 +459,7 @@ impl NodeOrder {
         }
         Self {
             member_rows: member_rows.to_vec(),
-            member_perm,
+            member_pick,
             kept,
             pool_start,
             nodes,
@@ -427,7 +478,7 @@ impl NodeOrder {
         &self.nodes
     }
 
-    /// Pool row `j` as `(member, index into the member's shuffled rows)`.
+    /// Pool row `j` as `(member, pick index into the member's rows)`.
     fn pool_row(&self, j: u64) -> (usize, u64) {
         // The last member whose surplus starts at or before `j`: members
         // without surplus share their start with the next one.
@@ -436,8 +487,8 @@ impl NodeOrder {
     }
 
     /// The `i`-th of node `g`'s assigned rows (before the node's shuffle)
-    /// as `(member, index into the member's shuffled rows)`: the member's
-    /// row is `member_perm[member].apply(index)`, computed only by whoever
+    /// as `(member, pick index into the member's rows)`: the member's
+    /// row is `member_pick[member].apply(index)`, computed only by whoever
     /// needs it.
     fn assigned(&self, g: usize, i: u64) -> (usize, u64) {
         let part = &self.node[g];
@@ -462,8 +513,8 @@ impl NodeOrder {
         (m, pad % n)
     }
 
-    /// Rank `rank`'s `k`-th sample as `(member, index into the member's
-    /// shuffled rows)`.
+    /// Rank `rank`'s `k`-th sample as `(member, pick index into the
+    /// member's rows)`.
     fn assigned_sample(&self, rank: u64, k: u64) -> (usize, u64) {
         let g = self.nodes.node_of(rank);
         let ranks = self.nodes.ranks_of(g);
@@ -475,7 +526,7 @@ impl NodeOrder {
     /// Rank `rank`'s `k`-th sample of the epoch (`k < per_rank()`).
     pub fn sample(&self, rank: u64, k: u64) -> (usize, u64) {
         let (m, i) = self.assigned_sample(rank, k);
-        (m, self.member_perm[m].apply(i))
+        (m, self.member_pick[m].apply(i))
     }
 
     /// Member `member`'s row of rank `rank`'s `k`-th sample, `None` when
@@ -483,7 +534,7 @@ impl NodeOrder {
     /// samples it skips.
     pub fn sample_from(&self, rank: u64, k: u64, member: usize) -> Option<u64> {
         let (m, i) = self.assigned_sample(rank, k);
-        (m == member).then(|| self.member_perm[m].apply(i))
+        (m == member).then(|| self.member_pick[m].apply(i))
     }
 
     /// Rank `rank`'s samples from its `first` on that member `member`
@@ -528,7 +579,7 @@ impl NodeOrder {
                     return None;
                 }
                 let (m, at) = self.assigned(g, i);
-                (m == member).then(|| (k, self.member_perm[m].apply(at)))
+                (m == member).then(|| (k, self.member_pick[m].apply(at)))
             })
             .collect();
         held.sort_unstable();

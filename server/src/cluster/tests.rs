@@ -254,6 +254,26 @@ proptest! {
     }
 }
 
+proptest! {
+    /// A member's pick is a bijection of its rows, and which rows move
+    /// changes with the epoch's key.
+    #[test]
+    fn member_picks_are_bijections(n in 0u64..3000, key: u64) {
+        let pick = MemberPick::new(n, key);
+        let mut seen = vec![false; n as usize];
+        for i in 0..n {
+            let r = pick.apply(i) as usize;
+            prop_assert!(r < n as usize && !seen[r], "row {} picked twice or outside {}", r, n);
+            seen[r] = true;
+        }
+        if n > 200 {
+            let other = MemberPick::new(n, key ^ 1);
+            let moved = |p: &MemberPick| (n / 2..n).map(|i| p.apply(i)).collect::<Vec<_>>();
+            prop_assert_ne!(moved(&pick), moved(&other));
+        }
+    }
+}
+
 #[test]
 fn a_short_node_finds_its_few_transferred_rows_without_walking() {
     // Member 0 holds 600 rows, members 1 and 2 hold 300: nodes 1 and 2

@@ -18,7 +18,7 @@
 mod permutation;
 
 pub use permutation::KeyedPermutation;
-pub(crate) use permutation::derive_key;
+pub(crate) use permutation::{derive_key, mix64};
 
 use crate::error::{Error, Result};
 
