@@ -38,6 +38,43 @@ const MAX_MESSAGE_BYTES: usize = 1 << 30;
 /// the rows, and the bytes of its IPC body.
 pub type PeerBatch = (u64, RecordBatch, u64);
 
+/// Bytes of one `(rank batch, rows)` entry of a peer message's tag.
+const TAG_ENTRY: usize = 12;
+
+/// The `app_metadata` of a peer message holding a member's rows of several
+/// of the rank's batches, in order: `(batch index, rows)` per batch, as
+/// little-endian u64 and u32. (A tag of 8 bytes, a lone batch index, names
+/// one batch taking the whole message.)
+pub fn batches_tag(batches: &[(u64, usize)]) -> Bytes {
+    let mut tag = Vec::with_capacity(batches.len() * TAG_ENTRY);
+    for &(b, rows) in batches {
+        tag.extend_from_slice(&b.to_le_bytes());
+        tag.extend_from_slice(&(rows as u32).to_le_bytes());
+    }
+    tag.into()
+}
+
+/// The `(batch index, rows)` a peer message's tag names for a message of
+/// `rows` rows; `None` when it is malformed or does not add up to `rows`.
+pub fn tag_batches(tag: &[u8], rows: usize) -> Option<Vec<(u64, usize)>> {
+    if let Ok(b) = <[u8; 8]>::try_from(tag) {
+        return Some(vec![(u64::from_le_bytes(b), rows)]);
+    }
+    if tag.is_empty() || !tag.len().is_multiple_of(TAG_ENTRY) {
+        return None;
+    }
+    let out: Vec<(u64, usize)> = tag
+        .chunks_exact(TAG_ENTRY)
+        .map(|e| {
+            let (b, n) = e.split_at(8);
+            let b = u64::from_le_bytes(b.try_into().unwrap_or_default());
+            let n = u32::from_le_bytes(n.try_into().unwrap_or_default());
+            (b, n as usize)
+        })
+        .collect();
+    (out.iter().map(|&(_, n)| n).sum::<usize>() == rows).then_some(out)
+}
+
 /// Connections to other members, opened on first use and shared.
 #[derive(Default)]
 pub struct Peers {
@@ -198,7 +235,8 @@ impl Peers {
     }
 
     /// The batches member `location` streams for `ticket` (a peer ticket),
-    /// each tagged with the rank's batch it belongs to.
+    /// each tagged with the rank's batch it belongs to (a message holding
+    /// several of them is sliced into one per batch, without copying).
     pub async fn fetch(
         &self,
         location: &str,
@@ -234,18 +272,43 @@ impl Peers {
                 let DecodedPayload::RecordBatch(batch) = d.payload else {
                     return Ok(None);
                 };
-                let tag: [u8; 8] = d.inner.app_metadata.as_ref().try_into().map_err(|_| {
-                    Error::Internal("a member sent a batch without its batch index".into())
-                })?;
+                let batches =
+                    tag_batches(&d.inner.app_metadata, batch.num_rows()).ok_or_else(|| {
+                        Error::Internal(
+                            "a member sent rows without the batches they belong to".into(),
+                        )
+                    })?;
                 let bytes = d.inner.data_body.len() as u64;
-                Ok(Some((u64::from_le_bytes(tag), batch, bytes)))
-            }))
+                let total = batch.num_rows().max(1) as u64;
+                let mut at = 0;
+                let parts: Vec<Result<PeerBatch>> = batches
+                    .into_iter()
+                    .map(|(b, n)| {
+                        let part = batch.slice(at, n);
+                        at += n;
+                        Ok((b, part, bytes * n as u64 / total))
+                    })
+                    .collect();
+                Ok(Some(futures::stream::iter(parts)))
+            })
+            .try_flatten())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_tags_round_trip_and_must_add_up() {
+        let batches = [(3, 10), (4, 0), (7, 5)];
+        let tag = batches_tag(&batches);
+        assert_eq!(tag_batches(&tag, 15), Some(batches.to_vec()));
+        assert_eq!(tag_batches(&tag, 14), None, "rows that do not add up");
+        assert_eq!(tag_batches(&tag[..20], 15), None, "a cut tag");
+        assert_eq!(tag_batches(&[], 0), None);
+        assert_eq!(tag_batches(&9u64.to_le_bytes(), 4), Some(vec![(9, 4)]));
+    }
 
     #[test]
     fn locations_become_http_uris() {

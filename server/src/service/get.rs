@@ -20,7 +20,7 @@ use super::Stream;
 use super::ipc::{IpcMessage, Messages};
 use super::outbox::{self, Account};
 use crate::catalog::{ClusterState, DatasetState, DatasetSummary, SealedData};
-use crate::cluster::peer::PeerBatch;
+use crate::cluster::peer::{PeerBatch, batches_tag};
 use crate::cluster::{self, Layout, Nodes, RankRows};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
@@ -419,14 +419,14 @@ pub(super) struct StreamInfo {
 fn encode(
     messages: &mut Messages,
     batch: &RecordBatch,
-    tag: Option<u64>,
+    tag: Option<Bytes>,
     rows: &std::sync::atomic::AtomicU64,
     bytes: &std::sync::atomic::AtomicU64,
     stream: &Tally,
 ) -> Result<Vec<IpcMessage>> {
     let mut m = messages.batch(batch)?;
     if let (Some(tag), Some(last)) = (tag, m.last_mut()) {
-        last.app_metadata = Bytes::copy_from_slice(&tag.to_le_bytes());
+        last.app_metadata = tag;
     }
     let body = m.iter().map(|x| x.body_len as u64).sum();
     let n = batch.num_rows() as u64;
@@ -578,6 +578,8 @@ pub(super) async fn shard_messages(
                 read,
                 next: 0,
                 held: None,
+                pending: None,
+                group: 1,
             },
             run,
         );
@@ -818,30 +820,62 @@ struct PeerStream {
     /// at the first batch ([`RankRows::held_by`]); inner `None`: walk each
     /// batch's samples instead.
     held: Option<Option<Held>>,
+    /// A batch's rows found for a message they did not fit.
+    pending: Option<(u64, Vec<u64>)>,
+    /// Most batches the next message may hold.
+    group: usize,
 }
 
-impl Batches for PeerStream {
-    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+impl PeerStream {
+    /// The next of the rank's batches and this member's rows of it.
+    fn next_batch(&mut self) -> Option<(u64, Vec<u64>)> {
         let (rows, index) = (&self.read.rows, self.read.index);
         let held = self
             .held
             .get_or_insert_with(|| rows.held_by(index).map(|h| h.into_iter().peekable()));
-        loop {
-            let b = self.next;
-            let samples = self.read.plan.stream_batch(self.read.rows.len(), b)?;
-            self.next += 1;
-            let mine: Vec<u64> = match held {
-                Some(held) => std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
-                    .map(|(_, row)| row)
-                    .collect(),
-                None => samples
-                    .filter_map(|k| self.read.rows.sample_from(k, index))
-                    .collect(),
-            };
-            if let Some(messages) = self.read.peer_batch(b, &mine) {
-                return Some(messages);
+        let b = self.next;
+        let samples = self.read.plan.stream_batch(rows.len(), b)?;
+        self.next += 1;
+        let mine = match held {
+            Some(held) => std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
+                .map(|(_, row)| row)
+                .collect(),
+            None => samples.filter_map(|k| rows.sample_from(k, index)).collect(),
+        };
+        Some((b, mine))
+    }
+}
+
+impl Batches for PeerStream {
+    /// This member's rows of the rank's next batches that have any, at
+    /// most a rank batch's rows a message. The first message holds one
+    /// batch's and each later one at most twice as many batches as the one
+    /// before, so the rank never waits on a large gather for its next batch
+    /// while a member supplying a few rows of each batch soon sends a few
+    /// messages, not one per batch.
+    fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        let limit = self.read.plan.batch_rows.max(1) as usize;
+        let mut batches = Vec::new();
+        let mut rows = Vec::new();
+        while let Some((b, mine)) = self.pending.take().or_else(|| self.next_batch()) {
+            if mine.is_empty() {
+                continue;
+            }
+            if !batches.is_empty() && rows.len() + mine.len() > limit {
+                self.pending = Some((b, mine));
+                break;
+            }
+            batches.push((b, mine.len()));
+            rows.extend(mine);
+            if rows.len() >= limit || batches.len() >= self.group {
+                break;
             }
         }
+        if batches.is_empty() {
+            return None;
+        }
+        self.group = self.group.saturating_mul(2);
+        Some(self.read.peer_message(&batches, &rows))
     }
 }
 
@@ -894,29 +928,23 @@ struct MergedRead {
 type Feeds = HashMap<usize, (String, mpsc::Receiver<Result<PeerBatch>>)>;
 
 impl MergedRead {
-    /// For another member's rank: only this member's rows of batch `b`,
-    /// tagged with its index; `None` when it has no such rows (the batch is
-    /// left out of the stream).
-    fn peer_batch(&mut self, b: u64, rows: &[u64]) -> Option<Result<Vec<IpcMessage>>> {
-        if rows.is_empty() {
-            return None;
-        }
+    /// For another member's rank: this member's `rows` of the rank's
+    /// `batches` (`(batch, rows)`, in order), tagged with them.
+    fn peer_message(&mut self, batches: &[(u64, usize)], rows: &[u64]) -> Result<Vec<IpcMessage>> {
         let local: Vec<(usize, usize)> = rows.iter().map(|&r| self.gather.locate(r)).collect();
         let t = &self.traffic;
-        Some(
-            self.gather
-                .gathered(&Picks::new(local), &[])
-                .and_then(|batch| {
-                    encode(
-                        &mut self.messages,
-                        &batch,
-                        Some(b),
-                        &t.rows_to_peers,
-                        &t.bytes_to_peers,
-                        &self.tally,
-                    )
-                }),
-        )
+        self.gather
+            .gathered(&Picks::new(local), &[])
+            .and_then(|batch| {
+                encode(
+                    &mut self.messages,
+                    &batch,
+                    Some(batches_tag(batches)),
+                    &t.rows_to_peers,
+                    &t.bytes_to_peers,
+                    &self.tally,
+                )
+            })
     }
 
     /// For a rank reading here: batch `b`, merging this member's rows with
