@@ -54,6 +54,11 @@ RATIOS = [
         ("cluster/single-node-ranks-global", "flightdeck"),
     ),
     (
+        "NODE, every node at once / one server unshuffled, same rows and ranks",
+        ("cluster/node-all", "flightdeck"),
+        ("cluster/single-none", "flightdeck"),
+    ),
+    (
         "GLOBAL unshuffled / one server unshuffled",
         ("cluster/global-none", "flightdeck"),
         ("cluster/single-none", "flightdeck"),

@@ -548,6 +548,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "cluster_node_vs_single_none": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks")),
         "cluster_node_vs_single_same_rows": ratio(gbps("cluster/node"), gbps("cluster/single-node-rows")),
         "cluster_node_vs_single_global": ratio(gbps("cluster/node"), gbps("cluster/single-node-ranks-global")),
+        "cluster_node_all_vs_single_none": ratio(gbps("cluster/node-all"), gbps("cluster/single-none")),
         "cluster_global_none_vs_single_none": ratio(gbps("cluster/global-none"), gbps("cluster/single-none")),
         "cluster_global_vs_single_none": ratio(gbps("cluster/global-global"), gbps("cluster/single-none")),
         "get_none_vs_pyarrow": ratio(run.median("get/none", "pyarrow"), get_none),
@@ -595,6 +596,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     show(
         "cluster: one node's NODE read vs one server's unshuffled read of the node's rows",
         &ratios["cluster_node_vs_single_same_rows"],
+    );
+    show(
+        "cluster: every node's NODE read at once vs one server's unshuffled read, same rows and ranks",
+        &ratios["cluster_node_all_vs_single_none"],
     );
     show(
         "cluster: one node's NODE read vs one server's shuffled read, same ranks",
@@ -657,6 +662,10 @@ const WARM_UP: usize = 2;
 ///   against `cluster/single-node-rows`: as many ranks reading, unshuffled,
 ///   a dataset that holds just one member's partitions on a server of its
 ///   own (the same rows, and a read of the same size).
+/// - `cluster/node-all`: every node's ranks reading their LOCALITY_NODE
+///   shards at once (every member serving its node and the transfers
+///   together, as on a cluster, but on this machine's cores); against
+///   `cluster/single-none`.
 /// - `cluster/global-none` and `cluster/global-global`: every rank reads
 ///   LOCALITY_GLOBAL (rows held elsewhere cross between members); against
 ///   `cluster/single-none`: every rank reading the single server unshuffled.
@@ -716,6 +725,8 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
             let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
             record(run, &format!("cluster/node{first}"), rows, s);
         }
+        let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), None).await?;
+        record(run, &format!("cluster/node-all{first}"), rows, s);
         for g in 0..n {
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
             let (s, rows) = phases::get_ranks(&single_rows, one, None).await?;
