@@ -13,8 +13,10 @@
 //!   row to its member and the row's place in that member's own rows.
 //! - [`Nodes`]: torchrun's rank → node convention and each node's member.
 //! - [`NodeOrder`]: `LOCALITY_NODE` — each node keeps as many of its own
-//!   member's rows as its ranks take, surplus rows go to nodes short of rows,
-//!   and each node's rows are shuffled per epoch.
+//!   member's rows as its ranks take, surplus rows (a keyed arithmetic
+//!   progression over the member's rows, new every epoch) go to nodes short
+//!   of rows, and each node's rows are shuffled per epoch (one keyed
+//!   permutation per sample).
 //! - [`RankRows`]: a rank's samples as `(member, member row)`, for either
 //!   locality.
 //!
