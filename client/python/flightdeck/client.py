@@ -4,9 +4,9 @@ read_shard."""
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -693,12 +693,16 @@ def prepared_slices(
 
 
 class Prefetched:
-    """A `DoGet` stream read on a background thread, at most `depth` batches
-    ahead of its consumer. Iterating yields the batches in order; `stall`
-    is the time the consumer has waited for them (seconds), and `received`
-    how many the thread has read. With `slice_rows`, each message is handed
-    out as slices of that many rows (zero-copy), each counted as a batch
-    (see `prepared_slices`, also for `slice_prepared`).
+    """A `DoGet` stream read on a background thread ahead of its consumer.
+    Iterating yields the batches in order; `stall` is the time the consumer
+    has waited for them (seconds), and `received` how many the thread has
+    read. With `slice_rows`, each message is handed out as slices of that
+    many rows (zero-copy), each counted as a batch (see `prepared_slices`,
+    also for `slice_prepared`). The thread reads the next message whenever
+    fewer than `depth` batches, or fewer than the last message held, wait:
+    at most about `depth` batches or two messages ahead, and it hands over
+    a message's batches at once (one exchange with the consumer a message,
+    not one a batch: each costs both threads the GIL).
     With `prepare`, iterating yields pairs `(batch, prepare(batch))`,
     `prepare` run on the background thread too (turning a batch into
     tensors, pinning them). `close()` (also on the iterator's end, or when a
@@ -714,41 +718,65 @@ class Prefetched:
         slice_prepared: Callable[[Any, int, int], Any] | None = None,
     ) -> None:
         self._reader = reader
+        self._depth = max(1, depth)
         self._prepare = prepare
         self._slice_rows = slice_rows
         self._slice_prepared = slice_prepared
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._ready: collections.deque = collections.deque()
+        self._changed = threading.Condition()
+        # Batches of the last message read: the thread reads on while fewer wait.
+        self._message = 1
         self._stop = threading.Event()
         self.received = 0
         self.stall = 0.0
         self._thread = threading.Thread(target=self._run, name="flightdeck-prefetch", daemon=True)
         self._thread.start()
 
+    def _wanted(self) -> bool:
+        """Whether the thread should read another message (lock held)."""
+        return len(self._ready) < max(self._depth, self._message)
+
+    def _hand_over(self, items: list) -> None:
+        with self._changed:
+            self._ready.extend(items)
+            self._changed.notify_all()
+
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stop.is_set() or self._wanted())
+                if self._stop.is_set():
+                    return
                 try:
                     chunk = translate(self._reader.read_chunk)
                 except StopIteration:
                     break
-                for item in prepared_slices(
-                    chunk.data, self._slice_rows, self._prepare, self._slice_prepared
-                ):
-                    if self._stop.is_set():
-                        break
-                    self.received += 1
-                    self._queue.put(item if self._prepare is not None else item[0])
-            self._queue.put(_END)
+                items = [
+                    item if self._prepare is not None else item[0]
+                    for item in prepared_slices(
+                        chunk.data, self._slice_rows, self._prepare, self._slice_prepared
+                    )
+                ]
+                self._message = max(1, len(items))
+                self.received += len(items)
+                self._hand_over(items)
+            self._hand_over([_END])
         except BaseException as exc:  # handed to the consumer
             if not self._stop.is_set():
-                self._queue.put(exc)
+                self._hand_over([exc])
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         try:
             while True:
-                started = time.perf_counter()
-                item = self._queue.get()
-                self.stall += time.perf_counter() - started
+                with self._changed:
+                    if not self._ready:
+                        started = time.perf_counter()
+                        self._changed.wait_for(lambda: bool(self._ready))
+                        self.stall += time.perf_counter() - started
+                    item = self._ready.popleft()
+                    if self._wanted():
+                        self._changed.notify_all()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -766,14 +794,10 @@ class Prefetched:
             self._reader.cancel()
         except Exception:
             pass
-        # Room for the thread's last put, whatever it is blocked on.
-        while self._thread.is_alive():
-            try:
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.05)
+        with self._changed:
+            self._changed.notify_all()
+        self._thread.join()
+        self._ready.clear()
 
 
 def connect(

@@ -35,9 +35,10 @@ class ShardedDataset:
     records the epoch and the global samples consumed; a job that loads it —
     with any world size — reads exactly the samples not yet seen.
 
-    A background thread reads up to `prefetch` batches ahead of the loop
-    (0: none, each batch is read when asked for), so the next batch arrives
-    while the loop works on this one. Prefetched batches not yet handed out
+    A background thread reads ahead of the loop — about `prefetch` batches,
+    or the next message of `read_rows` rows where that is more (0: none,
+    each batch is read when asked for) — so the next batch arrives while the
+    loop works on this one. Prefetched batches not yet handed out
     are not counted by :meth:`state_dict`. :attr:`stall_seconds` is how long
     the loop has waited for batches this epoch: the time training spent
     waiting for data.
