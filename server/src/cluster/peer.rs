@@ -281,8 +281,10 @@ impl Peers {
                 let bytes = d.inner.data_body.len() as u64;
                 let total = batch.num_rows().max(1) as u64;
                 let mut at = 0;
+                // A batch given no rows is not one the merge asks for.
                 let parts: Vec<Result<PeerBatch>> = batches
                     .into_iter()
+                    .filter(|&(_, n)| n > 0)
                     .map(|(b, n)| {
                         let part = batch.slice(at, n);
                         at += n;
