@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -191,6 +192,25 @@ def test_batches_sliced_from_larger_messages_are_the_batches_read_one_by_one(
 
 def prefetch_threads():
     return [t for t in threading.enumerate() if t.name == "flightdeck-prefetch"]
+
+
+def test_read_ahead_takes_whole_messages_and_stays_within_two_of_them(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = write(client, "pfm", [3000])
+    ds = ShardedDataset(
+        flightdeck_server.uri, "pfm", rank=0, world_size=1, batch_rows=100, seed=2,
+        prefetch=1, read_rows=1000,
+    )
+    it = iter(ds)
+    first = next(it)
+    # One batch taken of a 10-batch message: the thread reads one more
+    # message (the batches waiting are fewer than the message held) and
+    # then waits, whole messages at a time.
+    eventually("reading the next message", lambda: ds._reader.received >= 20 or None)
+    time.sleep(0.3)
+    assert ds._reader.received == 20 and ds.state_dict()["start_sample"] == 100
+    rest = [first] + list(it)
+    assert sum(b.num_rows for b in rest) == n and prefetch_threads() == []
 
 
 def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_thread(

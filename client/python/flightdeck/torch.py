@@ -95,7 +95,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     every rank), so each rank reads from its own node's server, and
     `locality="node"` reads each node's own rows.
 
-    `prefetch` batches are read ahead on a background thread (see
+    About `prefetch` batches, or the next message where that holds more,
+    are read ahead on a background thread (see
     `ShardedDataset`, also for `read_rows`, the rows a message from the
     server carries), and `transform` runs there too; `stall_seconds` is
     how long this process's iteration waited for data this epoch.
