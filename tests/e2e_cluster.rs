@@ -317,11 +317,19 @@ async fn stats(members: &[MemberProcess]) -> Vec<ServerStats> {
     out
 }
 
+/// Rows fetched from peers and rows served to peers between two readings
+/// of every member's stats; the bytes both ways must agree.
 fn fetched(before: &[ServerStats], after: &[ServerStats]) -> (u64, u64) {
     let sum = |s: &[ServerStats], f: fn(&ServerStats) -> u64| s.iter().map(f).sum::<u64>();
+    let delta = |f: fn(&ServerStats) -> u64| sum(after, f) - sum(before, f);
+    assert_eq!(
+        delta(|s| s.bytes_fetched_from_peers),
+        delta(|s| s.bytes_served_to_peers),
+        "bytes fetched from peers and served to them"
+    );
     (
-        sum(after, |s| s.rows_fetched_from_peers) - sum(before, |s| s.rows_fetched_from_peers),
-        sum(after, |s| s.rows_served_to_peers) - sum(before, |s| s.rows_served_to_peers),
+        delta(|s| s.rows_fetched_from_peers),
+        delta(|s| s.rows_served_to_peers),
     )
 }
 

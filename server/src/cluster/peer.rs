@@ -279,16 +279,19 @@ impl Peers {
                         )
                     })?;
                 let bytes = d.inner.data_body.len() as u64;
-                let total = batch.num_rows().max(1) as u64;
+                let total = batch.num_rows() as u64;
+                // A batch given no rows is not one the merge asks for. Each
+                // part is counted its share of the body's bytes, rounded
+                // so that the parts add up to the body.
                 let mut at = 0;
-                // A batch given no rows is not one the merge asks for.
                 let parts: Vec<Result<PeerBatch>> = batches
                     .into_iter()
                     .filter(|&(_, n)| n > 0)
                     .map(|(b, n)| {
                         let part = batch.slice(at, n);
+                        let counted = bytes * (at + n) as u64 / total - bytes * at as u64 / total;
                         at += n;
-                        Ok((b, part, bytes * n as u64 / total))
+                        Ok((b, part, counted))
                     })
                     .collect();
                 Ok(Some(futures::stream::iter(parts)))
