@@ -531,6 +531,23 @@ impl NodeOrder {
         (m, self.member_pick[m].apply(i))
     }
 
+    /// Rank `rank`'s samples `range` ([`Self::sample`] of each), the
+    /// node's shuffle computed a pass at a time
+    /// ([`KeyedPermutation::apply_all`]).
+    pub fn samples(&self, rank: u64, range: std::ops::Range<u64>) -> Vec<(usize, u64)> {
+        let g = self.nodes.node_of(rank);
+        let ranks = self.nodes.ranks_of(g);
+        let (local, width) = (rank - ranks.start, ranks.end - ranks.start);
+        let mut at: Vec<u64> = range.map(|k| local + k * width).collect();
+        self.node[g].perm.apply_all(&mut at, &mut Vec::new());
+        at.into_iter()
+            .map(|i| {
+                let (m, i) = self.assigned(g, i);
+                (m, self.member_pick[m].apply(i))
+            })
+            .collect()
+    }
+
     /// Member `member`'s row of rank `rank`'s `k`-th sample, `None` when
     /// another member holds it; half the work of [`Self::sample`] for the
     /// samples it skips.
@@ -571,11 +588,13 @@ impl NodeOrder {
         if count >= self.per_rank.saturating_sub(first).min(HELD_MAX) {
             return None;
         }
-        let mut held: Vec<(u64, u64)> = candidates
+        let indices: Vec<u64> = candidates.into_iter().flatten().collect();
+        let mut at = indices.clone();
+        part.perm.invert_all(&mut at, &mut Vec::new());
+        let mut held: Vec<(u64, u64)> = indices
             .into_iter()
-            .flatten()
-            .filter_map(|i| {
-                let p = part.perm.invert(i);
+            .zip(at)
+            .filter_map(|(i, p)| {
                 let k = p / width;
                 if p % width != local || k < first {
                     return None;
@@ -681,6 +700,21 @@ impl RankRows {
         match self {
             Self::Global { order, layout } => layout.locate(order.row(k)),
             Self::Node { order, rank, first } => order.sample(*rank, first + k),
+        }
+    }
+
+    /// `(member, member row)` of the rank's samples `range`, in order
+    /// ([`Self::sample`] of each, computed a pass at a time).
+    pub fn samples(&self, range: std::ops::Range<u64>) -> Vec<(usize, u64)> {
+        match self {
+            Self::Global { order, layout } => order
+                .rows(range)
+                .into_iter()
+                .map(|row| layout.locate(row))
+                .collect(),
+            Self::Node { order, rank, first } => {
+                order.samples(*rank, first + range.start..first + range.end)
+            }
         }
     }
 

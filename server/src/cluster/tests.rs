@@ -4,6 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::catalog::AttemptKey;
+use crate::order::Shuffle;
 
 /// A layout with partition sizes `sizes`, partition `p` on member `owner[p]`.
 fn layout(sizes: &[u64], owner: &[usize], members: usize) -> Layout {
@@ -225,6 +226,58 @@ proptest! {
                     .filter_map(|k| order.sample_from(r, k, peer).map(|row| (k, row)))
                     .collect();
                 prop_assert_eq!(held, walked, "rank {} member {}", r, peer);
+            }
+        }
+    }
+
+    /// A range of a rank's samples computed at once is each sample's
+    /// `(member, row)`, over `NODE` and `GLOBAL` alike.
+    #[test]
+    fn samples_of_a_range_are_each_samples(
+        member_rows in proptest::collection::vec(0u64..400, 1..4),
+        ranks_per_node in 1u32..4,
+        extra_nodes in 0usize..2,
+        drop_last: bool,
+        seed: u64,
+        a: u64,
+        b: u64,
+    ) {
+        let (world, nodes, full, order) =
+            node_order_of(&member_rows, ranks_per_node, extra_nodes, drop_last, seed, 5);
+        let len = full.per_rank();
+        let range = (a % (len + 1)).min(b % (len + 1))..(a % (len + 1)).max(b % (len + 1));
+        for r in 0..u64::from(world) {
+            let one_by_one: Vec<(usize, u64)> = range.clone().map(|k| order.sample(r, k)).collect();
+            prop_assert_eq!(order.samples(r, range.clone()), one_by_one, "rank {}", r);
+        }
+        let sizes: Vec<u64> = member_rows.clone();
+        let owners: Vec<usize> = (0..sizes.len()).collect();
+        let layout = Arc::new(layout(&sizes, &owners, sizes.len()));
+        for locality in [Locality::Global, Locality::Node] {
+            let plan = ReadPlan {
+                dataset: "d".into(),
+                world_size: world,
+                epoch: 5,
+                seed,
+                shuffle: Shuffle::Global,
+                batch_rows: 4,
+                drop_last,
+                columns: vec![],
+                start_sample: 0,
+                split: crate::order::Split::WHOLE,
+                locality,
+                ranks_per_node,
+                nodes: vec![],
+                resume_world_size: 0,
+                filter: String::new(),
+                select: Vec::new(),
+            };
+            for r in 0..world {
+                let Ok(rows) = RankRows::new(&plan, layout.clone(), &nodes, r) else { continue };
+                let len = rows.len();
+                let range = (a % (len + 1)).min(b % (len + 1))..(a % (len + 1)).max(b % (len + 1));
+                let one_by_one: Vec<(usize, u64)> = range.clone().map(|k| rows.sample(k)).collect();
+                prop_assert_eq!(rows.samples(range), one_by_one, "{:?} rank {}", locality, r);
             }
         }
     }

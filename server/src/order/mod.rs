@@ -143,6 +143,23 @@ impl EpochOrder {
     }
 }
 
+impl EpochOrder {
+    /// Replaces every position of `positions` (each below `len()`) by its
+    /// row: [`Self::row_at`] of each, a global order's computed a pass at a
+    /// time ([`KeyedPermutation::apply_all`]).
+    pub fn rows_at(&self, positions: &mut [u64], pending: &mut Vec<u32>) {
+        match &self.kind {
+            OrderKind::Identity => {}
+            OrderKind::Global(p) => p.apply_all(positions, pending),
+            OrderKind::Block(_) => {
+                for p in positions {
+                    *p = self.row_at(*p);
+                }
+            }
+        }
+    }
+}
+
 /// Equal shares of the remaining samples of an epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shares {
@@ -241,8 +258,11 @@ impl ShardOrder {
     }
 
     /// The rows of samples `range`, in order.
-    pub fn rows(&self, range: std::ops::Range<u64>) -> impl Iterator<Item = u64> + '_ {
-        range.map(|k| self.row(k))
+    pub fn rows(&self, range: std::ops::Range<u64>) -> Vec<u64> {
+        let rank = self.rank;
+        let mut rows: Vec<u64> = range.map(|k| self.shares.position(rank, k)).collect();
+        self.order.rows_at(&mut rows, &mut Vec::new());
+        rows
     }
 }
 
@@ -378,7 +398,7 @@ mod tests {
         (0..shares.world_size())
             .map(|r| {
                 let shard = ShardOrder::new(order.clone(), shares, r as u32).expect("rank < W");
-                shard.rows(0..shard.len()).collect()
+                shard.rows(0..shard.len())
             })
             .collect()
     }
@@ -606,6 +626,22 @@ mod tests {
 
         /// Stop after k steps of W ranks, resume at k·W with W': every
         /// remaining sample exactly once, none seen before.
+        #[test]
+        fn rows_of_a_range_are_each_samples_row(
+            n in 1u64..50_000, w in 1u32..=16, shuffle in shuffle_strategy(), seed: u64,
+            epoch in 0u64..100, start_frac in 0.0f64..=1.0, drop_last: bool, a: u64, b: u64,
+        ) {
+            let order = EpochOrder::new(n, shuffle, seed, epoch);
+            let start = ((n as f64) * start_frac) as u64;
+            let shares = Shares::new(n, w, start, drop_last).expect("valid");
+            let shard = ShardOrder::new(order, shares, (a % u64::from(w)) as u32).expect("rank");
+            let len = shard.len();
+            let (lo, hi) = if len == 0 { (0, 0) } else { (a % len, b % (len + 1)) };
+            let range = lo.min(hi)..lo.max(hi);
+            let one_by_one: Vec<u64> = range.clone().map(|k| shard.row(k)).collect();
+            prop_assert_eq!(shard.rows(range), one_by_one);
+        }
+
         #[test]
         fn resume_with_another_world_size_sees_exactly_the_rest(
             n in 1u64..50_000, w in 1u32..=64, w2 in 1u32..=64,

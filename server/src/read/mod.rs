@@ -456,6 +456,7 @@ impl Shard {
         let picks = Picks::new(
             self.order
                 .rows(samples)
+                .into_iter()
                 .map(|row| self.gather.locate(row))
                 .collect(),
         );
@@ -854,7 +855,7 @@ mod tests {
                     for (got, range) in shard.batches().zip(plan.stream_batches(shard.rank_rows()))
                     {
                         let picks: Vec<(usize, usize)> =
-                            shard.order.rows(range).map(|r| data.locate(r)).collect();
+                            range.map(|k| data.locate(shard.order.row(k))).collect();
                         let want = interleave_record_batch(&sources, &picks).expect("interleave");
                         assert_eq!(
                             got.expect("gathered"),

@@ -979,8 +979,7 @@ impl MergedRead {
         // Per member: (index into `extra`, next row of it).
         let mut taken: HashMap<usize, (usize, usize)> = HashMap::new();
         let mut picks = Vec::with_capacity((samples.end - samples.start) as usize);
-        for k in samples {
-            let (m, row) = self.rows.sample(k);
+        for (m, row) in self.rows.samples(samples) {
             if m == self.index {
                 picks.push(self.gather.locate(row));
                 continue;
