@@ -113,7 +113,12 @@ impl KeyedPermutation {
         self.walk_all(values, pending, Self::decrypt);
     }
 
-    fn walk_all(&self, values: &mut [u64], pending: &mut Vec<u32>, step: fn(&Self, u64) -> u64) {
+    fn walk_all(
+        &self,
+        values: &mut [u64],
+        pending: &mut Vec<u32>,
+        step: impl Fn(&Self, u64) -> u64,
+    ) {
         debug_assert!(values.iter().all(|&v| v < self.n));
         // Chunks keep `pending`'s indices in u32 and the values in cache.
         const CHUNK: usize = 1 << 14;
