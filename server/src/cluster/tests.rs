@@ -120,6 +120,12 @@ fn node_order_of(
     (world, nodes, full, order)
 }
 
+/// A range within `0..len` drawn from two arbitrary numbers.
+fn sub_range(len: u64, a: u64, b: u64) -> std::ops::Range<u64> {
+    let (a, b) = (a % (len + 1), b % (len + 1));
+    a.min(b)..a.max(b)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
@@ -244,8 +250,7 @@ proptest! {
     ) {
         let (world, nodes, full, order) =
             node_order_of(&member_rows, ranks_per_node, extra_nodes, drop_last, seed, 5);
-        let len = full.per_rank();
-        let range = (a % (len + 1)).min(b % (len + 1))..(a % (len + 1)).max(b % (len + 1));
+        let range = sub_range(full.per_rank(), a, b);
         for r in 0..u64::from(world) {
             let one_by_one: Vec<(usize, u64)> = range.clone().map(|k| order.sample(r, k)).collect();
             prop_assert_eq!(order.samples(r, range.clone()), one_by_one, "rank {}", r);
@@ -274,8 +279,7 @@ proptest! {
             };
             for r in 0..world {
                 let Ok(rows) = RankRows::new(&plan, layout.clone(), &nodes, r) else { continue };
-                let len = rows.len();
-                let range = (a % (len + 1)).min(b % (len + 1))..(a % (len + 1)).max(b % (len + 1));
+                let range = sub_range(rows.len(), a, b);
                 let one_by_one: Vec<(usize, u64)> = range.clone().map(|k| rows.sample(k)).collect();
                 prop_assert_eq!(rows.samples(range), one_by_one, "{:?} rank {}", locality, r);
             }
