@@ -588,21 +588,26 @@ impl NodeOrder {
         if count >= self.per_rank.saturating_sub(first).min(HELD_MAX) {
             return None;
         }
-        let indices: Vec<u64> = candidates.into_iter().flatten().collect();
-        let mut at = indices.clone();
-        part.perm.invert_all(&mut at, &mut Vec::new());
-        let mut held: Vec<(u64, u64)> = indices
-            .into_iter()
-            .zip(at)
-            .filter_map(|(i, p)| {
+        // Inverted a chunk at a time: the samples held are about one in
+        // `width` of the candidates.
+        let mut indices = candidates.into_iter().flatten();
+        let (mut held, mut at, mut pending) = (Vec::new(), Vec::new(), Vec::new());
+        loop {
+            let chunk: Vec<u64> = indices.by_ref().take(1 << 14).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            at.clone_from(&chunk);
+            part.perm.invert_all(&mut at, &mut pending);
+            held.extend(chunk.into_iter().zip(&at).filter_map(|(i, &p)| {
                 let k = p / width;
                 if p % width != local || k < first {
                     return None;
                 }
-                let (m, at) = self.assigned(g, i);
-                (m == member).then(|| (k, self.member_pick[m].apply(at)))
-            })
-            .collect();
+                let (m, row) = self.assigned(g, i);
+                (m == member).then(|| (k, self.member_pick[m].apply(row)))
+            }));
+        }
         held.sort_unstable();
         Some(held)
     }

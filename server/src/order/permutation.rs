@@ -100,10 +100,11 @@ impl KeyedPermutation {
     }
 
     /// Replaces every value of `values` (each below `len()`) by its image:
-    /// what [`Self::apply`] gives, computed a pass at a time — one round of
-    /// the network over every value, then again over those that walked out
-    /// of `0..n` — so the rounds of different values overlap and the cycle
-    /// walk costs no mispredicted branch per value. `pending` is scratch.
+    /// what [`Self::apply`] gives, computed a pass at a time — the network
+    /// over every value, then again over those that walked out of `0..n`,
+    /// until none is left — so the rounds of different values overlap and
+    /// the cycle walk costs no mispredicted branch per value. `pending` is
+    /// scratch.
     pub fn apply_all(&self, values: &mut [u64], pending: &mut Vec<u32>) {
         self.walk_all(values, pending, Self::encrypt);
     }
