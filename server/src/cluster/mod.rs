@@ -535,30 +535,41 @@ impl NodeOrder {
     /// node's shuffle computed a pass at a time
     /// ([`KeyedPermutation::apply_all`]).
     pub fn samples(&self, rank: u64, range: std::ops::Range<u64>) -> Vec<(usize, u64)> {
+        self.samples_where(rank, range, |_| true)
+    }
+
+    /// Member `member`'s rows of rank `rank`'s samples `range`, in sample
+    /// order: [`Self::samples`] of that member, with the member pick
+    /// computed only for its own samples.
+    pub fn samples_from(&self, rank: u64, range: std::ops::Range<u64>, member: usize) -> Vec<u64> {
+        self.samples_where(rank, range, |m| m == member)
+            .into_iter()
+            .map(|(_, row)| row)
+            .collect()
+    }
+
+    /// [`Self::samples`] of the members `keep` accepts.
+    fn samples_where(
+        &self,
+        rank: u64,
+        range: std::ops::Range<u64>,
+        keep: impl Fn(usize) -> bool,
+    ) -> Vec<(usize, u64)> {
         let g = self.nodes.node_of(rank);
         let ranks = self.nodes.ranks_of(g);
         let (local, width) = (rank - ranks.start, ranks.end - ranks.start);
         let mut at: Vec<u64> = range.map(|k| local + k * width).collect();
         self.node[g].perm.apply_all(&mut at, &mut Vec::new());
         at.into_iter()
-            .map(|i| {
-                let (m, i) = self.assigned(g, i);
-                (m, self.member_pick[m].apply(i))
-            })
+            .map(|i| self.assigned(g, i))
+            .filter(|&(m, _)| keep(m))
+            .map(|(m, i)| (m, self.member_pick[m].apply(i)))
             .collect()
-    }
-
-    /// Member `member`'s row of rank `rank`'s `k`-th sample, `None` when
-    /// another member holds it; half the work of [`Self::sample`] for the
-    /// samples it skips.
-    pub fn sample_from(&self, rank: u64, k: u64, member: usize) -> Option<u64> {
-        let (m, i) = self.assigned_sample(rank, k);
-        (m == member).then(|| self.member_pick[m].apply(i))
     }
 
     /// Rank `rank`'s samples from its `first` on that member `member`
     /// holds, as `(k, member row)` in ascending `k`: what
-    /// [`Self::sample_from`] finds walking every sample, found instead by
+    /// [`Self::samples_from`] finds walking every sample, found instead by
     /// inverting the node's shuffle over the indices the member supplies,
     /// so it costs the member's part of the node rather than the rank's
     /// samples. `None` when that part is not smaller than the samples left
@@ -723,22 +734,26 @@ impl RankRows {
         }
     }
 
-    /// Member `member`'s row of the rank's `k`-th sample, `None` when
-    /// another member holds it (cheaper than [`Self::sample`] for the
-    /// samples it skips).
-    pub fn sample_from(&self, k: u64, member: usize) -> Option<u64> {
+    /// Member `member`'s rows of the rank's samples `range`, in order
+    /// ([`Self::samples`] of that member).
+    pub fn samples_from(&self, range: std::ops::Range<u64>, member: usize) -> Vec<u64> {
         match self {
-            Self::Global { .. } => {
-                let (m, row) = self.sample(k);
-                (m == member).then_some(row)
+            Self::Global { order, layout } => order
+                .rows(range)
+                .into_iter()
+                .map(|row| layout.locate(row))
+                .filter(|&(m, _)| m == member)
+                .map(|(_, row)| row)
+                .collect(),
+            Self::Node { order, rank, first } => {
+                order.samples_from(*rank, first + range.start..first + range.end, member)
             }
-            Self::Node { order, rank, first } => order.sample_from(*rank, first + k, member),
         }
     }
 
     /// Member `member`'s samples of this rank as `(k, member row)`, `k`
     /// counted as [`Self::sample`] counts, ascending; `None` where walking
-    /// the samples with [`Self::sample_from`] is the cheaper way
+    /// the samples with [`Self::samples_from`] is the cheaper way
     /// ([`NodeOrder::samples_held`]).
     pub fn held_by(&self, member: usize) -> Option<Vec<(u64, u64)>> {
         match self {

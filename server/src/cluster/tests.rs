@@ -126,6 +126,13 @@ fn sub_range(len: u64, a: u64, b: u64) -> std::ops::Range<u64> {
     a.min(b)..a.max(b)
 }
 
+/// Rank `rank`'s `k`-th sample as `(k, member row)` when member
+/// `member` holds it: the one-at-a-time reference for a member's samples.
+fn walked_from(order: &NodeOrder, rank: u64, k: u64, member: usize) -> Option<(u64, u64)> {
+    let (m, row) = order.sample(rank, k);
+    (m == member).then_some((k, row))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
@@ -185,11 +192,11 @@ proptest! {
                 prop_assert!(sources.contains(&mm), "member {} not among {:?}", mm, sources);
             }
             // A peer's view of the same samples: its rows, nothing else.
-            for (k, &(mm, row)) in rows.iter().enumerate() {
-                for peer in 0..m {
-                    let from = order.sample_from(r as u64, k as u64, peer);
-                    prop_assert_eq!(from, (peer == mm).then_some(row));
-                }
+            for peer in 0..m {
+                let from = order.samples_from(r as u64, 0..full.per_rank(), peer);
+                let theirs: Vec<u64> =
+                    rows.iter().filter(|&&(mm, _)| mm == peer).map(|&(_, row)| row).collect();
+                prop_assert_eq!(from, theirs);
             }
         }
         let total = full.per_rank() * u64::from(world);
@@ -229,7 +236,7 @@ proptest! {
             for peer in 0..m {
                 let Some(held) = order.samples_held(r, first, peer) else { continue };
                 let walked: Vec<(u64, u64)> = (first..order.per_rank())
-                    .filter_map(|k| order.sample_from(r, k, peer).map(|row| (k, row)))
+                    .filter_map(|k| walked_from(&order, r, k, peer))
                     .collect();
                 prop_assert_eq!(held, walked, "rank {} member {}", r, peer);
             }
@@ -281,6 +288,14 @@ proptest! {
                 let Ok(rows) = RankRows::new(&plan, layout.clone(), &nodes, r) else { continue };
                 let range = sub_range(rows.len(), a, b);
                 let one_by_one: Vec<(usize, u64)> = range.clone().map(|k| rows.sample(k)).collect();
+                for member in 0..sizes.len() {
+                    let theirs: Vec<u64> = one_by_one
+                        .iter()
+                        .filter(|&&(m, _)| m == member)
+                        .map(|&(_, row)| row)
+                        .collect();
+                    prop_assert_eq!(rows.samples_from(range.clone(), member), theirs);
+                }
                 prop_assert_eq!(rows.samples(range), one_by_one, "{:?} rank {}", locality, r);
             }
         }
@@ -340,7 +355,7 @@ fn a_short_node_finds_its_few_transferred_rows_without_walking() {
     for r in 2..6 {
         let held = order.samples_held(r, 0, 0).expect("cheaper than walking");
         let walked: Vec<(u64, u64)> = (0..200)
-            .filter_map(|k| order.sample_from(r, k, 0).map(|row| (k, row)))
+            .filter_map(|k| walked_from(&order, r, k, 0))
             .collect();
         assert_eq!(held, walked);
         assert!(!held.is_empty() && held.len() < 100, "{}", held.len());

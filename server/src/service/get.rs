@@ -840,7 +840,7 @@ impl PeerStream {
             Some(held) => std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
                 .map(|(_, row)| row)
                 .collect(),
-            None => samples.filter_map(|k| rows.sample_from(k, index)).collect(),
+            None => rows.samples_from(samples, index),
         };
         Some((b, mine))
     }
