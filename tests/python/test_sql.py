@@ -1,8 +1,8 @@
 """SQL over the cache: a Flight SQL session with ADBC's Flight SQL driver on
 the server's Flight port (tables listed, a schema, an aggregate, a filter,
 results as Arrow, a prepared statement with a parameter), a cluster
-dataset queried through one member, tokens, and action `derive` keeping a
-hash split as two datasets."""
+dataset queried through one member, tokens, queries charged to the memory
+budget, and action `derive` keeping a hash split as two datasets."""
 
 from __future__ import annotations
 
@@ -171,6 +171,36 @@ def test_a_spilled_dataset_is_restored_for_a_query_and_a_filter(tmp_path):
         assert not c.describe("kept").spilled
         plan = c.plan("kept", filter="country = 'FR'")
         assert plan.total_rows == got["n"][0].as_py()
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+def test_a_query_is_charged_to_the_memory_budget_and_gives_it_back():
+    import numpy as np
+
+    s = RunningServer("--memory-limit", "256MiB")  # a query may hold 64 MiB
+    try:
+        c = flightdeck.connect(s.uri)
+        rows = 300_000
+        cols = {"id": pa.array(np.arange(rows, dtype=np.int64))}
+        for i in range(8):
+            cols[f"x{i}"] = pa.array(np.full(rows, float(i)))
+        c.put_partition("wide", 0, pa.table(cols))  # 21.6 MB
+        c.seal("wide", partitions=1)
+        # An open write holds its rows (nothing to spill): the budget keeps
+        # a few MiB free, less than the join's build side needs.
+        filler = pa.table({"v": pa.array(np.zeros(27_500_000, dtype=np.int64))})
+        c.put_partition("filler", 0, filler)
+        join = "SELECT a.*, b.x0 AS y FROM wide a JOIN wide b ON a.id = b.id"
+        with adbc.connect(s.uri, autocommit=True) as conn:
+            with pytest.raises(Exception, match="memory budget is full") as refused:
+                fetch(conn, join)
+            assert "HashJoin" in str(refused.value)
+            c.drop("filler")
+            used = c.stats().memory_used
+            assert fetch(conn, join).num_rows == rows
+            # What the query held went back when it ended.
+            assert c.stats().memory_used == used
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)
 

@@ -9,12 +9,15 @@
 //! - [`device`]: the CUDA driver when present; columns placed on GPUs.
 //! - [`spill`]: sealed datasets as Parquet in an object store, for spill and
 //!   for persistence across restarts.
+//! - [`query_pool`]: what a SQL query holds of its own, charged to the
+//!   budget as it grows.
 //!
 //! None of these know about the Flight protocol; the server's state ties
 //! them to the catalog.
 
 pub mod arena;
 pub mod device;
+pub mod query_pool;
 pub mod spill;
 
 use std::sync::Arc;
@@ -87,6 +90,14 @@ impl Budget {
                 Err(actual) => used = actual,
             }
         }
+    }
+
+    /// Takes `bytes` even past the limit: for growth its caller cannot
+    /// refuse (a query's small bookkeeping), returned with
+    /// [`Self::release`].
+    pub(crate) fn take(&self, bytes: u64) {
+        let next = self.used.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(next, Ordering::AcqRel);
     }
 
     /// Sets `bytes` aside for one writer (a [`Reservation`]), or fails

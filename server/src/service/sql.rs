@@ -57,6 +57,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::catalog::{ClusterState, DatasetState, SealRequest};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result};
+use crate::memory::query_pool::{BUDGET_FULL, QueryPool};
 use crate::state::State;
 
 /// The catalog every dataset is listed in.
@@ -127,10 +128,12 @@ impl SqlService {
             .with_default_catalog_and_schema(CATALOG, SCHEMA)
             .with_information_schema(true);
         // What one query may hold beyond the cached data it reads (hash
-        // tables, join build sides, sort buffers): a quarter of the budget.
+        // tables, join build sides, sort buffers): a quarter of the budget,
+        // and no more than the budget has free.
         let limit = query_memory(self.state.config.memory_limit);
+        let pool = QueryPool::new(limit, self.state.arena().budget().clone());
         let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
-            .with_memory_limit(limit, 1.0)
+            .with_memory_pool(Arc::new(pool))
             .build_arc()
             .map_err(|e| Error::Internal(format!("cannot make a query runtime: {e}")))?;
         let ctx = SessionContext::new_with_config_rt(config, runtime);
@@ -329,6 +332,9 @@ pub fn query_memory(budget: u64) -> usize {
 /// restore that found no room) keep their own code.
 fn query_error(sql: &str, e: DataFusionError) -> Error {
     if let DataFusionError::ResourcesExhausted(m) = e.find_root() {
+        if m.starts_with(BUDGET_FULL) {
+            return Error::ResourceExhausted(format!("the query `{sql}` cannot run now: {m}"));
+        }
         return Error::ResourceExhausted(format!(
             "the query `{sql}` needs more memory than a query may hold (a quarter of \
              --memory-limit): {m}; select fewer columns or rows, or aggregate first"
