@@ -122,7 +122,10 @@ async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxEr
     phases::drop_dataset(uri, "filtered").await?;
     phases::put(uri, "filtered", &run.shape, &run.parts, run.args.writers).await?;
     let payload = run.shape.payload_bytes();
-    for rep in 0..reps {
+    // Warm-up epochs first, as in the cluster phase: a shuffled read's
+    // first epochs gather column by column and build the packed rows.
+    for rep in 0..WARM_UP + reps {
+        let first = if rep < WARM_UP { "/first" } else { "" };
         progress(&format!("filter: repetition {}", rep + 1));
         let fresh = format!("f0 < 0.5 AND {rep} = {rep}");
         let mut plan = phases::read_plan("filtered", ranks, Shuffle::Global, batch_rows);
@@ -135,7 +138,7 @@ async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxEr
             latencies: vec![],
         };
         run.record(
-            "filter/select",
+            &format!("filter/select{first}"),
             "flightdeck",
             run.shape.rows,
             payload,
@@ -145,7 +148,7 @@ async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxEr
         let plan = phases::read_plan("filtered", ranks, Shuffle::Global, batch_rows);
         let (s, rows) = phases::get_ranks(uri, plan.clone(), None).await?;
         run.record(
-            "filter/global-all",
+            &format!("filter/global-all{first}"),
             "flightdeck",
             rows,
             rows * run.shape.row_bytes(),
@@ -157,7 +160,7 @@ async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxEr
         };
         let (s, rows) = phases::get_ranks(uri, filtered, None).await?;
         run.record(
-            "filter/global-selected",
+            &format!("filter/global-selected{first}"),
             "flightdeck",
             rows,
             rows * run.shape.row_bytes(),
