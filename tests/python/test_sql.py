@@ -175,30 +175,42 @@ def test_a_spilled_dataset_is_restored_for_a_query_and_a_filter(tmp_path):
         assert s.stop() == 0, "".join(s.stderr_lines)
 
 
+WIDE_JOIN = "SELECT a.*, b.x0 AS y FROM wide a JOIN wide b ON a.id = b.id"
+
+
+def write_wide(client) -> int:
+    """Seals dataset `wide`: 300 000 rows of an int64 id and eight float64
+    columns (21.6 MB), which `WIDE_JOIN` joins with itself (its build side
+    holds every column of one side); returns the rows."""
+    import numpy as np
+
+    rows = 300_000
+    cols = {"id": pa.array(np.arange(rows, dtype=np.int64))}
+    for i in range(8):
+        cols[f"x{i}"] = pa.array(np.full(rows, float(i)))
+    client.put_partition("wide", 0, pa.table(cols))
+    client.seal("wide", partitions=1)
+    return rows
+
+
 def test_a_query_is_charged_to_the_memory_budget_and_gives_it_back():
     import numpy as np
 
     s = RunningServer("--memory-limit", "256MiB")  # a query may hold 64 MiB
     try:
         c = flightdeck.connect(s.uri)
-        rows = 300_000
-        cols = {"id": pa.array(np.arange(rows, dtype=np.int64))}
-        for i in range(8):
-            cols[f"x{i}"] = pa.array(np.full(rows, float(i)))
-        c.put_partition("wide", 0, pa.table(cols))  # 21.6 MB
-        c.seal("wide", partitions=1)
+        rows = write_wide(c)
         # An open write holds its rows (nothing to spill): the budget keeps
         # a few MiB free, less than the join's build side needs.
         filler = pa.table({"v": pa.array(np.zeros(27_500_000, dtype=np.int64))})
         c.put_partition("filler", 0, filler)
-        join = "SELECT a.*, b.x0 AS y FROM wide a JOIN wide b ON a.id = b.id"
         with adbc.connect(s.uri, autocommit=True) as conn:
             with pytest.raises(Exception, match="memory budget is full") as refused:
-                fetch(conn, join)
+                fetch(conn, WIDE_JOIN)
             assert "HashJoin" in str(refused.value)
             c.drop("filler")
             used = c.stats().memory_used
-            assert fetch(conn, join).num_rows == rows
+            assert fetch(conn, WIDE_JOIN).num_rows == rows
             # What the query held went back when it ended.
             assert c.stats().memory_used == used
     finally:
@@ -206,21 +218,14 @@ def test_a_query_is_charged_to_the_memory_budget_and_gives_it_back():
 
 
 def test_a_query_past_its_memory_is_resource_exhausted_and_the_server_keeps_serving():
-    import numpy as np
-
     s = RunningServer("--memory-limit", "64MiB")  # a query may hold 16 MiB
     try:
         c = flightdeck.connect(s.uri)
-        rows = 300_000
-        cols = {"id": pa.array(np.arange(rows, dtype=np.int64))}
-        for i in range(8):
-            cols[f"x{i}"] = pa.array(np.full(rows, float(i)))
-        c.put_partition("wide", 0, pa.table(cols))  # 21.6 MB
-        c.seal("wide", partitions=1)
+        rows = write_wide(c)
         with adbc.connect(s.uri, autocommit=True) as conn:
             # A join's build side holds every column of one side: past 16 MiB.
             with pytest.raises(Exception, match="needs more memory than a query may hold"):
-                fetch(conn, "SELECT a.*, b.x0 AS y FROM wide a JOIN wide b ON a.id = b.id")
+                fetch(conn, WIDE_JOIN)
             # The server is fine, and so is a query that fits.
             assert fetch(conn, "SELECT count(*) AS n FROM wide")["n"].to_pylist() == [rows]
         assert c.plan("wide").total_rows == rows
