@@ -738,10 +738,9 @@ impl RankRows {
     /// ([`Self::samples`] of that member).
     pub fn samples_from(&self, range: std::ops::Range<u64>, member: usize) -> Vec<u64> {
         match self {
-            Self::Global { order, layout } => order
-                .rows(range)
+            Self::Global { .. } => self
+                .samples(range)
                 .into_iter()
-                .map(|row| layout.locate(row))
                 .filter(|&(m, _)| m == member)
                 .map(|(_, row)| row)
                 .collect(),
