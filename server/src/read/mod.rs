@@ -5,7 +5,8 @@
 //! Numeric columns (and `fixed_size_list`s of numbers) without nulls — what
 //! training data is — are gathered by copying each row's bytes, visiting the
 //! source rows in ascending order (the reads stream forward; the writes land
-//! in the small output batch). When the rows come in shuffled order and the
+//! in the small output batch). When the rows are scattered (a shuffled
+//! order, or one rank's every `W`-th row of an unshuffled one) and the
 //! gather was given the arena, those columns are instead gathered from the
 //! dataset's [`packed`] copy: one contiguous record per row into a tile that
 //! stays in cache, transposed back into columns. Other columns go through
@@ -265,11 +266,14 @@ impl Gather {
             .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
     }
 
-    /// The packed gather for `picks`: only for rows out of stored order,
-    /// and only when the projected columns are at least half of a record
-    /// (else copying whole records costs more than it saves).
+    /// The packed gather for `picks`: only for scattered rows (a run of
+    /// neighbouring rows is read column by column at the speed of a copy,
+    /// while rows spread out — shuffled, or every `W`-th of a strided read —
+    /// pull in a cache line of every column for each row), and only when
+    /// the projected columns are at least half of a record (else copying
+    /// whole records costs more than it saves).
     fn packed_gather(&self, picks: &Picks) -> Option<&PackedGather> {
-        if picks.in_order {
+        if !picks.scattered {
             return None;
         }
         let arena = self.arena.as_ref()?;
@@ -471,6 +475,10 @@ pub struct Picks {
     rows: Vec<(usize, usize)>,
     /// Whether output order is stored order.
     in_order: bool,
+    /// Whether most picks are not the stored row right after the one
+    /// before (a shuffled order, or a strided one: rank `r` of `W` taking
+    /// every `W`-th row).
+    scattered: bool,
     /// `(batch, row within batch, output row)`, in stored order: made for
     /// the first column gathered byte by byte (a packed gather needs none).
     sorted: std::cell::OnceCell<Vec<(u32, u32, u32)>>,
@@ -480,7 +488,12 @@ impl Picks {
     /// Picks of `(batch, row within batch)`, one per output row in order.
     pub fn new(rows: Vec<(usize, usize)>) -> Self {
         let in_order = rows.is_sorted();
+        let neighbours = rows
+            .windows(2)
+            .filter(|w| w[1] == (w[0].0, w[0].1 + 1) || w[1] == (w[0].0 + 1, 0))
+            .count();
         Self {
+            scattered: 2 * neighbours < rows.len(),
             rows,
             in_order,
             sorted: std::cell::OnceCell::new(),
@@ -889,14 +902,14 @@ mod tests {
                         );
                     }
                     // Every shuffled read with the arena gathered from
-                    // packed records; one unshuffled read never does (with
-                    // more ranks, the rows that even out the shares wrap
-                    // around out of order).
+                    // packed records, and so did every strided unshuffled
+                    // one (several ranks); one rank's unshuffled read is
+                    // runs of neighbouring rows and never does.
                     let packed = shard.gather.packed.get().is_some_and(Option::is_some);
-                    match shuffle {
-                        Shuffle::None if world == 1 => assert!(!packed),
-                        Shuffle::None => {}
-                        _ => assert_eq!(packed, packing && packs, "{shuffle:?} {world}"),
+                    if shuffle == Shuffle::None && world == 1 {
+                        assert!(!packed);
+                    } else {
+                        assert_eq!(packed, packing && packs, "{shuffle:?} {world}");
                     }
                 }
             }

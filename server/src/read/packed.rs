@@ -1,18 +1,23 @@
 //! Packed rows: a row-major copy of a sealed dataset's fixed-width columns,
-//! so that a shuffled read fetches one contiguous record per row instead of
-//! one cache line per column.
+//! so that a read of scattered rows fetches one contiguous record per row
+//! instead of one cache line per column. Rows are scattered when the order
+//! is shuffled, and also when several ranks share an unshuffled one: rank
+//! `r` of `W` takes every `W`-th row, so column by column each rank would
+//! pull in every cache line of every column for the few values it keeps
+//! (`W` times the dataset's bytes from memory per epoch, over all ranks).
 //!
 //! The copy sits *beside* the columnar batches rather than replacing them:
-//! every other reader of a sealed dataset (unshuffled reads, the device
-//! tier, the trainer, spill and persist) keeps using Arrow columns
-//! unchanged, and an unshuffled read is already a forward stream the packed
-//! layout cannot beat. The copy is built at the first shuffled read after
-//! the dataset has served one epoch's worth of shuffled streams (one pass
-//! does not repay the build; [`PackedCache::worth_packing`]), lives
-//! in the arena (so it counts in the memory budget), is only built when the
-//! budget has room for it without spilling anything, and is the first thing
-//! given up when memory is needed ([`PackedCache::give_up`]). A dataset
-//! brought back from the store is packed again at its next shuffled read.
+//! every other reader of a sealed dataset (a single rank's unshuffled
+//! read, the device tier, the trainer, spill and persist) keeps using
+//! Arrow columns unchanged, and a run of neighbouring rows is already a
+//! forward stream the packed layout cannot beat. The copy is built at the
+//! first scattered read after the dataset has served one epoch's worth of
+//! scattered streams (one pass does not repay the build;
+//! [`PackedCache::worth_packing`]), lives in the arena (so it counts in the
+//! memory budget), is only built when the budget has room for it without
+//! spilling anything, and is the first thing given up when memory is
+//! needed ([`PackedCache::give_up`]). A dataset brought back from the store
+//! is packed again at its next scattered read.
 //!
 //! Which columns are packed is the gather's choice of byte-copied columns
 //! (fixed-width values without nulls); the gather copies records into a
@@ -77,10 +82,10 @@ impl Packed {
         if segments.len() < 2 || data.rows() == 0 {
             return Ok(None);
         }
-        let what = || format!("packing the rows of dataset '{dataset}' for shuffled reads");
+        let what = || format!("packing the rows of dataset '{dataset}' for scattered reads");
         // Refused up front when it cannot fit: a build that fills the
         // budget and fails near its end would be repeated, in vain, by
-        // every shuffled stream.
+        // every scattered stream.
         let needed = data.rows().saturating_mul(record as u64);
         let room = arena.budget().free() + arena.stats().idle_bytes;
         if needed > room {
@@ -155,21 +160,21 @@ fn tile_rows<const N: usize>(column: &[u8], record: usize, into: &mut [u8]) {
 #[derive(Debug, Default)]
 pub struct PackedCache {
     copy: Mutex<Option<Arc<Packed>>>,
-    /// Shuffled streams begun over the dataset (see [`Self::worth_packing`]).
-    shuffled: AtomicU64,
+    /// Scattered streams begun over the dataset (see [`Self::worth_packing`]).
+    scattered: AtomicU64,
 }
 
 impl PackedCache {
-    /// Counts one more shuffled stream over the dataset, one of the
+    /// Counts one more scattered stream over the dataset, one of the
     /// `ranks` streams an epoch of its plan begins here, and says whether
     /// it should gather from packed rows: once the dataset has begun as
-    /// many shuffled streams as one epoch has (its first epoch is read
-    /// column by column), or whenever a copy is already held. One pass does not pay
-    /// for the copy — building it costs about what it saves in one epoch —
-    /// and a dataset read shuffled once (ingest, then one epoch) keeps its
+    /// many scattered streams as one epoch has (its first epoch is read
+    /// column by column), or whenever a copy is already held. One pass does
+    /// not pay for the copy — building it costs about what it saves in one
+    /// epoch — and a dataset read once (ingest, then one epoch) keeps its
     /// memory at the columns alone.
     pub fn worth_packing(&self, ranks: u64) -> bool {
-        let before = self.shuffled.fetch_add(1, Ordering::Relaxed);
+        let before = self.scattered.fetch_add(1, Ordering::Relaxed);
         before >= ranks.max(1) || self.bytes() > 0
     }
 
@@ -192,7 +197,7 @@ impl PackedCache {
                 tracing::debug!(
                     dataset,
                     bytes = packed.bytes(),
-                    "packed rows for shuffled reads"
+                    "packed rows for scattered reads"
                 );
                 let packed = Arc::new(packed);
                 *slot = Some(packed.clone());

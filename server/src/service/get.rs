@@ -629,12 +629,15 @@ pub(super) async fn shard_messages(
 }
 
 /// Whether a stream of `plan` over `data`, one of the `ranks` streams an
-/// epoch begins here, gathers shuffled rows from the packed copy
-/// ([`crate::read::packed::PackedCache::worth_packing`]); an unshuffled
-/// stream never does.
+/// epoch begins here, gathers scattered rows from the packed copy
+/// ([`crate::read::packed::PackedCache::worth_packing`]): rows are
+/// scattered when the order is shuffled or when several ranks stride
+/// through an unshuffled one; a single rank's unshuffled stream reads runs
+/// of neighbouring rows and never does.
 fn packing(plan: &ReadPlan, data: &SealedData, ranks: u64) -> bool {
-    let shuffled = plan.shuffle != Shuffle::None || plan.locality == Locality::Node;
-    shuffled && data.packed().worth_packing(ranks)
+    let scattered =
+        plan.shuffle != Shuffle::None || plan.locality == Locality::Node || plan.world_size > 1;
+    scattered && data.packed().worth_packing(ranks)
 }
 
 /// One stream's work, a batch at a time.
