@@ -349,6 +349,9 @@ impl Gather {
         }
         let tile_rows = (TILE_BYTES / record).max(1);
         let mut tile = vec![0u8; tile_rows * record];
+        // The tile's rows fetched from other members: (tile row, extra
+        // batch, row in it).
+        let mut fetched: Vec<(usize, usize, usize)> = Vec::new();
         for start in (0..n).step_by(tile_rows) {
             let rows = &picks.rows[start..n.min(start + tile_rows)];
             for (i, &(b, r)) in rows.iter().enumerate() {
@@ -357,16 +360,18 @@ impl Gather {
                 {
                     prefetch(&p.packed.batch(b)[r * record..][..record]);
                 }
-                let to = &mut tile[i * record..(i + 1) * record];
                 if b < local {
-                    to.copy_from_slice(&p.packed.batch(b)[r * record..(r + 1) * record]);
-                    continue;
-                }
-                for (values, &(_, slot)) in extra_values.iter().zip(&p.outputs) {
-                    let from = &values[b - local].as_slice()[r * slot.width..][..slot.width];
-                    to[slot.offset..slot.offset + slot.width].copy_from_slice(from);
+                    tile[i * record..(i + 1) * record]
+                        .copy_from_slice(&p.packed.batch(b)[r * record..(r + 1) * record]);
+                } else {
+                    fetched.push((i, b - local, r));
                 }
             }
+            // Rows from other members, column by column into the tile.
+            for (values, &(_, slot)) in extra_values.iter().zip(&p.outputs) {
+                fetched_into_tile(&mut tile, record, slot, values, &fetched);
+            }
+            fetched.clear();
             for (out, &(_, slot)) in outs.iter_mut().zip(&p.outputs) {
                 untile(&tile, record, rows.len(), slot, out);
             }
@@ -725,6 +730,39 @@ fn append_values<'a>(
     }
 }
 
+/// Writes one column's values of the `fetched` rows (tile row, extra
+/// batch, row in it) into their records of `tile`, one value per row.
+fn fetched_into_tile(
+    tile: &mut [u8],
+    record: usize,
+    slot: Slot,
+    values: &[Buffer],
+    fetched: &[(usize, usize, usize)],
+) {
+    fn copy<const N: usize>(
+        tile: &mut [u8],
+        record: usize,
+        offset: usize,
+        values: &[Buffer],
+        fetched: &[(usize, usize, usize)],
+    ) {
+        for &(i, e, r) in fetched {
+            tile[i * record + offset..][..N]
+                .copy_from_slice(&bytes_at::<N>(values[e].as_slice(), r * N));
+        }
+    }
+    match slot.width {
+        4 => copy::<4>(tile, record, slot.offset, values, fetched),
+        8 => copy::<8>(tile, record, slot.offset, values, fetched),
+        n => {
+            for &(i, e, r) in fetched {
+                tile[i * record + slot.offset..][..n]
+                    .copy_from_slice(&values[e].as_slice()[r * n..][..n]);
+            }
+        }
+    }
+}
+
 /// The `N` bytes of `from` at `at`.
 #[inline(always)]
 fn bytes_at<const N: usize>(from: &[u8], at: usize) -> [u8; N] {
@@ -954,6 +992,57 @@ mod tests {
             assert!(err.to_string().contains("bytes a row expected"), "{err}");
             let packed = gather.packed.get().is_some_and(Option::is_some);
             assert_eq!(packed, packing);
+        }
+    }
+
+    #[test]
+    fn rows_from_members_gather_the_same_from_packed_rows() {
+        let local = vec![batch(0, 700), batch(700, 500)];
+        let extra = vec![batch(5000, 300), batch(6000, 1)];
+        let data = Arc::new(SealedData::from_batches(
+            local[0].schema(),
+            vec![],
+            local.clone(),
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let sizes = [700, 500, 300, 1];
+        // Scattered picks over both stored batches and both fetched ones,
+        // every row of the fetched ones among them.
+        let mut x = 12345u64;
+        let mut rows: Vec<(usize, usize)> = (0..900)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let b = (x >> 33) as usize % sizes.len();
+                (b, (x >> 40) as usize % sizes[b])
+            })
+            .collect();
+        rows.extend((0..300).map(|r| (2, r)));
+        rows.push((3, 0));
+        let picks = Picks::new(rows.clone());
+        let sources: Vec<&RecordBatch> = local.iter().chain(&extra).collect();
+        let want = interleave_record_batch(&sources, &rows).expect("interleave");
+        // Every column (through the tile), and four wide ones (straight
+        // from each record).
+        let wide = ["c8", "c5", "c4", "c3"].map(String::from).to_vec();
+        for columns in [vec![], wide] {
+            let (indices, _) = project(data.schema(), &columns, "d").expect("projection");
+            let want = want.project(&indices).expect("projection");
+            let extra: Vec<RecordBatch> = extra
+                .iter()
+                .map(|b| b.project(&indices).expect("projection"))
+                .collect();
+            for packing in [false, true] {
+                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+                if packing {
+                    gather = gather.packing(arena.clone());
+                }
+                let got = gather.batch(&picks, &extra).expect("gathered");
+                assert_eq!(got, want, "{columns:?} packing {packing}");
+                let packed = gather.packed.get().is_some_and(Option::is_some);
+                assert_eq!(packed, packing);
+            }
         }
     }
 
