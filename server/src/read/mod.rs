@@ -523,6 +523,22 @@ impl Picks {
         })
     }
 
+    /// The picks as runs of neighbouring rows of one batch, in output
+    /// order: `(batch, rows)`.
+    fn runs(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let &(b, r) = self.rows.get(at)?;
+            let len = self.rows[at..]
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &pick)| pick == (b, r + i))
+                .count();
+            at += len;
+            Some((b, r..r + len))
+        })
+    }
+
     /// Output rows.
     pub fn len(&self) -> usize {
         self.rows.len()
@@ -601,7 +617,16 @@ impl Column {
                     .map(|s| s.as_slice())
                     .collect();
                 let len = picks.len() * c.row_bytes;
-                let out = if picks.in_order {
+                let out = if !picks.scattered {
+                    // Mostly runs of neighbouring rows: one copy per run.
+                    let mut out = MutableBuffer::with_capacity(len);
+                    for (b, rows) in picks.runs() {
+                        out.extend_from_slice(
+                            &sources[b][rows.start * c.row_bytes..rows.end * c.row_bytes],
+                        );
+                    }
+                    out
+                } else if picks.in_order {
                     // Output order is source order: append, nothing to zero.
                     let mut out = MutableBuffer::with_capacity(len);
                     let values = picks
@@ -993,6 +1018,20 @@ mod tests {
             let packed = gather.packed.get().is_some_and(Option::is_some);
             assert_eq!(packed, packing);
         }
+    }
+
+    #[test]
+    fn picks_split_into_runs_of_neighbouring_rows_and_say_when_scattered() {
+        let runs = Picks::new(vec![(0, 4), (0, 5), (0, 6), (1, 0), (1, 1), (0, 9), (2, 3)]);
+        assert_eq!(
+            runs.runs().collect::<Vec<_>>(),
+            vec![(0, 4..7), (1, 0..2), (0, 9..10), (2, 3..4)]
+        );
+        assert!(!runs.scattered);
+        let strided = Picks::new((0..10).map(|k| (0, 3 * k)).collect());
+        assert!(strided.in_order && strided.scattered);
+        assert_eq!(strided.runs().count(), 10);
+        assert_eq!(Picks::new(vec![]).runs().count(), 0);
     }
 
     #[test]
