@@ -94,6 +94,13 @@ def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
             flightdeck.connect(members[0].uri).plan("events").shards[0]))
         assert [r.id for r in back.select("id").collect()] == order
         assert sorted(order) == list(range(ROWS))
+        # A Spark filter pushed down to a cluster dataset: the members
+        # select, the selected rows come in the same order.
+        odd = back.where("id % 2 = 1 AND id >= 100")
+        assert [r.id for r in odd.select("id").collect()] == [i for i in order if i % 2 and i >= 100]
+        filtered = (spark.read.format("flightdeck").option("uri", members[2].uri)
+                    .option("dataset", "events").option("filter", "id % 3 = 0").load())
+        assert [r.id for r in filtered.select("id").collect()] == [i for i in order if i % 3 == 0]
 
     # Four ranks, GLOBAL: equal counts, every row once, each from its member.
     client = flightdeck.connect(members[1].uri)

@@ -4,7 +4,8 @@ exactly once when a task fails mid-partition and is retried, the winner
 named; overwrite, append refused, a failed job leaving nothing; every type
 Arrow carries round-trips (read back with the Python client and with
 `spark.read.format("flightdeck")`); a type Arrow cannot carry is refused
-before any byte is sent."""
+before any byte is sent; a read sends only the rows its filter selects (the
+`filter` option, and Spark's filters pushed down)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,54 @@ def test_server_names_read_as_the_shared_table_says(spark):
                 names.normalize(name, local or "")
         else:
             assert names.normalize(name, local or "") == want, name
+
+
+def test_reads_send_only_the_rows_a_filter_selects(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    df = spark.range(1_000, numPartitions=4).selectExpr(
+        "id",
+        "cast(id % 7 as int) as k",
+        "concat('n', cast(id % 5 as string)) as name",
+        "id % 2 = 0 as even",
+        "cast(id as double) / 3 as x",
+    )
+    write(df, uri, "filtered", batch_rows=100)
+    client = flightdeck.connect(uri)
+    order = everything(client, "filtered").column("id").to_pylist()
+
+    def read(filter=None):
+        r = spark.read.format("flightdeck").option("uri", uri).option("dataset", "filtered")
+        return r.option("filter", filter).load() if filter else r.load()
+
+    # The filter option: the server selects, Spark has no filter of its own;
+    # the selected rows come in the dataset's order, over as many partitions.
+    chosen = read("k = 3 AND name <> 'n1'")
+    assert chosen.rdd.getNumPartitions() == 4
+    assert [r.id for r in chosen.select("id").collect()] == [
+        i for i in order if i % 7 == 3 and i % 5 != 1
+    ]
+    # Fewer selected rows than stored partitions: no empty partitions.
+    assert read("id = 5").rdd.getNumPartitions() == 1
+    assert read("id < 0").count() == 0
+
+    # Spark's own filters on integer, string and boolean columns are pushed
+    # down and named in the plan; the one on a double stays in Spark.
+    where = "(k = 3 OR k IN (4, 5)) AND NOT even AND name >= 'n2' AND x > 10"
+    pushed = read().where(where)
+    plan = pushed._jdf.queryExecution().executedPlan().toString()
+    scan = next(line for line in plan.splitlines() if "flightdeck dataset 'filtered'" in line)
+    assert '"k" = 3' in scan and '"even"' in scan and "'n2'" in scan, scan
+    assert '"x" >' not in scan, scan
+    served = client.stats().rows_served
+    got = sorted(r.id for r in pushed.collect())
+    want = [i for i in range(1_000) if i % 7 in (3, 4, 5) and i % 2 and i % 5 >= 2 and i / 3 > 10]
+    assert got == want
+    # The server sent the selected rows (each partition's stream may run a
+    # little past its end), not the dataset.
+    sent = client.stats().rows_served - served
+    assert len(want) <= sent < 500, sent
+
+    with pytest.raises(Exception, match="no_such_column"):
+        read("no_such_column > 1").collect()
+    with pytest.raises(Exception, match="option filter selects the rows a read sends"):
+        write(df, uri, "never", filter="k = 1")

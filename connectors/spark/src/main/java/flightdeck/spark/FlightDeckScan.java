@@ -20,7 +20,9 @@ import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.read.SupportsPushDownFilters;
 import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.sources.Filter;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.ArrowUtils;
 import org.apache.spark.sql.vectorized.ArrowColumnVector;
@@ -32,17 +34,28 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  * stored partition, in partition order and row order (the dataset's own
  * row numbering), columns pruned on the server. Each partition reads the
  * unshuffled order from its first row and stops after its last.
+ *
+ * <p>With a filter (the {@code filter} option, and Spark's filters that
+ * {@link Filters} translates) the server sends only the rows it selects,
+ * still in the dataset's order: the selected rows are split into as many
+ * Spark partitions, of equal size, as there are stored partitions. Spark
+ * evaluates its own filters again on what arrives, so a pushed filter only
+ * ever saves work.
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
 
-  /** Prunes columns; builds the scan. */
-  static final class Builder implements ScanBuilder, SupportsPushDownRequiredColumns {
+  /** Prunes columns and pushes filters down; builds the scan. */
+  static final class Builder
+      implements ScanBuilder, SupportsPushDownRequiredColumns, SupportsPushDownFilters {
     private final Options options;
+    private final StructType full;
     private StructType schema;
+    private Filters.Pushed pushed = new Filters.Pushed(List.of(), "");
 
     Builder(Options options, StructType schema) {
       this.options = options;
+      this.full = schema;
       this.schema = schema;
     }
 
@@ -52,8 +65,20 @@ final class FlightDeckScan {
     }
 
     @Override
+    public Filter[] pushFilters(Filter[] filters) {
+      pushed = Filters.push(filters, full);
+      // Spark evaluates every filter again after the scan.
+      return filters;
+    }
+
+    @Override
+    public Filter[] pushedFilters() {
+      return pushed.filters().toArray(new Filter[0]);
+    }
+
+    @Override
     public Scan build() {
-      Options o = options;
+      Options o = options.withFilter(pushed.sql());
       StructType s = schema;
       return new Scan() {
         @Override
@@ -63,7 +88,8 @@ final class FlightDeckScan {
 
         @Override
         public String description() {
-          return "flightdeck dataset '" + o.dataset() + "'";
+          return "flightdeck dataset '" + o.dataset() + "'"
+              + (o.filter().isEmpty() ? "" : " where " + o.filter());
         }
 
         @Override
@@ -74,7 +100,10 @@ final class FlightDeckScan {
     }
   }
 
-  /** A stored partition's rows: {@code rows} from global row {@code start}. */
+  /**
+   * A stored partition's rows: {@code rows} from global row {@code start}
+   * (with a filter: of the selected rows, in order).
+   */
   record Part(Options options, List<String> columns, long start, long rows)
       implements InputPartition, Serializable {}
 
@@ -96,12 +125,35 @@ final class FlightDeckScan {
       List<Wire.Partition> parts = new ArrayList<>(info.partitions());
       parts.sort(Comparator.comparingInt(Wire.Partition::partition));
       List<InputPartition> out = new ArrayList<>();
+      if (!options.filter().isEmpty()) {
+        long selected = selectedRows();
+        int n = Math.max(1, parts.size());
+        for (int i = 0; i < n; i++) {
+          long start = selected * i / n;
+          long end = selected * (i + 1) / n;
+          if (end > start) {
+            out.add(new Part(options, columns, start, end - start));
+          }
+        }
+        return out.toArray(new InputPartition[0]);
+      }
       long start = 0;
       for (Wire.Partition p : parts) {
         out.add(new Part(options, columns, start, p.rows()));
         start += p.rows();
       }
       return out.toArray(new InputPartition[0]);
+    }
+
+    /** How many rows the filter selects: the plan's row count, from the server. */
+    private long selectedRows() {
+      try (Server server = Server.open(options.uri(), options.token())) {
+        byte[] plan = Wire.readFrom(options.dataset(), 0, options.batchRows(), List.of(),
+            options.filter());
+        return server.client.getInfo(FlightDescriptor.command(plan), server.options).getRecords();
+      } catch (FlightRuntimeException e) {
+        throw FlightDeckException.of(e, options.uri());
+      }
     }
 
     @Override
@@ -152,7 +204,8 @@ final class FlightDeckScan {
       try {
         FlightInfo info = server.client.getInfo(
             FlightDescriptor.command(
-                Wire.readFrom(o.dataset(), part.start(), o.batchRows(), part.columns())),
+                Wire.readFrom(
+                    o.dataset(), part.start(), o.batchRows(), part.columns(), o.filter())),
             server.options);
         FlightEndpoint endpoint = info.getEndpoints().get(0);
         Server serving = server;

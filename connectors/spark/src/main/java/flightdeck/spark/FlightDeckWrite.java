@@ -54,6 +54,10 @@ final class FlightDeckWrite {
     private boolean overwrite;
 
     Builder(Options options, StructType schema) {
+      if (!options.filter().isEmpty()) {
+        throw new IllegalArgumentException("option filter selects the rows a read sends; a write "
+            + "stores every row of the DataFrame: filter the DataFrame before writing it");
+      }
       this.options = options;
       this.schema = schema;
     }

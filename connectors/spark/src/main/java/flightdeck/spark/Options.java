@@ -11,10 +11,14 @@ import java.util.Map;
  * {@code p} goes to the ({@code p} mod n)-th), {@code dataset} (required),
  * {@code batch_rows} (rows per record batch sent or read; default: Spark's
  * {@code spark.sql.execution.arrow.maxRecordsPerBatch} for writes, the
- * server's {@code --default-batch-rows} for reads) and {@code token}
- * (default: {@code FLIGHTDECK_TOKEN}).
+ * server's {@code --default-batch-rows} for reads), {@code token}
+ * (default: {@code FLIGHTDECK_TOKEN}) and, for reads, {@code filter}: a SQL
+ * boolean expression over the dataset's columns that the server evaluates
+ * so that only the rows it selects are sent (the read plan's filter;
+ * Spark's own filters on simple columns are pushed down the same way).
  */
-record Options(String uri, List<String> uris, String dataset, int batchRows, String token)
+record Options(
+    String uri, List<String> uris, String dataset, int batchRows, String token, String filter)
     implements Serializable {
 
   /** Reads Spark's options (keys in any case). */
@@ -42,7 +46,7 @@ record Options(String uri, List<String> uris, String dataset, int batchRows, Str
           "option batch_rows must be a whole number of rows, 1 or more, not '" + rows + "'");
     }
     return new Options(get(options, "uri", "local"), List.copyOf(uris), dataset, batchRows,
-        get(options, "token", ""));
+        get(options, "token", ""), get(options, "filter", "").strip());
   }
 
   private static String get(Map<String, String> options, String key, String otherwise) {
@@ -56,7 +60,19 @@ record Options(String uri, List<String> uris, String dataset, int batchRows, Str
 
   /** These options with {@code batch_rows} set where it was not given. */
   Options withDefaultBatchRows(int rows) {
-    return batchRows > 0 ? this : new Options(uri, uris, dataset, rows, token);
+    return batchRows > 0 ? this : new Options(uri, uris, dataset, rows, token, filter);
+  }
+
+  /**
+   * These options with {@code more} (a SQL condition; may be empty) joined
+   * to {@code filter} with AND.
+   */
+  Options withFilter(String more) {
+    if (more.isEmpty()) {
+      return this;
+    }
+    String both = filter.isEmpty() ? more : "(" + filter + ") AND (" + more + ")";
+    return new Options(uri, uris, dataset, batchRows, token, both);
   }
 
   /** Where partition {@code p} is written: {@code uris[p mod n]}, else {@code uri}. */

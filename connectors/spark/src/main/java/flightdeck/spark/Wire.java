@@ -151,15 +151,18 @@ final class Wire {
 
   /**
    * {@code ReadPlan} for one rank reading unshuffled from
-   * {@code startSample}, projected to {@code columns} (none: all).
+   * {@code startSample}, projected to {@code columns} (none: all), over the
+   * rows {@code filter} selects (empty: every row).
    */
-  static byte[] readFrom(String dataset, long startSample, int batchRows, List<String> columns) {
+  static byte[] readFrom(
+      String dataset, long startSample, int batchRows, List<String> columns, String filter) {
     return new Out()
         .string(1, dataset)
         .uint32(2, 1)
         .uint32(6, batchRows)
         .repeatedString(8, columns)
         .uint64(9, startSample)
+        .string(17, filter)
         .bytes();
   }
 
