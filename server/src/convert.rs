@@ -749,6 +749,7 @@ pub fn train_job(body: &[u8], config: &ServerConfig) -> Result<crate::train::Job
             0 => crate::train::DEFAULT_KEEP_CHECKPOINTS,
             n => n as usize,
         },
+        filter: j.filter.trim().to_string(),
     })
 }
 

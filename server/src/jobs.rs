@@ -117,9 +117,13 @@ impl State {
         }
         let (generation, data) = self.resident(&spec.dataset).await?;
         let placed = self.device_copies(&spec.dataset, generation);
-        let mut job = tokio::task::spawn_blocking(move || Job::prepare(spec, &data))
-            .await
-            .map_err(|e| Error::Internal(format!("preparing the job panicked: {e}")))??;
+        let arena = self.arena().clone();
+        let mut job = tokio::task::spawn_blocking(move || {
+            let selection = crate::train::job_selection(&spec, &data, &arena)?;
+            Job::prepare(spec, &data, selection)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("preparing the job panicked: {e}")))??;
         job.placed = placed;
         let resume = match &job.spec.resume_from {
             Some(url) => {

@@ -82,6 +82,10 @@ pub struct TrainArgs {
     /// Stop after this many steps in total (0: run every epoch).
     #[arg(long, default_value_t = 0)]
     max_steps: u64,
+    /// Train on the rows this SQL condition selects (as a read plan's
+    /// filter: `--filter "hash_bucket(id, 10) < 8"`); default every row.
+    #[arg(long, default_value = "")]
+    filter: String,
 }
 
 impl TrainArgs {
@@ -145,6 +149,7 @@ impl TrainArgs {
             resume_from: self.resume_from.clone().unwrap_or_default(),
             max_steps: self.max_steps,
             keep_checkpoints: self.keep_checkpoints,
+            filter: self.filter.clone(),
         })
     }
 }

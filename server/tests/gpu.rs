@@ -251,10 +251,11 @@ fn cuda_training_equals_cpu_training() {
         resume_from: None,
         max_steps: 100,
         keep_checkpoints: flightdeck_server::train::DEFAULT_KEEP_CHECKPOINTS,
+        filter: String::new(),
     };
     // With `placed`, the feature column comes from the device tier.
     let run = |devices: Devices, placed: bool| {
-        let mut job = Job::prepare(spec(devices.clone()), &data).expect("valid job");
+        let mut job = Job::prepare(spec(devices.clone()), &data, None).expect("valid job");
         if let (true, Devices::Gpu(ordinals)) = (placed, &devices) {
             job.placed = ordinals
                 .iter()

@@ -1,8 +1,9 @@
 """Training inside the server from Python and from the `flightdeck train`
 command line: a sealed dataset written with the Python client, a softmax
 regression that separates three classes, progress that streams, a bad job
-refused with INVALID_ARGUMENT, a checkpoint written and resumed, and
-`flightdeck train --regression` stopped and continued with `--resume-from`."""
+refused with INVALID_ARGUMENT, a checkpoint written and resumed, a job that trains on the rows a filter
+selects, and `flightdeck train --regression` stopped and continued with
+`--resume-from`."""
 
 from __future__ import annotations
 
@@ -78,6 +79,29 @@ def test_python_client_trains_and_streams_progress(sealed, tmp_path):
             c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100, epochs=3)
         )
         assert resumed[-1].loss == pytest.approx(whole[-1].loss, rel=1e-6)
+
+
+def test_a_filter_chooses_the_rows_a_job_trains_on(sealed):
+    labels = three_classes(4000, 1).column("label").to_numpy()
+    selected = int((labels < 2).sum())
+    with flightdeck.connect(sealed.uri) as c:
+        # Class 2 is outside classes=2: refused over every row, accepted when
+        # the filter leaves it out; the steps count the selected rows.
+        with pytest.raises(flightdeck.InvalidArgument, match="outside the 2 classes"):
+            list(c.train("blobs", ["features"], "label", classes=2, batch_size=100))
+        reports = list(
+            c.train("blobs", ["features"], "label", classes=2, lr=0.05, batch_size=100, epochs=2,
+                    cpu_ranks=2, filter="label < 2", checkpoint_url="two", checkpoint_every=10)
+        )
+        assert reports[-1].done and reports[-1].accuracy >= 0.95
+        assert reports[-1].total_steps == 2 * (selected // 2 // 50)
+        # A checkpoint records the filter: resuming with another is refused.
+        with pytest.raises(flightdeck.FailedPrecondition,
+                           match="the checkpoint has filter \"label < 2\", this job has filter \"\""):
+            list(c.train("blobs", ["features"], "label", classes=3, lr=0.05, batch_size=100,
+                         epochs=2, cpu_ranks=2, resume_from=reports[-1].checkpoint))
+        with pytest.raises(flightdeck.InvalidArgument, match="selects none of the dataset's rows"):
+            list(c.train("blobs", ["features"], "label", classes=3, batch_size=100, filter="label > 5"))
 
 
 def test_the_train_command(sealed):

@@ -445,6 +445,7 @@ TrainJob = _message(
     Field("resume_from", 20, "string"),
     Field("max_steps", 21, "uint64"),
     Field("keep_checkpoints", 22, "uint32"),
+    Field("filter", 23, "string"),
 )
 TrainProgress = _message(
     "TrainProgress",

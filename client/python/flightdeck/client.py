@@ -496,12 +496,15 @@ class Client:
         resume_from: str = "",
         max_steps: int = 0,
         keep_checkpoints: int = 0,
+        filter: str = "",
     ) -> Iterator[wire.Message]:
         """Trains a model on a sealed dataset inside the server and yields its
         `TrainProgress` reports; the last has `done` set (and, for
         classification, the training `accuracy`). `classes=None` means
         regression. Checkpoints go to `checkpoint_url` every `checkpoint_every`
         steps and at the end; the newest `keep_checkpoints` stay (0 = 3).
+        `filter` (a SQL condition, as in `plan`) trains on the rows it selects
+        only — `hash_bucket(id, 10) < 8` keeps a stable 80 % for training.
         Closing the iterator early cancels the job."""
         if isinstance(features, str):
             features = [features]  # one column, not its letters
@@ -529,6 +532,7 @@ class Client:
             resume_from=resume_from,
             max_steps=max_steps,
             keep_checkpoints=keep_checkpoints,
+            filter=filter,
         )
         results = translate(
             lambda: self._flight.do_action(flight.Action("train", job.encode()), options=self._options)

@@ -568,11 +568,15 @@ impl Cuda {
 }
 
 /// The placed copy of every feature column of `data`, in order, if each is
-/// on this device as `f32` with the job's rows and width.
+/// on this device as `f32` with the job's rows and width (a job with a
+/// filter that leaves rows out gathers its rows on the host).
 fn placed_features<'a>(
     placed: &'a DevicePlacement,
     data: &TrainData,
 ) -> Option<Vec<&'a DeviceColumn>> {
+    if !data.every_row() {
+        return None;
+    }
     data.columns
         .iter()
         .map(|(name, width)| {

@@ -1,6 +1,9 @@
 //! A job's view of a sealed dataset: the feature columns as `f32` and the
 //! label column, checked once, and the gather of a batch's rows into a
-//! row-major feature matrix.
+//! row-major feature matrix. A job with a filter sees only the rows it
+//! selects, numbered `0..rows()` in storage order.
+
+use std::sync::Arc;
 
 use arrow::array::{ArrayRef, AsArray, Float32Array};
 use arrow::compute::cast;
@@ -9,6 +12,7 @@ use arrow::datatypes::{DataType, Float32Type};
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
 use crate::memory::device::numeric_values;
+use crate::query::Selection;
 
 /// What the label column holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +32,8 @@ pub struct TrainData {
     labels: Vec<(Float32Array, usize)>,
     /// Row offsets of the stored batches (one extra = rows).
     starts: Vec<u64>,
+    /// The stored rows the job trains on, when a filter chose them.
+    selection: Option<Arc<Selection>>,
     /// The feature columns, in order, with their values per row.
     pub columns: Vec<(String, usize)>,
     /// Features per row.
@@ -48,12 +54,14 @@ fn as_f32(col: &ArrayRef, name: &str, what: &str) -> Result<(Float32Array, usize
 impl TrainData {
     /// Checks `features` and `label` against `data` and prepares them: every
     /// column exists, is numeric (or a fixed_size_list of numbers) without
-    /// nulls; class labels are integers in `0..classes`.
+    /// nulls; class labels of the rows trained on (`selection`'s, else
+    /// every row) are integers in `0..classes`.
     pub fn new(
         data: &SealedData,
         features: &[String],
         label: &str,
         kind: LabelKind,
+        selection: Option<Arc<Selection>>,
     ) -> Result<Self> {
         let schema = data.schema();
         let index = |name: &str, what: &str| {
@@ -90,6 +98,7 @@ impl TrainData {
             labels: Vec::new(),
             columns: Vec::new(),
             starts: vec![0],
+            selection: None,
             dim: 0,
             label_width: 1,
         };
@@ -107,20 +116,6 @@ impl TrainData {
                 .map(|(name, (_, w))| (name.clone(), *w))
                 .collect();
             let (labels, width) = as_f32(batch.column(label_idx), label, "label")?;
-            if let LabelKind::Classes(classes) = kind
-                && let Some((row, v)) = labels
-                    .values()
-                    .iter()
-                    .enumerate()
-                    .find(|(_, v)| !(0.0..classes as f32).contains(*v))
-            {
-                return Err(Error::invalid(format!(
-                    "label column '{label}' holds {v} at row {}, outside the {classes} \
-                     classes (0 ≤ label < {classes}); give --classes/classes as one more than \
-                     the largest label",
-                    rows + row as u64
-                )));
-            }
             out.label_width = width;
             out.features.push(cols);
             out.labels.push((labels, width));
@@ -130,21 +125,86 @@ impl TrainData {
         if rows == 0 {
             return Err(Error::invalid("the dataset has no rows to train on"));
         }
+        out.selection = selection;
+        if out.rows() == 0 {
+            return Err(Error::invalid(
+                "the job's filter selects none of the dataset's rows; there is nothing to train on",
+            ));
+        }
+        if let LabelKind::Classes(classes) = kind
+            && let Some((row, v)) = out.label_outside(classes)
+        {
+            return Err(Error::invalid(format!(
+                "label column '{label}' holds {v} at row {row}, outside the {classes} classes \
+                 (0 ≤ label < {classes}){}; give --classes/classes as one more than the largest \
+                 label",
+                if out.selection.is_some() {
+                    ", a row the job's filter selects"
+                } else {
+                    ""
+                }
+            )));
+        }
         Ok(out)
     }
 
-    /// Rows of the dataset.
+    /// Rows the job trains on: the dataset's, or those its filter selects.
     pub fn rows(&self) -> u64 {
+        match &self.selection {
+            Some(s) => s.len(),
+            None => self.stored_rows(),
+        }
+    }
+
+    /// Whether the job trains on every stored row, in storage order.
+    pub fn every_row(&self) -> bool {
+        self.rows() == self.stored_rows()
+    }
+
+    fn stored_rows(&self) -> u64 {
         self.starts.last().copied().unwrap_or(0)
     }
 
+    /// The stored row of the job's row `i`.
+    fn stored(&self, i: u64) -> u64 {
+        match &self.selection {
+            Some(s) => s.row(i),
+            None => i,
+        }
+    }
+
+    /// The first of the job's rows whose class label is not in
+    /// `0..classes`: its stored row and its label.
+    fn label_outside(&self, classes: usize) -> Option<(u64, f32)> {
+        let outside = |v: &f32| !(0.0..classes as f32).contains(v);
+        match &self.selection {
+            Some(s) => (0..s.len()).map(|i| s.row(i)).find_map(|row| {
+                let (b, r) = self.locate(row);
+                let v = self.labels[b].0.values()[r];
+                outside(&v).then_some((row, v))
+            }),
+            None => self
+                .labels
+                .iter()
+                .zip(&self.starts)
+                .find_map(|((labels, _), start)| {
+                    let (r, v) = labels
+                        .values()
+                        .iter()
+                        .enumerate()
+                        .find(|(_, v)| outside(v))?;
+                    Some((start + r as u64, *v))
+                }),
+        }
+    }
+
     /// Features (`rows × dim`, row-major) and labels (`rows × label_width`)
-    /// of the given global rows, in that order.
+    /// of the given rows (the job's numbering), in that order.
     pub fn gather(&self, rows: impl Iterator<Item = u64>) -> (Vec<f32>, Vec<f32>) {
         let mut x = Vec::new();
         let mut y = Vec::new();
         for row in rows {
-            let (b, r) = self.locate(row);
+            let (b, r) = self.locate_job_row(row);
             for (col, w) in &self.features[b] {
                 x.extend_from_slice(&col.values()[r * w..(r + 1) * w]);
             }
@@ -153,17 +213,23 @@ impl TrainData {
         (x, y)
     }
 
-    /// Labels only (`rows × label_width`) of the given global rows.
+    /// Labels only (`rows × label_width`) of the given rows (the job's
+    /// numbering).
     pub fn gather_labels(&self, rows: impl Iterator<Item = u64>) -> Vec<f32> {
         let mut y = Vec::new();
         for row in rows {
-            let (b, r) = self.locate(row);
+            let (b, r) = self.locate_job_row(row);
             self.push_labels(&mut y, b, r);
         }
         y
     }
 
-    /// The stored batch holding global row `row`, and the row within it.
+    /// The stored batch holding the job's row `row`, and the row within it.
+    fn locate_job_row(&self, row: u64) -> (usize, usize) {
+        self.locate(self.stored(row))
+    }
+
+    /// The stored batch holding stored row `row`, and the row within it.
     fn locate(&self, row: u64) -> (usize, usize) {
         let b = self.starts.partition_point(|&s| s <= row) - 1;
         (b, (row - self.starts[b]) as usize)

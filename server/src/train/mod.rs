@@ -42,6 +42,7 @@ type HostBatch = (Vec<f32>, Vec<f32>);
 use crate::error::{Error, Result};
 use crate::memory::device::DevicePlacement;
 use crate::order::{EpochOrder, ShardOrder, Shares, Shuffle};
+use crate::query::Selection;
 
 /// Where a job runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +103,8 @@ pub struct JobSpec {
     /// The newest checkpoints of the job kept in `checkpoint_url`; older
     /// ones are deleted as newer ones are written.
     pub keep_checkpoints: usize,
+    /// SQL condition selecting the rows trained on; empty = every row.
+    pub filter: String,
 }
 
 /// [`JobSpec::keep_checkpoints`] when the request leaves it 0.
@@ -199,9 +202,20 @@ fn check_gpu_sizes(rows: u64, dim: usize) -> Result<()> {
 }
 
 impl Job {
-    /// Checks `spec` against the dataset's columns and prepares the data.
-    /// Every problem is `InvalidArgument` naming it.
-    pub fn prepare(spec: JobSpec, data: &crate::catalog::SealedData) -> Result<Self> {
+    /// Checks `spec` against the dataset's columns and prepares the data:
+    /// every row, or the rows `selection` holds (the selection of
+    /// `spec.filter`, see [`job_selection`]). Every problem is
+    /// `InvalidArgument` naming it.
+    pub fn prepare(
+        spec: JobSpec,
+        data: &crate::catalog::SealedData,
+        selection: Option<Arc<Selection>>,
+    ) -> Result<Self> {
+        if spec.filter.is_empty() != selection.is_none() {
+            return Err(Error::Internal(
+                "a job's filter and its selection disagree".into(),
+            ));
+        }
         let world = spec.devices.world();
         if world == 0 {
             return Err(Error::invalid(
@@ -275,7 +289,7 @@ impl Job {
             TaskSpec::Classification(c) => LabelKind::Classes(c as usize),
             TaskSpec::Regression => LabelKind::Values,
         };
-        let prepared = TrainData::new(data, &spec.features, &spec.label, kind)?;
+        let prepared = TrainData::new(data, &spec.features, &spec.label, kind, selection)?;
         if let Devices::Gpu(_) = spec.devices {
             check_gpu_sizes(prepared.rows(), prepared.dim)?;
         }
@@ -332,9 +346,10 @@ impl Job {
     /// What a checkpoint must record as this job has it for a resume to
     /// continue at the same sample: every field that changes the model or
     /// what a step and a sample position mean.
-    fn resume_fields(&self) -> [(&'static str, String); 7] {
+    fn resume_fields(&self) -> [(&'static str, String); 8] {
         [
             ("dataset", self.spec.dataset.clone()),
+            ("filter", self.spec.filter.clone()),
             ("rows", self.data.rows().to_string()),
             ("seed", self.spec.seed.to_string()),
             ("shuffle", format!("{:?}", self.spec.shuffle)),
@@ -356,7 +371,9 @@ impl Job {
             ))
         };
         for (field, ours) in self.resume_fields() {
-            match ckpt.metadata.get(field) {
+            // Checkpoints from before jobs took a filter trained on every row.
+            let before_filters = (field == "filter").then(String::new);
+            match ckpt.metadata.get(field).or(before_filters.as_ref()) {
                 Some(theirs) if *theirs == ours => {}
                 Some(theirs) => {
                     return Err(refuse(format!(
@@ -798,3 +815,19 @@ fn check_model_size(model: &Model, rank_batch: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests;
+
+/// The rows `spec.filter` selects in `data` (kept with the dataset for
+/// reads with the same filter, held in `arena`); `None` without a filter.
+pub fn job_selection(
+    spec: &JobSpec,
+    data: &crate::catalog::SealedData,
+    arena: &crate::memory::arena::Arena,
+) -> Result<Option<Arc<Selection>>> {
+    if spec.filter.is_empty() {
+        return Ok(None);
+    }
+    let filter = crate::query::Filter::compile(data.schema(), &spec.filter, &spec.dataset)?;
+    data.selections()
+        .get_or_evaluate(data, &filter, arena, &spec.dataset)
+        .map(Some)
+}

@@ -11,6 +11,8 @@ use arrow::datatypes::{DataType, Field, Schema};
 
 use super::*;
 use crate::catalog::{AttemptKey, SealedData};
+use crate::memory::Budget;
+use crate::memory::arena::{Arena, HostMemory};
 
 /// `n` rows: a 2-vector of features, a scalar feature, a class in 0..3 and
 /// a regression target; in batches of 97 rows so rows straddle batches.
@@ -101,7 +103,15 @@ fn spec(world: u32) -> JobSpec {
         keep_checkpoints: DEFAULT_KEEP_CHECKPOINTS,
         resume_from: None,
         max_steps: 0,
+        filter: String::new(),
     }
+}
+
+/// [`Job::prepare`] with the selection of the spec's filter.
+fn prepare(s: JobSpec, data: &SealedData) -> Result<Job> {
+    let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
+    let selection = job_selection(&s, data, &arena)?;
+    Job::prepare(s, data, selection)
 }
 
 fn quiet(_: &Progress) {}
@@ -174,6 +184,7 @@ fn gradients_of_every_op_match_finite_differences() {
         &["vec".into(), "s".into()],
         "class",
         data::LabelKind::Classes(3),
+        None,
     )
     .expect("data");
     let (x, y) = d.gather(0..16);
@@ -197,6 +208,7 @@ fn gradients_of_every_op_match_finite_differences() {
         &["vec".into(), "s".into()],
         "target",
         data::LabelKind::Values,
+        None,
     )
     .expect("data");
     let (x, y) = r.gather(3..19);
@@ -222,7 +234,7 @@ fn one_two_and_four_ranks_end_with_the_same_parameters() {
             let mut s = spec(world);
             s.optimizer = opt;
             s.shuffle = shuffle;
-            let job = Job::prepare(s, &data).expect("valid job");
+            let job = Job::prepare(s, &data, None).expect("valid job");
             assert_eq!(job.steps_per_epoch, 1000 / 32);
             run(&job, None)
         };
@@ -236,7 +248,7 @@ fn one_two_and_four_ranks_end_with_the_same_parameters() {
             );
         }
         // Training moved the parameters.
-        let job = Job::prepare(spec(1), &data).expect("valid job");
+        let job = Job::prepare(spec(1), &data, None).expect("valid job");
         assert!(max_rel_diff(&one.params, &job.model.init(3)) > 1e-2);
     }
 }
@@ -246,13 +258,13 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
     let data = dataset(700);
     let mut full = spec(2);
     full.epochs = 3;
-    let job = Job::prepare(full.clone(), &data).expect("valid job");
+    let job = Job::prepare(full.clone(), &data, None).expect("valid job");
     let uninterrupted = run(&job, None);
 
     // Stop after 13 steps (mid-epoch), keeping the checkpoint written there.
     let mut first = full.clone();
     first.max_steps = 13;
-    let first = Job::prepare(first, &data).expect("valid job");
+    let first = Job::prepare(first, &data, None).expect("valid job");
     let saved: Mutex<Vec<(u64, Checkpoint)>> = Mutex::new(Vec::new());
     let write = |step: u64, c: &Checkpoint| -> Result<String> {
         let bytes = c.encode()?;
@@ -281,7 +293,7 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
     assert_eq!(ckpt.meta_u64("sample_position").expect("position"), 13 * 32);
 
     // Resume on the same ranks: the uninterrupted run, to the bit here.
-    let rest = Job::prepare(full.clone(), &data).expect("valid job");
+    let rest = Job::prepare(full.clone(), &data, None).expect("valid job");
     let resumed = run(&rest, Some(&ckpt));
     assert_eq!(resumed.steps, uninterrupted.steps);
     let diff = max_rel_diff(&uninterrupted.params, &resumed.params);
@@ -290,7 +302,7 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
     // same run up to summation order.
     let mut other_world = full.clone();
     other_world.devices = Devices::Cpu(4);
-    let other_world = Job::prepare(other_world, &data).expect("valid job");
+    let other_world = Job::prepare(other_world, &data, None).expect("valid job");
     let resumed = run(&other_world, Some(&ckpt));
     let diff = max_rel_diff(&uninterrupted.params, &resumed.params);
     assert!(diff <= 1e-5, "resumed on 4 ranks differs by {diff}");
@@ -298,7 +310,7 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
     // A checkpoint of another model is refused.
     let mut other = full;
     other.hidden = vec![4];
-    let other = Job::prepare(other, &data).expect("valid job");
+    let other = Job::prepare(other, &data, None).expect("valid job");
     let err = other.check_resume(&ckpt).expect_err("other model");
     assert!(err.to_string().contains("dims"), "{err}");
 }
@@ -307,7 +319,7 @@ fn stop_and_resume_reproduces_the_uninterrupted_run() {
 fn checkpoint_after(spec: &JobSpec, data: &SealedData, steps: u64) -> Checkpoint {
     let mut s = spec.clone();
     s.max_steps = steps;
-    let job = Job::prepare(s, data).expect("valid job");
+    let job = Job::prepare(s, data, None).expect("valid job");
     let saved: Mutex<Option<Checkpoint>> = Mutex::new(None);
     let write = |_: u64, c: &Checkpoint| -> Result<String> {
         *saved.lock().expect("lock") = Some(Checkpoint::decode(&c.encode()?)?);
@@ -334,11 +346,16 @@ fn a_resume_that_would_continue_elsewhere_is_refused_naming_the_field() {
     base.epochs = 2;
     let ckpt = checkpoint_after(&base, &data, 13);
     type Change = fn(&mut JobSpec);
-    let cases: [(&str, Change, &[&str]); 8] = [
+    let cases: [(&str, Change, &[&str]); 9] = [
         (
             "dataset",
             |s| s.dataset = "e".into(),
             &["dataset \"d\"", "dataset \"e\""],
+        ),
+        (
+            "filter",
+            |s| s.filter = "s < 0.3".into(),
+            &["filter \"\"", "filter \"s < 0.3\""],
         ),
         ("seed", |s| s.seed = 4, &["seed \"3\"", "seed \"4\""]),
         (
@@ -367,7 +384,7 @@ fn a_resume_that_would_continue_elsewhere_is_refused_naming_the_field() {
     for (what, change, needles) in cases {
         let mut s = base.clone();
         change(&mut s);
-        let job = Job::prepare(s, &data).expect("valid job");
+        let job = prepare(s, &data).expect("valid job");
         match job.check_resume(&ckpt) {
             Ok(step) => {
                 assert!(needles.is_empty(), "{what}: accepted");
@@ -383,13 +400,13 @@ fn a_resume_that_would_continue_elsewhere_is_refused_naming_the_field() {
         }
     }
     // The same job over a dataset of another size: other steps per epoch.
-    let job = Job::prepare(base.clone(), &dataset(800)).expect("valid job");
+    let job = Job::prepare(base.clone(), &dataset(800), None).expect("valid job");
     let err = job.check_resume(&ckpt).expect_err("other rows");
     assert!(err.to_string().contains("rows \"700\""), "{err}");
     // A checkpoint that does not say what it continues.
     let mut bare = ckpt.clone();
     bare.metadata.remove("seed");
-    let job = Job::prepare(base, &data).expect("valid job");
+    let job = Job::prepare(base, &data, None).expect("valid job");
     let err = job.check_resume(&bare).expect_err("no seed");
     assert!(
         err.to_string().contains("does not record its seed"),
@@ -403,7 +420,7 @@ fn cancelling_stops_every_rank() {
     let mut s = spec(3);
     s.global_batch = 9;
     s.epochs = 50;
-    let job = Job::prepare(s, &data).expect("valid job");
+    let job = Job::prepare(s, &data, None).expect("valid job");
     let cancel = AtomicBool::new(false);
     let seen = Mutex::new(0u64);
     let progress = |p: &Progress| {
@@ -428,7 +445,7 @@ fn bad_jobs_are_refused_before_they_start() {
     let refuse = |change: &dyn Fn(&mut JobSpec), needle: &str| {
         let mut s = spec(2);
         change(&mut s);
-        let err = Job::prepare(s, &data).expect_err(needle);
+        let err = Job::prepare(s, &data, None).expect_err(needle);
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains(needle), "{err} lacks {needle}");
     };
@@ -487,11 +504,11 @@ fn bad_jobs_are_refused_before_they_start() {
     let mut s = spec(2);
     s.task = TaskSpec::Regression;
     s.label = "target".into();
-    let job = Job::prepare(s, &data).expect("valid");
+    let job = Job::prepare(s, &data, None).expect("valid");
     assert_eq!(job.model.dims, vec![3, 8, 1]);
     let mut s = spec(1);
     s.devices = Devices::Gpu(vec![0]);
-    let job = Job::prepare(s, &data).expect("valid");
+    let job = Job::prepare(s, &data, None).expect("valid");
     let cancel = AtomicBool::new(false);
     let hooks = quiet_hooks(&cancel);
     if !crate::memory::device::driver_present() {
@@ -511,7 +528,7 @@ fn one_failing_rank_stops_every_rank_at_that_step() {
     let mut s = spec(3);
     s.global_batch = 9;
     s.epochs = 5;
-    let job = Job::prepare(s, &data).expect("valid job");
+    let job = Job::prepare(s, &data, None).expect("valid job");
     let cancel = AtomicBool::new(false);
     let hooks = quiet_hooks(&cancel);
     let group = CpuGroup::new(3);
@@ -573,7 +590,7 @@ fn gathering_ahead_trains_exactly_as_gathering_in_the_step() {
     let mut s = spec(2);
     s.epochs = 2;
     s.shuffle = Shuffle::Block { block_rows: 64 };
-    let job = Job::prepare(s, &data).expect("valid job");
+    let job = Job::prepare(s, &data, None).expect("valid job");
     let cancel = AtomicBool::new(false);
     let hooks = quiet_hooks(&cancel);
     let resume = checkpoint_after(&job.spec, &data, 40);
@@ -603,4 +620,45 @@ fn gpu_jobs_past_32_bit_sizes_are_refused() {
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains(&format!("{rows} rows")), "{err}");
     }
+}
+
+/// A job with a filter trains on the rows it selects: its steps count
+/// them, its batches hold only them, and a filter that selects nothing or
+/// names no column is refused.
+#[test]
+fn a_filter_chooses_the_rows_a_job_trains_on() {
+    let data = dataset(1000);
+    let mut s = spec(2);
+    s.filter = "class = 1 OR name LIKE '%7'".into();
+    let job = prepare(s.clone(), &data).expect("valid job");
+    let selected: Vec<u64> = {
+        let all = Job::prepare(spec(2), &data, None).expect("valid job");
+        (0..1000)
+            .filter(|&i| all.data.gather_labels(std::iter::once(i))[0] == 1.0 || i % 10 == 7)
+            .collect()
+    };
+    assert!(!selected.is_empty() && selected.len() < 1000);
+    assert_eq!(job.data.rows(), selected.len() as u64);
+    assert!(!job.data.every_row());
+    // Row i of the job is the i-th selected stored row.
+    let every = Job::prepare(spec(2), &data, None).expect("valid job");
+    let (x, y) = job.data.gather(0..job.data.rows());
+    let (want_x, want_y) = every.data.gather(selected.iter().copied());
+    assert_eq!((x, y), (want_x, want_y));
+    let per_rank = selected.len() as u64 / 2;
+    assert_eq!(job.total_steps(), per_rank / 16);
+    let outcome = run(&job, None);
+    assert_eq!(outcome.steps, job.total_steps());
+    assert!(outcome.last.loss.is_finite());
+
+    s.filter = "class > 5".into();
+    let err = prepare(s.clone(), &data).expect_err("selects nothing");
+    assert!(
+        err.to_string()
+            .contains("selects none of the dataset's rows"),
+        "{err}"
+    );
+    s.filter = "nope > 1".into();
+    let err = prepare(s, &data).expect_err("no such column");
+    assert!(err.to_string().contains("nope"), "{err}");
 }
