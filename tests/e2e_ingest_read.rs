@@ -569,3 +569,42 @@ async fn metadata_calls_answer_as_the_protocol_table_says() {
     assert!(default != block(512).await);
     server.stop().await;
 }
+
+/// A Rust writer names its write: after `abort_write` the server refuses
+/// every attempt of that write with `ABORTED` (the dataset it had written
+/// is dropped), while attempts of other writes, or of none, still land.
+#[tokio::test]
+async fn attempts_of_an_aborted_write_are_refused() {
+    let server = TestServer::start().await;
+    let mut job = server.client().await.with_write_id("job-7");
+    put_ids(&mut job, "w", 0, 0, 0..100, 50)
+        .await
+        .expect("an attempt of a live write");
+    let mut driver = server.client().await;
+    driver.abort_write("w", "job-7").await.expect("abort");
+    assert_eq!(
+        driver.describe("w").await.expect_err("dropped").code(),
+        flightdeck_client::Code::NotFound
+    );
+    // A clone keeps the write id: the straggler is refused.
+    let mut straggler = job.clone();
+    let err = put_ids(&mut straggler, "w", 1, 0, 100..200, 50)
+        .await
+        .expect_err("an attempt of the aborted write");
+    assert_eq!(err.code(), flightdeck_client::Code::Aborted, "{err}");
+    assert!(err.to_string().contains("job-7"), "{err}");
+    // Another write, and a client without one, write as before; aborting a
+    // write with nothing to drop is not an error.
+    let mut next = server.client().await.with_write_id("job-8");
+    put_ids(&mut next, "w", 1, 0, 100..200, 50)
+        .await
+        .expect("another write");
+    put_ids(&mut driver, "w", 2, 0, 200..300, 50)
+        .await
+        .expect("no write id");
+    driver
+        .abort_write("none", "job-9")
+        .await
+        .expect("nothing to drop");
+    server.stop().await;
+}

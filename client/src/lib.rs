@@ -337,6 +337,8 @@ pub struct Client {
     uri: Option<String>,
     /// The root certificates it checks servers' TLS certificates with.
     tls_roots: Option<Vec<u8>>,
+    /// The write its attempts belong to ([`Client::with_write_id`]).
+    write_id: String,
 }
 
 impl Clone for Client {
@@ -344,6 +346,7 @@ impl Clone for Client {
         let mut clone = Self {
             uri: self.uri.clone(),
             tls_roots: self.tls_roots.clone(),
+            write_id: self.write_id.clone(),
             ..Self::from_channel(self.channel.clone())
         };
         clone.share_headers(self);
@@ -425,6 +428,16 @@ impl Client {
         Ok(self)
     }
 
+    /// This client, naming `write_id` as the write (a job of many tasks,
+    /// any id its writers share) every attempt it puts belongs to. Once
+    /// [`Client::abort_write`] names it, the servers refuse its attempts
+    /// with `ABORTED`, so a task still running when its job failed cannot
+    /// bring a dropped dataset back.
+    pub fn with_write_id(mut self, write_id: &str) -> Self {
+        self.write_id = write_id.to_string();
+        self
+    }
+
     /// Sends what `other` sends with every call (its token).
     fn share_headers(&mut self, other: &Client) {
         *self.inner.metadata_mut() = other.inner.metadata().clone();
@@ -440,6 +453,7 @@ impl Client {
             inner: FlightClient::new_from_inner(inner),
             uri: None,
             tls_roots: None,
+            write_id: String::new(),
         }
     }
 
@@ -501,7 +515,7 @@ impl Client {
             explicit_commit: true,
             expected_bytes: expected.bytes,
             expected_rows: expected.rows,
-            write_id: String::new(),
+            write_id: self.write_id.clone(),
         };
         // Count rows as they go; the last message carries the count as the
         // commit marker, so the server commits only a complete attempt.
@@ -598,6 +612,25 @@ impl Client {
         };
         self.action(actions::DROP, body.encode_to_vec().into())
             .await
+    }
+
+    /// Ends a failed write: drops `dataset` (on every member of a cluster
+    /// dataset) and has the server refuse every attempt of write
+    /// `write_id` ([`Client::with_write_id`]) from now on, with `ABORTED`.
+    /// The refusal is recorded even when there is no dataset to drop.
+    pub async fn abort_write(&mut self, dataset: &str, write_id: &str) -> Result<()> {
+        let body = flightdeck_protos::DropDataset {
+            dataset: dataset.to_string(),
+            abort_write: write_id.to_string(),
+            ..Default::default()
+        };
+        let dropped: Result<DatasetInfo> = self
+            .action(actions::DROP, body.encode_to_vec().into())
+            .await;
+        match dropped {
+            Err(e) if e.code() != Code::NotFound => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// State, rows, bytes, partitions and schema of a dataset.
