@@ -150,9 +150,18 @@ fn cloud_options() -> Vec<(String, String)> {
 /// How long [`check_writable`] waits for a store's answer.
 pub const WRITE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Name prefix of the objects [`check_writable`] writes.
+const PROBE_PREFIX: &str = ".flightdeck-write-check";
+
+/// A probe this old was left by a process stopped between writing and
+/// deleting it (a probe lives for one round trip, at most
+/// [`WRITE_CHECK_TIMEOUT`]).
+const STALE_PROBE_SECS: i64 = 600;
+
 /// Writes and deletes a small object under `dir` of `store`: whether
 /// anything can be written there, checked before work that would write there
 /// much later (a server's spills, a job's checkpoints). The reason when not.
+/// Probes that processes stopped mid-check left in `dir` are removed.
 pub async fn check_writable(
     store: &dyn ObjectStore,
     dir: &Path,
@@ -163,7 +172,7 @@ pub async fn check_writable(
     let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let probe = dir
         .clone()
-        .join(format!(".flightdeck-write-check-{}-{n}", std::process::id()).as_str());
+        .join(format!("{PROBE_PREFIX}-{}-{n}", std::process::id()).as_str());
     let round_trip = async {
         store
             .put(&probe, PutPayload::from_static(b"flightdeck"))
@@ -171,9 +180,34 @@ pub async fn check_writable(
         store.delete(&probe).await
     };
     match tokio::time::timeout(WRITE_CHECK_TIMEOUT, round_trip).await {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(())) => {
+            // Best effort: a folder that can be written but not listed keeps them.
+            let _ =
+                tokio::time::timeout(WRITE_CHECK_TIMEOUT, remove_stale_probes(store, dir)).await;
+            Ok(())
+        }
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("no answer within {WRITE_CHECK_TIMEOUT:?}")),
+    }
+}
+
+/// Deletes the probes in `dir` older than [`STALE_PROBE_SECS`].
+async fn remove_stale_probes(store: &dyn ObjectStore, dir: &Path) {
+    let Ok(listing) = store.list_with_delimiter(Some(dir)).await else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    for meta in listing.objects {
+        let probe = meta
+            .location
+            .filename()
+            .is_some_and(|name| name.starts_with(PROBE_PREFIX));
+        if probe && now - meta.last_modified.timestamp() > STALE_PROBE_SECS {
+            tracing::info!(probe = %meta.location, "removing a write check a stopped process left");
+            let _ = store.delete(&meta.location).await;
+        }
     }
 }
 
@@ -638,6 +672,36 @@ mod tests {
             r.expect("writable");
         }
         assert_eq!(std::fs::read_dir(&dir).expect("reads").count(), 0);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    /// A probe left by a process stopped mid-check (old) is removed by the
+    /// next check; a recent one, perhaps another process's in flight, and
+    /// other files are not.
+    #[tokio::test]
+    async fn a_write_check_removes_probes_stopped_processes_left() {
+        let dir = std::env::temp_dir().join(format!("flightdeck-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let old = dir.join(format!("{PROBE_PREFIX}-1-0"));
+        let recent = dir.join(format!("{PROBE_PREFIX}-2-0"));
+        let other = dir.join("spilled.parquet");
+        for f in [&old, &recent, &other] {
+            std::fs::write(f, b"flightdeck").expect("writes");
+        }
+        let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        for f in [&old, &other] {
+            std::fs::File::options()
+                .write(true)
+                .open(f)
+                .and_then(|f| f.set_modified(an_hour_ago))
+                .expect("sets mtime");
+        }
+        let (store, root) = open_location(&dir.display().to_string(), true).expect("opens");
+        check_writable(store.as_ref(), &root)
+            .await
+            .expect("writable");
+        assert!(!old.exists(), "the stale probe is removed");
+        assert!(recent.exists() && other.exists());
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
