@@ -403,6 +403,14 @@ fn a_resume_that_would_continue_elsewhere_is_refused_naming_the_field() {
     let job = Job::prepare(base.clone(), &dataset(800), None).expect("valid job");
     let err = job.check_resume(&ckpt).expect_err("other rows");
     assert!(err.to_string().contains("rows \"700\""), "{err}");
+    // A checkpoint from before jobs took a filter trained on every row.
+    let mut before_filters = ckpt.clone();
+    before_filters
+        .metadata
+        .remove("filter")
+        .expect("records its filter");
+    let job = Job::prepare(base.clone(), &data, None).expect("valid job");
+    assert_eq!(job.check_resume(&before_filters).expect("resumes"), 13);
     // A checkpoint that does not say what it continues.
     let mut bare = ckpt.clone();
     bare.metadata.remove("seed");
