@@ -119,7 +119,8 @@ impl State {
         let placed = self.device_copies(&spec.dataset, generation);
         let arena = self.arena().clone();
         let mut job = tokio::task::spawn_blocking(move || {
-            let selection = crate::train::job_selection(&spec, &data, &arena)?;
+            let selection =
+                crate::read::filter_selection(&data, &spec.filter, &spec.dataset, &arena)?;
             Job::prepare(spec, &data, selection)
         })
         .await

@@ -118,18 +118,32 @@ pub fn plan_filter(plan: &ReadPlan, schema: &Schema) -> Result<Option<Filter>> {
     Filter::compile(schema, &plan.filter, &plan.dataset).map(Some)
 }
 
-/// The rows of `data` a plan reads: its filter's selection (made once per
-/// dataset generation and filter, in `arena`), or `None` for every row.
+/// The rows of `data` a plan reads: its filter's selection
+/// ([`filter_selection`]), or `None` for every row.
 pub fn plan_selection(
     plan: &ReadPlan,
     data: &SealedData,
     arena: &Arena,
 ) -> Result<Option<Arc<Selection>>> {
-    let Some(filter) = plan_filter(plan, data.schema())? else {
+    filter_selection(data, &plan.filter, &plan.dataset, arena)
+}
+
+/// The rows of `data` (dataset `dataset`) that the SQL condition `filter`
+/// selects, made once per dataset generation and filter and kept in
+/// `arena`; `None` for an empty filter (every row). A read plan's and a
+/// training job's filters both select through it.
+pub fn filter_selection(
+    data: &SealedData,
+    filter: &str,
+    dataset: &str,
+    arena: &Arena,
+) -> Result<Option<Arc<Selection>>> {
+    if filter.is_empty() {
         return Ok(None);
-    };
+    }
+    let filter = Filter::compile(data.schema(), filter, dataset)?;
     data.selections()
-        .get_or_evaluate(data, &filter, arena, &plan.dataset)
+        .get_or_evaluate(data, &filter, arena, dataset)
         .map(Some)
 }
 

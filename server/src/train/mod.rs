@@ -204,7 +204,7 @@ fn check_gpu_sizes(rows: u64, dim: usize) -> Result<()> {
 impl Job {
     /// Checks `spec` against the dataset's columns and prepares the data:
     /// every row, or the rows `selection` holds (the selection of
-    /// `spec.filter`, see [`job_selection`]). Every problem is
+    /// `spec.filter`, [`crate::read::filter_selection`]). Every problem is
     /// `InvalidArgument` naming it.
     pub fn prepare(
         spec: JobSpec,
@@ -815,19 +815,3 @@ fn check_model_size(model: &Model, rank_batch: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests;
-
-/// The rows `spec.filter` selects in `data` (kept with the dataset for
-/// reads with the same filter, held in `arena`); `None` without a filter.
-pub fn job_selection(
-    spec: &JobSpec,
-    data: &crate::catalog::SealedData,
-    arena: &crate::memory::arena::Arena,
-) -> Result<Option<Arc<Selection>>> {
-    if spec.filter.is_empty() {
-        return Ok(None);
-    }
-    let filter = crate::query::Filter::compile(data.schema(), &spec.filter, &spec.dataset)?;
-    data.selections()
-        .get_or_evaluate(data, &filter, arena, &spec.dataset)
-        .map(Some)
-}

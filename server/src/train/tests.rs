@@ -110,7 +110,7 @@ fn spec(world: u32) -> JobSpec {
 /// [`Job::prepare`] with the selection of the spec's filter.
 fn prepare(s: JobSpec, data: &SealedData) -> Result<Job> {
     let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
-    let selection = job_selection(&s, data, &arena)?;
+    let selection = crate::read::filter_selection(data, &s.filter, &s.dataset, &arena)?;
     Job::prepare(s, data, selection)
 }
 
