@@ -112,21 +112,24 @@ final class FlightDeckScan {
     @Override
     public InputPartition[] planInputPartitions() {
       Wire.DatasetInfo info;
+      long selected = -1;
       try (Server server = Server.open(options.uri(), options.token())) {
         info = server.describe(options.dataset()).orElseThrow(() -> new FlightDeckException(
             "NOT_FOUND", "dataset '" + options.dataset() + "' does not exist on " + server.location
                 + "; write it first (df.write.format(\"flightdeck\"))"));
-      }
-      if (info.state() != Wire.DatasetInfo.SEALED) {
-        throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + options.dataset()
-            + "' is still being written; read it once its write has been sealed");
+        if (info.state() != Wire.DatasetInfo.SEALED) {
+          throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + options.dataset()
+              + "' is still being written; read it once its write has been sealed");
+        }
+        if (!options.filter().isEmpty()) {
+          selected = selectedRows(server);
+        }
       }
       List<String> columns = Arrays.asList(schema.fieldNames());
       List<Wire.Partition> parts = new ArrayList<>(info.partitions());
       parts.sort(Comparator.comparingInt(Wire.Partition::partition));
       List<InputPartition> out = new ArrayList<>();
       if (!options.filter().isEmpty()) {
-        long selected = selectedRows();
         int n = Math.max(1, parts.size());
         for (int i = 0; i < n; i++) {
           long start = selected * i / n;
@@ -145,14 +148,14 @@ final class FlightDeckScan {
       return out.toArray(new InputPartition[0]);
     }
 
-    /** How many rows the filter selects: the plan's row count, from the server. */
-    private long selectedRows() {
-      try (Server server = Server.open(options.uri(), options.token())) {
-        byte[] plan = Wire.readFrom(options.dataset(), 0, options.batchRows(), List.of(),
-            options.filter());
+    /** How many rows the filter selects: the plan's row count, from {@code server}. */
+    private long selectedRows(Server server) {
+      byte[] plan = Wire.readFrom(options.dataset(), 0, options.batchRows(), List.of(),
+          options.filter());
+      try {
         return server.client.getInfo(FlightDescriptor.command(plan), server.options).getRecords();
       } catch (FlightRuntimeException e) {
-        throw FlightDeckException.of(e, options.uri());
+        throw FlightDeckException.of(e, server.location);
       }
     }
 
