@@ -30,7 +30,7 @@ use std::sync::Arc;
 use crate::catalog::PartitionSummary;
 use crate::error::{Error, Result};
 pub use crate::order::Locality;
-use crate::order::{KeyedPermutation, ReadPlan, ShardOrder, derive_key, mix64};
+use crate::order::{KeyedPermutation, ReadPlan, ShardOrder, Walk, derive_key, mix64};
 
 /// Domain tags of the `NODE` orders.
 const TAG_MEMBER_ROWS: u64 = 0x6D65_6D62_6572; // "member"
@@ -559,7 +559,7 @@ impl NodeOrder {
         let ranks = self.nodes.ranks_of(g);
         let (local, width) = (rank - ranks.start, ranks.end - ranks.start);
         let mut at: Vec<u64> = range.map(|k| local + k * width).collect();
-        self.node[g].perm.apply_all(&mut at, &mut Vec::new());
+        self.node[g].perm.apply_all(&mut at, &mut Walk::default());
         at.into_iter()
             .map(|i| self.assigned(g, i))
             .filter(|&(m, _)| keep(m))
@@ -602,7 +602,7 @@ impl NodeOrder {
         // Inverted a chunk at a time: the samples held are about one in
         // `width` of the candidates.
         let mut indices = candidates.into_iter().flatten();
-        let (mut held, mut at, mut pending) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut held, mut at, mut pending) = (Vec::new(), Vec::new(), Walk::default());
         loop {
             let chunk: Vec<u64> = indices.by_ref().take(1 << 14).collect();
             if chunk.is_empty() {

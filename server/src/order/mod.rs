@@ -17,7 +17,7 @@
 
 mod permutation;
 
-pub use permutation::KeyedPermutation;
+pub use permutation::{KeyedPermutation, Walk};
 pub(crate) use permutation::{derive_key, mix64};
 
 use crate::error::{Error, Result};
@@ -147,10 +147,10 @@ impl EpochOrder {
     /// Replaces every position of `positions` (each below `len()`) by its
     /// row: [`Self::row_at`] of each, a global order's computed a pass at a
     /// time ([`KeyedPermutation::apply_all`]).
-    pub fn rows_at(&self, positions: &mut [u64], pending: &mut Vec<u32>) {
+    pub fn rows_at(&self, positions: &mut [u64], scratch: &mut Walk) {
         match &self.kind {
             OrderKind::Identity => {}
-            OrderKind::Global(p) => p.apply_all(positions, pending),
+            OrderKind::Global(p) => p.apply_all(positions, scratch),
             OrderKind::Block(_) => {
                 for p in positions {
                     *p = self.row_at(*p);
@@ -261,7 +261,7 @@ impl ShardOrder {
     pub fn rows(&self, range: std::ops::Range<u64>) -> Vec<u64> {
         let rank = self.rank;
         let mut rows: Vec<u64> = range.map(|k| self.shares.position(rank, k)).collect();
-        self.order.rows_at(&mut rows, &mut Vec::new());
+        self.order.rows_at(&mut rows, &mut Walk::default());
         rows
     }
 }
