@@ -2,7 +2,7 @@
 command line: a sealed dataset written with the Python client, a softmax
 regression that separates three classes, progress that streams, a bad job
 refused with INVALID_ARGUMENT, a checkpoint written and resumed, a job that trains on the rows a filter
-selects, and `flightdeck train --regression` stopped and continued with
+selects (the labelled rows of a partly labelled dataset among them), and `flightdeck train --regression` stopped and continued with
 `--resume-from`."""
 
 from __future__ import annotations
@@ -102,6 +102,25 @@ def test_a_filter_chooses_the_rows_a_job_trains_on(sealed):
                          epochs=2, cpu_ranks=2, resume_from=reports[-1].checkpoint))
         with pytest.raises(flightdeck.InvalidArgument, match="selects none of the dataset's rows"):
             list(c.train("blobs", ["features"], "label", classes=3, batch_size=100, filter="label > 5"))
+
+
+def test_a_filter_trains_on_the_labelled_rows_of_a_partly_labelled_dataset(flightdeck_server):
+    t = three_classes(2000, 2)
+    labels = t.column("label").to_numpy()
+    mask = np.arange(2000) % 4 == 1  # a quarter of the rows unlabelled
+    partly = t.set_column(1, "label", pa.array(labels, mask=mask))
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        c.put_partition("partly", 0, partly)
+        c.seal("partly", partitions=1)
+        with pytest.raises(flightdeck.InvalidArgument, match="label column 'label' has nulls.*IS NOT NULL"):
+            list(c.train("partly", ["features"], "label", classes=3, batch_size=100))
+        reports = list(c.train("partly", ["features"], "label", classes=3, lr=0.05, batch_size=100,
+                               epochs=3, filter='"label" IS NOT NULL'))
+        assert reports[-1].done and reports[-1].accuracy >= 0.95
+        assert reports[-1].total_steps == 3 * (1500 // 100)
+        with pytest.raises(flightdeck.InvalidArgument, match="label column 'label' is null at row 1, "):
+            list(c.train("partly", ["features"], "label", classes=3, batch_size=100,
+                         filter="hash_bucket(label, 2) >= 0 OR label IS NULL"))
 
 
 def test_the_train_command(sealed):

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayData, ArrayRef, AsArray};
-use arrow::buffer::Buffer;
+use arrow::buffer::{Buffer, NullBuffer};
 use arrow::datatypes::DataType;
 use cudarc::driver::{CudaContext, CudaSlice, sys};
 
@@ -233,6 +233,26 @@ pub fn numeric_shape(dt: &DataType) -> Option<(DataType, usize)> {
 /// rows, and the values per row; refuses other types and nulls. `column`
 /// names it in errors (e.g. "feature column 'x'").
 pub fn numeric_values(col: &ArrayRef, column: &str) -> Result<(ArrayRef, usize)> {
+    let (values, width, nulls) = numeric_values_with_nulls(col, column)?;
+    match nulls {
+        None => Ok((values, width)),
+        Some(_) if col.null_count() > 0 => Err(Error::invalid(format!(
+            "{column} has nulls; fill or drop them before placing or training"
+        ))),
+        Some(_) => Err(Error::invalid(format!(
+            "{column} has null list items; fill them before placing or training"
+        ))),
+    }
+}
+
+/// [`numeric_values`] of a column that may hold nulls: the values (those
+/// of a null row are unspecified), the values per row, and which rows are
+/// null — null themselves or, for a list, holding a null item — or `None`
+/// when no row is. Refuses other types.
+pub fn numeric_values_with_nulls(
+    col: &ArrayRef,
+    column: &str,
+) -> Result<(ArrayRef, usize, Option<NullBuffer>)> {
     let Some((_, width)) = numeric_shape(col.data_type()) else {
         return Err(Error::invalid(format!(
             "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
@@ -240,25 +260,27 @@ pub fn numeric_values(col: &ArrayRef, column: &str) -> Result<(ArrayRef, usize)>
             col.data_type()
         )));
     };
-    if col.null_count() > 0 {
-        return Err(Error::invalid(format!(
-            "{column} has nulls; fill or drop them before placing or training"
-        )));
-    }
     if !matches!(col.data_type(), DataType::FixedSizeList(..)) {
-        return Ok((col.clone(), 1));
+        let nulls = col.logical_nulls().filter(|n| n.null_count() > 0);
+        return Ok((col.clone(), 1, nulls));
     }
     let list = col.as_fixed_size_list();
     // The rows of this (possibly sliced) list array.
     let child = list
         .values()
         .slice(list.offset() * width, list.len() * width);
-    if child.null_count() > 0 {
-        return Err(Error::invalid(format!(
-            "{column} has null list items; fill them before placing or training"
-        )));
-    }
-    Ok((child, width))
+    let items = child
+        .logical_nulls()
+        .filter(|n| n.null_count() > 0)
+        .map(|items| {
+            // A row is valid when every one of its items is.
+            NullBuffer::from_iter(
+                (0..list.len()).map(|r| (r * width..(r + 1) * width).all(|i| items.is_valid(i))),
+            )
+        });
+    let nulls = NullBuffer::union(list.logical_nulls().as_ref(), items.as_ref())
+        .filter(|n| n.null_count() > 0);
+    Ok((child, width, nulls))
 }
 
 /// The bytes of column `name` of `data`: a primitive numeric column, or a

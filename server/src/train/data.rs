@@ -6,12 +6,13 @@
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, AsArray, Float32Array};
+use arrow::buffer::NullBuffer;
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, Float32Type};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
-use crate::memory::device::numeric_values;
+use crate::memory::device::numeric_values_with_nulls;
 use crate::query::Selection;
 
 /// What the label column holds.
@@ -42,19 +43,35 @@ pub struct TrainData {
     pub label_width: usize,
 }
 
-/// The column as `f32` values and its width, or why it cannot be.
-fn as_f32(col: &ArrayRef, name: &str, what: &str) -> Result<(Float32Array, usize)> {
+/// The column as `f32` values, its width and its null rows (values under
+/// them unspecified), or why it cannot be.
+fn as_f32(
+    col: &ArrayRef,
+    name: &str,
+    what: &str,
+) -> Result<(Float32Array, usize, Option<NullBuffer>)> {
     let column = format!("{what} column '{name}'");
-    let (values, width) = numeric_values(col, &column)?;
+    let (values, width, nulls) = numeric_values_with_nulls(col, &column)?;
     let f =
         cast(&values, &DataType::Float32).map_err(|e| Error::invalid(format!("{column}: {e}")))?;
-    Ok((f.as_primitive::<Float32Type>().clone(), width))
+    Ok((f.as_primitive::<Float32Type>().clone(), width, nulls))
+}
+
+/// The null rows of one feature or label column in one stored batch.
+#[derive(Debug)]
+struct NullRows {
+    /// "feature column 'x'" or "label column 'y'".
+    column: String,
+    name: String,
+    batch: usize,
+    nulls: NullBuffer,
 }
 
 impl TrainData {
     /// Checks `features` and `label` against `data` and prepares them: every
     /// column exists, is numeric (or a fixed_size_list of numbers) without
-    /// nulls; class labels of the rows trained on (`selection`'s, else
+    /// nulls in the rows trained on (`selection`'s, so a filter such as
+    /// `"x" IS NOT NULL` trains on the rows that have values); class labels of the rows trained on (`selection`'s, else
     /// every row) are integers in `0..classes`.
     pub fn new(
         data: &SealedData,
@@ -103,11 +120,30 @@ impl TrainData {
             label_width: 1,
         };
         let mut rows = 0u64;
-        for batch in data.batches() {
+        let mut nulls = Vec::new();
+        let mut keep_nulls = |column: (Float32Array, usize, Option<NullBuffer>),
+                              name: &str,
+                              what: &str,
+                              batch: usize| {
+            let (values, width, null_rows) = column;
+            if let Some(n) = null_rows {
+                nulls.push(NullRows {
+                    column: format!("{what} column '{name}'"),
+                    name: name.to_string(),
+                    batch,
+                    nulls: n,
+                });
+            }
+            (values, width)
+        };
+        for (b, batch) in data.batches().iter().enumerate() {
             let cols = feature_idx
                 .iter()
                 .zip(features)
-                .map(|(&i, name)| as_f32(batch.column(i), name, "feature"))
+                .map(|(&i, name)| {
+                    let column = as_f32(batch.column(i), name, "feature")?;
+                    Ok(keep_nulls(column, name, "feature", b))
+                })
                 .collect::<Result<Vec<_>>>()?;
             out.dim = cols.iter().map(|(_, w)| w).sum();
             out.columns = features
@@ -115,7 +151,12 @@ impl TrainData {
                 .zip(&cols)
                 .map(|(name, (_, w))| (name.clone(), *w))
                 .collect();
-            let (labels, width) = as_f32(batch.column(label_idx), label, "label")?;
+            let (labels, width) = keep_nulls(
+                as_f32(batch.column(label_idx), label, "label")?,
+                label,
+                "label",
+                b,
+            );
             out.label_width = width;
             out.features.push(cols);
             out.labels.push((labels, width));
@@ -131,6 +172,7 @@ impl TrainData {
                 "the job's filter selects none of the dataset's rows; there is nothing to train on",
             ));
         }
+        out.check_nulls(&nulls)?;
         if let LabelKind::Classes(classes) = kind
             && let Some((row, v)) = out.label_outside(classes)
         {
@@ -171,6 +213,37 @@ impl TrainData {
             Some(s) => s.row(i),
             None => i,
         }
+    }
+
+    /// Refuses a null in a row the job trains on, naming the column and, for
+    /// a job with a filter, the row.
+    fn check_nulls(&self, nulls: &[NullRows]) -> Result<()> {
+        let Some(first) = nulls.first() else {
+            return Ok(());
+        };
+        let Some(selection) = &self.selection else {
+            return Err(Error::invalid(format!(
+                "{} has nulls; fill or drop them before training, or train on the rows that \
+                 have values with a filter such as `\"{}\" IS NOT NULL`",
+                first.column, first.name
+            )));
+        };
+        let mut by_batch: Vec<Vec<&NullRows>> = vec![Vec::new(); self.labels.len()];
+        for n in nulls {
+            by_batch[n.batch].push(n);
+        }
+        for i in 0..selection.len() {
+            let row = selection.row(i);
+            let (b, r) = self.locate(row);
+            if let Some(n) = by_batch[b].iter().find(|n| n.nulls.is_null(r)) {
+                return Err(Error::invalid(format!(
+                    "{} is null at row {row}, a row the job's filter selects; add \
+                     `AND \"{}\" IS NOT NULL` to the filter, or fill the column",
+                    n.column, n.name
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The first of the job's rows whose class label is not in

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
 
-use arrow::array::{FixedSizeListArray, Float32Array, Int32Array, RecordBatch, StringArray};
+use arrow::array::{
+    ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int32Array, RecordBatch, StringArray,
+};
 use arrow::datatypes::{DataType, Field, Schema};
 
 use super::*;
@@ -669,4 +671,126 @@ fn a_filter_chooses_the_rows_a_job_trains_on() {
     s.filter = "nope > 1".into();
     let err = prepare(s, &data).expect_err("no such column");
     assert!(err.to_string().contains("nope"), "{err}");
+}
+
+/// [`dataset`] with nulls: `s` null in rows `i % 10 == 3`, `class` in rows
+/// `i % 10 == 5`, one item of `vec` in rows `i % 10 == 7`.
+fn dataset_with_nulls(n: usize) -> SealedData {
+    let full = dataset(n);
+    let item = Arc::new(Field::new("item", DataType::Float32, true));
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("vec", DataType::FixedSizeList(item.clone(), 2), false),
+        Field::new("s", DataType::Float32, true),
+        Field::new("class", DataType::Int32, true),
+        Field::new("target", DataType::Float32, false),
+        Field::new("name", DataType::Utf8, false),
+    ]));
+    fn kept<T>(i: usize, k: usize, v: T) -> Option<T> {
+        (i % 10 != k).then_some(v)
+    }
+    let mut start = 0;
+    let batches: Vec<RecordBatch> =
+        full.batches()
+            .iter()
+            .map(|b| {
+                let rows = start..start + b.num_rows();
+                start = rows.end;
+                let vec = b.column(0).as_fixed_size_list();
+                let items = vec.values().as_primitive::<arrow::datatypes::Float32Type>();
+                let items = Float32Array::from_iter(rows.clone().enumerate().flat_map(|(r, i)| {
+                    [kept(i, 7, items.value(2 * r)), Some(items.value(2 * r + 1))]
+                }));
+                let s = b.column(1).as_primitive::<arrow::datatypes::Float32Type>();
+                let class = b.column(2).as_primitive::<arrow::datatypes::Int32Type>();
+                let columns: Vec<ArrayRef> = vec![
+                    Arc::new(FixedSizeListArray::new(
+                        item.clone(),
+                        2,
+                        Arc::new(items),
+                        None,
+                    )),
+                    Arc::new(Float32Array::from_iter(
+                        rows.clone()
+                            .enumerate()
+                            .map(|(r, i)| kept(i, 3, s.value(r))),
+                    )),
+                    Arc::new(Int32Array::from_iter(
+                        rows.clone()
+                            .enumerate()
+                            .map(|(r, i)| kept(i, 5, class.value(r))),
+                    )),
+                    b.column(3).clone(),
+                    b.column(4).clone(),
+                ];
+                RecordBatch::try_new(schema.clone(), columns).expect("batch")
+            })
+            .collect();
+    SealedData::from_batches(
+        schema,
+        vec![AttemptKey {
+            partition: 0,
+            attempt: 0,
+        }],
+        batches,
+    )
+}
+
+/// Nulls in a feature or the label: refused on a job without a filter,
+/// pointing at one; a filter that leaves the null rows out trains on the
+/// rest; a filter that keeps one is refused naming the column and the row.
+#[test]
+fn a_filter_can_leave_out_the_rows_with_nulls() {
+    let data = dataset_with_nulls(500);
+    let err = prepare(spec(2), &data).expect_err("nulls");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(
+        err.to_string().contains("feature column 'vec' has nulls")
+            && err.to_string().contains("IS NOT NULL"),
+        "{err}"
+    );
+
+    let mut s = spec(2);
+    s.filter = r#""s" IS NOT NULL AND "class" IS NOT NULL AND name NOT LIKE '%7'"#.into();
+    let job = prepare(s.clone(), &data).expect("the filter leaves the nulls out");
+    let kept: Vec<u64> = (0..500u64)
+        .filter(|i| ![3, 5, 7].contains(&(i % 10)))
+        .collect();
+    assert_eq!(job.data.rows(), kept.len() as u64);
+    // The rows trained on hold the dataset's values.
+    let every = Job::prepare(spec(2), &dataset(500), None).expect("valid job");
+    assert_eq!(
+        job.data.gather(0..job.data.rows()),
+        every.data.gather(kept.iter().copied())
+    );
+    let outcome = run(&job, None);
+    assert_eq!(outcome.steps, job.total_steps());
+    assert!(outcome.last.loss.is_finite());
+
+    for (filter, column, row) in [
+        (
+            r#""class" IS NOT NULL AND name NOT LIKE '%7'"#,
+            "feature column 's'",
+            3,
+        ),
+        (
+            r#""s" IS NOT NULL AND name NOT LIKE '%7' AND target > -100"#,
+            "label column 'class'",
+            5,
+        ),
+        (
+            r#""s" IS NOT NULL AND "class" IS NOT NULL AND name LIKE '%17'"#,
+            "feature column 'vec'",
+            17,
+        ),
+    ] {
+        s.filter = filter.into();
+        let err = prepare(s.clone(), &data).expect_err("a selected row has a null");
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(
+            err.to_string().starts_with(&format!(
+                "{column} is null at row {row}, a row the job's filter selects"
+            )),
+            "{filter}: {err}"
+        );
+    }
 }
