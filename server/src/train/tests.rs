@@ -75,6 +75,11 @@ fn dataset(n: usize) -> SealedData {
         );
         start = end;
     }
+    one_partition(schema, batches)
+}
+
+/// `batches` sealed as partition 0, attempt 0.
+fn one_partition(schema: Arc<Schema>, batches: Vec<RecordBatch>) -> SealedData {
     SealedData::from_batches(
         schema,
         vec![AttemptKey {
@@ -725,14 +730,7 @@ fn dataset_with_nulls(n: usize) -> SealedData {
                 RecordBatch::try_new(schema.clone(), columns).expect("batch")
             })
             .collect();
-    SealedData::from_batches(
-        schema,
-        vec![AttemptKey {
-            partition: 0,
-            attempt: 0,
-        }],
-        batches,
-    )
+    one_partition(schema, batches)
 }
 
 /// Nulls in a feature or the label: refused on a job without a filter,
