@@ -69,10 +69,10 @@ struct NullRows {
 
 impl TrainData {
     /// Checks `features` and `label` against `data` and prepares them: every
-    /// column exists, is numeric (or a fixed_size_list of numbers) without
-    /// nulls in the rows trained on (`selection`'s, so a filter such as
-    /// `"x" IS NOT NULL` trains on the rows that have values); class labels of the rows trained on (`selection`'s, else
-    /// every row) are integers in `0..classes`.
+    /// column exists and is numeric (or a fixed_size_list of numbers); in
+    /// the rows trained on (`selection`'s, else every row) no column is
+    /// null — so a filter such as `"x" IS NOT NULL` trains on the rows that
+    /// have values — and class labels are integers in `0..classes`.
     pub fn new(
         data: &SealedData,
         features: &[String],
