@@ -83,7 +83,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     max_steps: u64,
     /// Train on the rows this SQL condition selects (as a read plan's
-    /// filter: `--filter "hash_bucket(id, 10) < 8"`); default every row.
+    /// filter: `--filter "hash_bucket(id, 10) < 8"`, or `--filter
+    /// '"label" IS NOT NULL'` for the labelled rows); default every row.
     #[arg(long, default_value = "")]
     filter: String,
 }

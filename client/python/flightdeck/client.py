@@ -504,8 +504,9 @@ class Client:
         regression. Checkpoints go to `checkpoint_url` every `checkpoint_every`
         steps and at the end; the newest `keep_checkpoints` stay (0 = 3).
         `filter` (a SQL condition, as in `plan`) trains on the rows it selects
-        only — `hash_bucket(id, 10) < 8` keeps a stable 80 % for training.
-        Closing the iterator early cancels the job."""
+        only — `hash_bucket(id, 10) < 8` keeps a stable 80 % for training,
+        `'"label" IS NOT NULL'` the labelled rows (only the rows trained on
+        must be free of nulls). Closing the iterator early cancels the job."""
         if isinstance(features, str):
             features = [features]  # one column, not its letters
         if optimizer not in ("adamw", "sgd"):
