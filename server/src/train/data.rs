@@ -43,18 +43,29 @@ pub struct TrainData {
     pub label_width: usize,
 }
 
-/// The column as `f32` values, its width and its null rows (values under
-/// them unspecified), or why it cannot be.
+/// The column as `f32` values (those of null rows unspecified) and its
+/// width, or why it cannot be; its null rows in stored batch `batch`, if
+/// any, go to `nulls`.
 fn as_f32(
     col: &ArrayRef,
     name: &str,
     what: &str,
-) -> Result<(Float32Array, usize, Option<NullBuffer>)> {
+    batch: usize,
+    nulls: &mut Vec<NullRows>,
+) -> Result<(Float32Array, usize)> {
     let column = format!("{what} column '{name}'");
-    let (values, width, nulls) = numeric_values_with_nulls(col, &column)?;
+    let (values, width, null_rows) = numeric_values_with_nulls(col, &column)?;
     let f =
         cast(&values, &DataType::Float32).map_err(|e| Error::invalid(format!("{column}: {e}")))?;
-    Ok((f.as_primitive::<Float32Type>().clone(), width, nulls))
+    if let Some(rows) = null_rows {
+        nulls.push(NullRows {
+            column,
+            name: name.to_string(),
+            batch,
+            nulls: rows,
+        });
+    }
+    Ok((f.as_primitive::<Float32Type>().clone(), width))
 }
 
 /// The null rows of one feature or label column in one stored batch.
@@ -121,29 +132,11 @@ impl TrainData {
         };
         let mut rows = 0u64;
         let mut nulls = Vec::new();
-        let mut keep_nulls = |column: (Float32Array, usize, Option<NullBuffer>),
-                              name: &str,
-                              what: &str,
-                              batch: usize| {
-            let (values, width, null_rows) = column;
-            if let Some(n) = null_rows {
-                nulls.push(NullRows {
-                    column: format!("{what} column '{name}'"),
-                    name: name.to_string(),
-                    batch,
-                    nulls: n,
-                });
-            }
-            (values, width)
-        };
         for (b, batch) in data.batches().iter().enumerate() {
             let cols = feature_idx
                 .iter()
                 .zip(features)
-                .map(|(&i, name)| {
-                    let column = as_f32(batch.column(i), name, "feature")?;
-                    Ok(keep_nulls(column, name, "feature", b))
-                })
+                .map(|(&i, name)| as_f32(batch.column(i), name, "feature", b, &mut nulls))
                 .collect::<Result<Vec<_>>>()?;
             out.dim = cols.iter().map(|(_, w)| w).sum();
             out.columns = features
@@ -151,12 +144,7 @@ impl TrainData {
                 .zip(&cols)
                 .map(|(name, (_, w))| (name.clone(), *w))
                 .collect();
-            let (labels, width) = keep_nulls(
-                as_f32(batch.column(label_idx), label, "label")?,
-                label,
-                "label",
-                b,
-            );
+            let (labels, width) = as_f32(batch.column(label_idx), label, "label", b, &mut nulls)?;
             out.label_width = width;
             out.features.push(cols);
             out.labels.push((labels, width));
