@@ -731,8 +731,10 @@ fn untile(tile: &[u8], record: usize, rows: usize, slot: Slot, out: &mut Mutable
 }
 
 /// [`untile`] for a column of `W` bytes a row: the output grown once, then
-/// each record's value copied into place (a loop the compiler keeps tight,
-/// where appending value by value checks capacity at every row).
+/// each record's value copied into place — sixteen (or eight) records at a
+/// time with one AVX-512 gather where the CPU has it, else one by one in a
+/// loop the compiler keeps tight (appending value by value would check
+/// capacity at every row).
 fn untile_n<const W: usize>(
     tile: &[u8],
     record: usize,
@@ -743,9 +745,70 @@ fn untile_n<const W: usize>(
     let start = out.len();
     out.extend_zeros(rows * W);
     let to = &mut out.as_slice_mut()[start..];
-    for (value, record) in to.chunks_exact_mut(W).zip(tile.chunks_exact(record)) {
+    let tile = &tile[..rows * record];
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature `untile_avx512` is compiled for.
+        done = unsafe { untile_avx512::<W>(tile, record, offset, to) };
+    }
+    let tail = tile.chunks_exact(record).skip(done);
+    for (value, record) in to[done * W..].chunks_exact_mut(W).zip(tail) {
         value.copy_from_slice(&record[offset..offset + W]);
     }
+}
+
+/// The AVX-512 part of [`untile_n`] (`W` is 4 or 8): fills `to` with the
+/// value at `offset` of each `record`-byte record of `tile`, a gather of
+/// sixteen (or eight) records at a time; returns the rows written, the
+/// rest left to the caller. Needs `tile` to hold `to.len() / W` records
+/// and `offset + W <= record`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(unsafe_code)]
+fn untile_avx512<const W: usize>(
+    tile: &[u8],
+    record: usize,
+    offset: usize,
+    to: &mut [u8],
+) -> usize {
+    use std::arch::x86_64::*;
+    let rows = to.len() / W;
+    let lanes = 64 / W;
+    // The last lane's offset, `(lanes - 1) * record`, must fit an i32.
+    let (Ok(r), Ok(_)) = (i32::try_from(record), i32::try_from(record * lanes)) else {
+        return 0;
+    };
+    if !matches!(W, 4 | 8) || tile.len() < rows * record || offset + W > record {
+        return 0;
+    }
+    let dwords = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(r),
+    );
+    let qwords = _mm256_mullo_epi32(
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        _mm256_set1_epi32(r),
+    );
+    let mut i = 0;
+    while i + lanes <= rows {
+        // SAFETY: lane `k` reads the `W` bytes at `(i + k) * record +
+        // offset`, inside `tile` since `i + k < rows`, `offset + W <=
+        // record` and `tile` holds `rows` records (checked above); the
+        // store writes `to[i * W..(i + lanes) * W]`, inside `to`.
+        unsafe {
+            let at = tile.as_ptr().add(i * record + offset);
+            let values = if W == 4 {
+                _mm512_i32gather_epi32::<1>(dwords, at.cast())
+            } else {
+                _mm512_i32gather_epi64::<1>(qwords, at.cast())
+            };
+            _mm512_storeu_si512(to.as_mut_ptr().add(i * W).cast(), values);
+        }
+        i += lanes;
+    }
+    i
 }
 
 /// Appends the `width` bytes at each `(source, offset)` to `out`, in order
@@ -998,6 +1061,34 @@ mod tests {
         assert!(arena.stats().live_bytes >= packed);
         assert_eq!(data.packed().give_up(), packed);
         assert_eq!(data.packed().bytes(), 0);
+    }
+
+    #[test]
+    fn a_tile_untiles_to_each_records_value_at_every_width_offset_and_length() {
+        fn check<const W: usize>(record: usize, offset: usize, rows: usize) {
+            let tile: Vec<u8> = (0..rows * record + 7).map(|i| (i * 31 + 7) as u8).collect();
+            let mut out = MutableBuffer::new(0);
+            out.extend_from_slice(&[9u8; 3]);
+            untile_n::<W>(&tile, record, rows, offset, &mut out);
+            let expected: Vec<u8> = (0..rows)
+                .flat_map(|i| tile[i * record + offset..][..W].to_vec())
+                .collect();
+            assert_eq!(&out.as_slice()[..3], &[9u8; 3], "what was there is kept");
+            assert_eq!(
+                &out.as_slice()[3..],
+                &expected[..],
+                "W {W} record {record} offset {offset} rows {rows}"
+            );
+        }
+        // Gathers of 16 (or 8) records, then the rows left one by one.
+        for rows in [0, 1, 7, 8, 15, 16, 17, 33, 124] {
+            for (record, offset) in [(4, 0), (12, 4), (13, 9), (264, 0), (264, 260), (33, 21)] {
+                check::<4>(record, offset, rows);
+            }
+            for (record, offset) in [(8, 0), (12, 4), (17, 9), (264, 256), (33, 25)] {
+                check::<8>(record, offset, rows);
+            }
+        }
     }
 
     #[test]
