@@ -332,6 +332,9 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         Code::InvalidArgument,
         &["ticket"],
     );
+    // The same through this client's own receive path.
+    let garbage = c.do_get(Ticket::new(vec![0xde, 0xad])).await;
+    assert_code(garbage.map(|_| ()), Code::InvalidArgument, &["ticket"]);
     let old = c.plan(plan("d")).await.expect("plan");
     c.drop_dataset("d").await.expect("drop");
     put(&mut c, "d", 0, 0, 0..10).await.expect("write again");

@@ -32,11 +32,14 @@
 //! # Ok(()) }
 //! ```
 
+pub mod receive;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
+use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
@@ -718,11 +721,26 @@ impl Client {
             Some(at) if self.uri.as_deref() != Some(at.as_str()) => {
                 let mut member = Client::connect_with(at, self.tls_roots.as_deref()).await?;
                 member.share_headers(self);
-                member.inner.do_get(ticket).await?
+                member.do_get(ticket).await?
             }
-            _ => self.inner.do_get(ticket).await?,
+            _ => self.do_get(ticket).await?,
         };
         Ok(stream.map_err(ClientError::from).boxed())
+    }
+
+    /// `DoGet` for `ticket`: its batches, each body received with one copy
+    /// ([`receive`]).
+    pub async fn do_get(&mut self, ticket: Ticket) -> Result<FlightRecordBatchStream> {
+        let messages = receive::do_get(
+            &self.channel,
+            self.inner.metadata(),
+            ticket,
+            MAX_MESSAGE_BYTES,
+        )
+        .await?;
+        Ok(FlightRecordBatchStream::new_from_flight_data(
+            messages.map_err(FlightError::from),
+        ))
     }
 
     /// Seals a dataset written to several servers: `members` names each

@@ -16,6 +16,7 @@ use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, Ticket};
 use bytes::Bytes;
+use flightdeck_client::receive;
 use futures::{Stream, TryStreamExt};
 use prost::Message;
 use tonic::transport::{Channel, Endpoint};
@@ -157,6 +158,13 @@ impl Peers {
     }
 
     fn client(&self, location: &str, dataset: &str) -> Result<FlightServiceClient<Channel>> {
+        Ok(FlightServiceClient::new(self.channel(location, dataset)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    /// The connection to the member at `location`, opened on first use.
+    fn channel(&self, location: &str, dataset: &str) -> Result<Channel> {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let channel = match channels.get(location) {
             Some(c) => c.clone(),
@@ -194,9 +202,7 @@ impl Peers {
                 c
             }
         };
-        Ok(FlightServiceClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+        Ok(channel)
     }
 
     /// Runs action `kind` with `body` on the member at `location`; decodes
@@ -243,10 +249,11 @@ impl Peers {
         dataset: &str,
         ticket: Bytes,
     ) -> Result<impl Stream<Item = Result<PeerBatch>> + Send + 'static> {
-        let mut client = self.client(location, dataset)?;
-        let response = tokio::time::timeout(
+        let channel = self.channel(location, dataset)?;
+        let metadata = self.request(()).into_parts().0;
+        let messages = tokio::time::timeout(
             ACTION_TIMEOUT,
-            client.do_get(self.request(Ticket::new(ticket))),
+            receive::do_get(&channel, &metadata, Ticket::new(ticket), MAX_MESSAGE_BYTES),
         )
         .await
         .map_err(|_| {
@@ -258,9 +265,7 @@ impl Peers {
         })?
         .map_err(|s| from_peer(&s, location, dataset))?;
         let (location, dataset) = (location.to_string(), dataset.to_string());
-        let messages = response
-            .into_inner()
-            .map_err(|s| FlightError::Tonic(Box::new(s)));
+        let messages = messages.map_err(|s| FlightError::Tonic(Box::new(s)));
         Ok(FlightDataDecoder::new(messages)
             .map_err(move |e| match e {
                 FlightError::Tonic(s) => from_peer(&s, &location, &dataset),
