@@ -87,8 +87,11 @@ pub async fn do_get(
     Ok(futures::stream::unfold(Some(state), |state| async move {
         let (mut body, mut deframer, mut trailed) = state?;
         loop {
-            if let Some(message) = deframer.next_message() {
-                return Some((message, Some((body, deframer, trailed))));
+            match deframer.next_message() {
+                Some(Ok(message)) => return Some((Ok(message), Some((body, deframer, trailed)))),
+                // A malformed stream ends at its first error.
+                Some(Err(status)) => return Some((Err(status), None)),
+                None => {}
             }
             match poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await {
                 Some(Ok(frame)) => match frame.into_data() {
