@@ -129,10 +129,13 @@ enum State {
     /// At a protobuf field's key (and length); `left` bytes of the message
     /// remain.
     Key { left: usize },
-    /// Copying a field other than the body into the message's fields.
-    Field { left: usize, field: usize },
-    /// Copying the body into the aligned buffer.
-    Body { left: usize, body: usize },
+    /// Copying a field's `value` bytes: the body into the aligned buffer,
+    /// any other field into the message's fields.
+    Copy {
+        left: usize,
+        value: usize,
+        body: bool,
+    },
 }
 
 /// Splits a gRPC stream of `FlightData` messages, given as chunks of any
@@ -230,37 +233,36 @@ impl Deframer {
                     if field == BODY_FIELD && wire == 2 {
                         self.advance(used);
                         self.body = Some(MutableBuffer::with_capacity(value));
-                        self.state = State::Body { left, body: value };
+                        self.state = State::Copy {
+                            left,
+                            value,
+                            body: true,
+                        };
                         continue;
                     }
                     self.copy_to_fields(used);
-                    self.state = State::Field { left, field: value };
-                }
-                State::Field { left, field } => {
-                    let n = field.min(self.buffered);
-                    if n == 0 && field > 0 {
-                        return Ok(());
-                    }
-                    self.copy_to_fields(n);
-                    self.state = match field - n {
-                        0 => State::Key { left: left - n },
-                        rest => State::Field {
-                            left: left - n,
-                            field: rest,
-                        },
+                    self.state = State::Copy {
+                        left,
+                        value,
+                        body: false,
                     };
                 }
-                State::Body { left, body } => {
-                    let n = body.min(self.buffered);
-                    if n == 0 && body > 0 {
+                State::Copy { left, value, body } => {
+                    let n = value.min(self.buffered);
+                    if n == 0 && value > 0 {
                         return Ok(());
                     }
-                    self.copy_to_body(n);
-                    self.state = match body - n {
+                    if body {
+                        self.copy_to_body(n);
+                    } else {
+                        self.copy_to_fields(n);
+                    }
+                    self.state = match value - n {
                         0 => State::Key { left: left - n },
-                        rest => State::Body {
+                        rest => State::Copy {
                             left: left - n,
-                            body: rest,
+                            value: rest,
+                            body,
                         },
                     };
                 }
