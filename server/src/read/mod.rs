@@ -702,16 +702,21 @@ fn fetched_values(batch: &RecordBatch, j: usize, row_bytes: usize) -> Result<Buf
 }
 
 /// Asks the CPU to start loading `bytes` into cache (a record a few rows
-/// ahead of the copy); a hint only.
+/// ahead of the copy), every cache line it touches; a hint only.
 #[inline(always)]
 #[allow(unsafe_code)]
 fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for line in (0..bytes.len()).step_by(64) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // SAFETY: the address is inside `bytes`, and a prefetch neither
-        // reads into the program nor faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(line).cast()) };
+    {
+        // From the start of the first line `bytes` touches to its last byte.
+        let skew = bytes.as_ptr() as usize % 64;
+        for line in (0..skew + bytes.len()).step_by(64) {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let at = bytes.as_ptr().wrapping_sub(skew).wrapping_add(line);
+            // SAFETY: a prefetch neither reads into the program nor faults,
+            // whatever the address; `at` is in a line `bytes` touches.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
