@@ -751,13 +751,16 @@ fn untile_n<const W: usize>(
     out.extend_zeros(rows * W);
     let to = &mut out.as_slice_mut()[start..];
     let tile = &tile[..rows * record];
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    let done = if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has the feature `untile_avx512` is compiled for.
-        done = unsafe { untile_avx512::<W>(tile, record, offset, to) };
-    }
+        unsafe { untile_avx512::<W>(tile, record, offset, to) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     let tail = tile.chunks_exact(record).skip(done);
     for (value, record) in to[done * W..].chunks_exact_mut(W).zip(tail) {
         value.copy_from_slice(&record[offset..offset + W]);
