@@ -144,8 +144,7 @@ enum State {
 #[derive(Debug)]
 pub(crate) struct Deframer {
     max_message: usize,
-    chunks: VecDeque<Bytes>,
-    buffered: usize,
+    chunks: Chunks,
     state: State,
     /// The current message's fields other than the body, as sent.
     fields: Vec<u8>,
@@ -159,8 +158,7 @@ impl Deframer {
     pub(crate) fn new(max_message: usize) -> Self {
         Self {
             max_message,
-            chunks: VecDeque::new(),
-            buffered: 0,
+            chunks: Chunks::default(),
             state: State::Prefix,
             fields: Vec::new(),
             body: None,
@@ -174,8 +172,7 @@ impl Deframer {
         if self.failed || chunk.is_empty() {
             return;
         }
-        self.buffered += chunk.len();
-        self.chunks.push_back(chunk);
+        self.chunks.push(chunk);
         if let Err(status) = self.run() {
             self.failed = true;
             self.ready.push_back(Err(status));
@@ -189,7 +186,7 @@ impl Deframer {
 
     /// Whether the stream may end here: no message begun and none waiting.
     pub(crate) fn is_between_messages(&self) -> bool {
-        matches!(self.state, State::Prefix) && self.buffered == 0 && self.ready.is_empty()
+        matches!(self.state, State::Prefix) && self.chunks.len == 0 && self.ready.is_empty()
     }
 
     /// Consumes what the chunks hold, as far as it goes.
@@ -197,10 +194,12 @@ impl Deframer {
         loop {
             match self.state {
                 State::Prefix => {
-                    let Some(prefix) = self.peek::<5>() else {
+                    let mut prefix = [0u8; 5];
+                    if self.chunks.len < prefix.len() {
                         return Ok(());
-                    };
-                    self.advance(5);
+                    }
+                    self.chunks.peek_into(&mut prefix);
+                    self.chunks.take(prefix.len(), |_| {});
                     if prefix[0] != 0 {
                         return Err(Status::internal(
                             "the server sent a compressed message, which was not asked for",
@@ -231,7 +230,7 @@ impl Deframer {
                     }
                     let left = left - used;
                     if field == BODY_FIELD && wire == 2 {
-                        self.advance(used);
+                        self.chunks.take(used, |_| {});
                         self.body = Some(MutableBuffer::with_capacity(value));
                         self.state = State::Copy {
                             left,
@@ -240,7 +239,7 @@ impl Deframer {
                         };
                         continue;
                     }
-                    self.copy_to_fields(used);
+                    self.chunks.take(used, |b| self.fields.extend_from_slice(b));
                     self.state = State::Copy {
                         left,
                         value,
@@ -248,14 +247,15 @@ impl Deframer {
                     };
                 }
                 State::Copy { left, value, body } => {
-                    let n = value.min(self.buffered);
+                    let n = value.min(self.chunks.len);
                     if n == 0 && value > 0 {
                         return Ok(());
                     }
                     if body {
-                        self.copy_to_body(n);
+                        let out = self.body.get_or_insert_default();
+                        self.chunks.take(n, |b| out.extend_from_slice(b));
                     } else {
-                        self.copy_to_fields(n);
+                        self.chunks.take(n, |b| self.fields.extend_from_slice(b));
                     }
                     self.state = match value - n {
                         0 => State::Key { left: left - n },
@@ -275,8 +275,8 @@ impl Deframer {
     /// take; `None` when more bytes are needed.
     fn key(&self, left: usize) -> Result<Option<(u64, u64, usize, usize)>, Status> {
         let mut bytes = [0u8; KEY_BYTES];
-        let have = self.buffered.min(left).min(KEY_BYTES);
-        self.peek_into(&mut bytes[..have]);
+        let have = self.chunks.len.min(left).min(KEY_BYTES);
+        self.chunks.peek_into(&mut bytes[..have]);
         let complete = have == left.min(KEY_BYTES);
         let more = |what: &str| {
             if complete {
@@ -320,21 +320,27 @@ impl Deframer {
         self.ready.push_back(Ok(data));
         Ok(())
     }
+}
 
-    /// The first `N` bytes, when buffered.
-    fn peek<const N: usize>(&self) -> Option<[u8; N]> {
-        let mut out = [0u8; N];
-        (self.buffered >= N).then(|| {
-            self.peek_into(&mut out);
-            out
-        })
+/// The stream's bytes not yet consumed, as the chunks they came in.
+#[derive(Debug, Default)]
+struct Chunks {
+    queue: VecDeque<Bytes>,
+    /// Bytes held.
+    len: usize,
+}
+
+impl Chunks {
+    fn push(&mut self, chunk: Bytes) {
+        self.len += chunk.len();
+        self.queue.push_back(chunk);
     }
 
     /// Fills `out` from the front without consuming (`out` no longer than
-    /// what is buffered).
+    /// what is held).
     fn peek_into(&self, out: &mut [u8]) {
         let mut at = 0;
-        for chunk in &self.chunks {
+        for chunk in &self.queue {
             if at == out.len() {
                 break;
             }
@@ -344,28 +350,12 @@ impl Deframer {
         }
     }
 
-    /// Drops `n` bytes from the front.
-    fn advance(&mut self, n: usize) {
-        self.take(n, |_| {});
-    }
-
-    fn copy_to_fields(&mut self, n: usize) {
-        let mut fields = std::mem::take(&mut self.fields);
-        self.take(n, |b| fields.extend_from_slice(b));
-        self.fields = fields;
-    }
-
-    fn copy_to_body(&mut self, n: usize) {
-        let mut body = self.body.take().unwrap_or_default();
-        self.take(n, |b| body.extend_from_slice(b));
-        self.body = Some(body);
-    }
-
-    /// Hands the next `n` bytes to `to`, slice by slice, consuming them.
+    /// Hands the next `n` bytes (no more than are held) to `to`, slice by
+    /// slice, consuming them.
     fn take(&mut self, mut n: usize, mut to: impl FnMut(&[u8])) {
-        self.buffered -= n;
+        self.len -= n;
         while n > 0 {
-            let Some(chunk) = self.chunks.front_mut() else {
+            let Some(chunk) = self.queue.front_mut() else {
                 return;
             };
             let k = chunk.len().min(n);
@@ -373,7 +363,7 @@ impl Deframer {
             chunk.advance(k);
             n -= k;
             if chunk.is_empty() {
-                self.chunks.pop_front();
+                self.queue.pop_front();
             }
         }
     }
