@@ -148,13 +148,16 @@ impl Peers {
 
     /// `message` as a request carrying the cluster's token.
     fn request<T>(&self, message: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
+        tonic::Request::from_parts(self.metadata(), Default::default(), message)
+    }
+
+    /// What every call to a member sends: its token, if any.
+    fn metadata(&self) -> tonic::metadata::MetadataMap {
+        let mut metadata = tonic::metadata::MetadataMap::new();
         if let Some(value) = &self.authorization {
-            request
-                .metadata_mut()
-                .insert("authorization", value.clone());
+            metadata.insert("authorization", value.clone());
         }
-        request
+        metadata
     }
 
     fn client(&self, location: &str, dataset: &str) -> Result<FlightServiceClient<Channel>> {
@@ -250,10 +253,14 @@ impl Peers {
         ticket: Bytes,
     ) -> Result<impl Stream<Item = Result<PeerBatch>> + Send + 'static> {
         let channel = self.channel(location, dataset)?;
-        let metadata = self.request(()).into_parts().0;
         let messages = tokio::time::timeout(
             ACTION_TIMEOUT,
-            receive::do_get(&channel, &metadata, Ticket::new(ticket), MAX_MESSAGE_BYTES),
+            receive::do_get(
+                &channel,
+                &self.metadata(),
+                Ticket::new(ticket),
+                MAX_MESSAGE_BYTES,
+            ),
         )
         .await
         .map_err(|_| {
