@@ -659,12 +659,15 @@ const WARM_UP: usize = 2;
 /// Figures are GB/s of the rows the ranks received:
 /// - `cluster/node`: the ranks of one node (ranks / N of them) read their
 ///   LOCALITY_NODE shards (shuffled within the node) while the other nodes
-///   are idle, node by node; against `cluster/single-node-ranks`: as many
-///   ranks reading the single server unshuffled, and
+///   are idle, node by node, one sample being the round of every node (all
+///   rows over the sum of the nodes' times: nodes of unequal size weigh as
+///   their rows do); against `cluster/single-node-ranks`: as many ranks
+///   reading the single server unshuffled, and
 ///   `cluster/single-node-ranks-global`: the same, globally shuffled; and
 ///   against `cluster/single-node-rows`: as many ranks reading, unshuffled,
 ///   a dataset that holds just one member's partitions on a server of its
-///   own (the same rows, and a read of the same size).
+///   own, member by member, timed as a round the same way (the same rows,
+///   and reads of the same size).
 /// - `cluster/node-all`: every node's ranks reading their LOCALITY_NODE
 ///   shards at once (every member serving its node and the transfers
 ///   together, as on a cluster, but on this machine's cores); against
@@ -723,16 +726,24 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
         let node_plan = phases::node_plan(plan(Shuffle::Global), per_node);
+        let mut round = None;
         for node in 0..n as u32 {
             let ranks = node * per_node..(node + 1) * per_node;
-            let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
+            let one = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
+            round = Some(phases::then(round, one));
+        }
+        if let Some((s, rows)) = round {
             record(run, &format!("cluster/node{first}"), rows, s);
         }
         let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), None).await?;
         record(run, &format!("cluster/node-all{first}"), rows, s);
+        let mut round = None;
         for g in 0..n {
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
-            let (s, rows) = phases::get_ranks(&single_rows, one, None).await?;
+            let one = phases::get_ranks(&single_rows, one, None).await?;
+            round = Some(phases::then(round, one));
+        }
+        if let Some((s, rows)) = round {
             record(run, &format!("cluster/single-node-rows{first}"), rows, s);
         }
         for (phase, shuffle) in [

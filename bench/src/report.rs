@@ -14,6 +14,16 @@ pub struct Sample {
     pub latencies: Vec<Duration>,
 }
 
+impl Sample {
+    /// This run followed by `next`: the two wall times added and the
+    /// latencies of both, for a phase timed in parts run one after another.
+    pub fn then(mut self, next: Sample) -> Sample {
+        self.elapsed += next.elapsed;
+        self.latencies.extend(next.latencies);
+        self
+    }
+}
+
 /// All repetitions of one phase against one target.
 #[derive(Debug, Clone)]
 pub struct Measured {
@@ -122,5 +132,28 @@ mod tests {
         assert_eq!(quantile(&v, 0.5), Duration::from_millis(50));
         assert_eq!(quantile(&v, 0.99), Duration::from_millis(99));
         assert_eq!(quantile(&[], 0.5), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_phase_timed_in_parts_is_one_sample_of_all_its_rows_over_the_summed_time() {
+        let ms = Duration::from_millis;
+        let part = |t, l: &[u64]| Sample {
+            elapsed: ms(t),
+            latencies: l.iter().map(|&x| ms(x)).collect(),
+        };
+        // Three nodes of 750, 625 and 625 rows: one sample of 2000 rows.
+        let round = part(300, &[1, 2])
+            .then(part(200, &[3]))
+            .then(part(500, &[]));
+        assert_eq!(round.elapsed, ms(1000));
+        assert_eq!(round.latencies, vec![ms(1), ms(2), ms(3)]);
+        let m = Measured {
+            phase: "cluster/node".into(),
+            target: "flightdeck".into(),
+            rows: 2000,
+            bytes: 2_000_000_000,
+            samples: vec![round],
+        };
+        assert!((m.gbps() - 2.0).abs() < 1e-9);
     }
 }
