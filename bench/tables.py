@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -71,10 +71,17 @@ RATIOS = [
 ]
 
 
+def median(values: list[float]) -> float:
+    """The median by nearest rank, as the bench takes it (of an even count,
+    the lower middle value): the one a run's `median_s` and ratios use."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(0.5 * len(ordered)), 1) - 1]
+
+
 def rates(result: dict) -> tuple[float, float]:
     """Median and best GB/s of payload for one phase and target."""
     size = result["payload_bytes"] / 1e9
-    return size / statistics.median(result["runs_s"]), size / min(result["runs_s"])
+    return size / median(result["runs_s"]), size / min(result["runs_s"])
 
 
 def render(run: dict, name: str) -> str:

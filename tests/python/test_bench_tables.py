@@ -52,3 +52,23 @@ def test_ratios_by_median_and_by_best():
     fresh = tables.regenerate(marked)
     assert fresh.startswith("x\n<!-- table bench/runs/full.json -->\nRun `full.json`")
     assert fresh.endswith("<!-- end table -->\ny\n") and "old" not in fresh
+
+
+def test_an_even_count_of_runs_has_the_benchs_median_in_every_column():
+    # Two runs (a read's warm-up epochs): the bench's median is the lower
+    # middle value by nearest rank, so the time and the rate agree.
+    tables = load_tables()
+    assert tables.median([2.0, 0.5]) == 0.5
+    assert tables.median([4.0, 1.0, 3.0, 2.0]) == 2.0
+    assert tables.median([3.0]) == 3.0
+    result = {
+        "phase": "get/none/first", "target": "flightdeck", "runs_s": [2.0, 0.5],
+        "median_s": 0.5, "payload_bytes": 1_000_000_000,
+    }
+    run = {
+        "command": "flightdeck-bench", "rows": 10, "features": 2, "commit": "abc",
+        "date": "d", "machine": {"cores": 2}, "results": [result],
+    }
+    assert "| get/none/first | flightdeck | 0.500 | 0.500 | 2.000 | 2.000 | 2.000 0.500 |" in (
+        tables.render(run, "r.json")
+    )
