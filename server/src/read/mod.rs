@@ -501,6 +501,9 @@ pub struct Picks {
     /// `(batch, row within batch, output row)`, in stored order: made for
     /// the first column gathered byte by byte (a packed gather needs none).
     sorted: std::cell::OnceCell<Vec<(u32, u32, u32)>>,
+    /// The picks as runs, made for the first column copied run by run:
+    /// every column of a batch takes the same runs.
+    runs: std::cell::OnceCell<Vec<(usize, std::ops::Range<usize>)>>,
 }
 
 impl Picks {
@@ -516,6 +519,7 @@ impl Picks {
             rows,
             in_order,
             sorted: std::cell::OnceCell::new(),
+            runs: std::cell::OnceCell::new(),
         }
     }
 
@@ -538,18 +542,17 @@ impl Picks {
     }
 
     /// The picks as runs of neighbouring rows of one batch, in output
-    /// order: `(batch, rows)`.
-    fn runs(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
-        let mut at = 0;
-        std::iter::from_fn(move || {
-            let &(b, r) = self.rows.get(at)?;
-            let len = self.rows[at..]
-                .iter()
-                .enumerate()
-                .take_while(|&(i, &pick)| pick == (b, r + i))
-                .count();
-            at += len;
-            Some((b, r..r + len))
+    /// order: `(batch, rows)`; found once, at the first call.
+    fn runs(&self) -> &[(usize, std::ops::Range<usize>)] {
+        self.runs.get_or_init(|| {
+            let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+            for &(b, r) in &self.rows {
+                match runs.last_mut() {
+                    Some((last, rows)) if *last == b && rows.end == r => rows.end += 1,
+                    _ => runs.push((b, r..r + 1)),
+                }
+            }
+            runs
         })
     }
 
@@ -634,7 +637,7 @@ impl Column {
                 let out = if !picks.scattered {
                     // Mostly runs of neighbouring rows: one copy per run.
                     let mut out = MutableBuffer::with_capacity(len);
-                    for (b, rows) in picks.runs() {
+                    for (b, rows) in picks.runs().iter().cloned() {
                         out.extend_from_slice(
                             &sources[b][rows.start * c.row_bytes..rows.end * c.row_bytes],
                         );
@@ -1136,15 +1139,19 @@ mod tests {
     #[test]
     fn picks_split_into_runs_of_neighbouring_rows_and_say_when_scattered() {
         let runs = Picks::new(vec![(0, 4), (0, 5), (0, 6), (1, 0), (1, 1), (0, 9), (2, 3)]);
-        assert_eq!(
-            runs.runs().collect::<Vec<_>>(),
-            vec![(0, 4..7), (1, 0..2), (0, 9..10), (2, 3..4)]
-        );
+        assert_eq!(runs.runs(), [(0, 4..7), (1, 0..2), (0, 9..10), (2, 3..4)]);
         assert!(!runs.scattered);
         let strided = Picks::new((0..10).map(|k| (0, 3 * k)).collect());
         assert!(strided.in_order && strided.scattered);
-        assert_eq!(strided.runs().count(), 10);
-        assert_eq!(Picks::new(vec![]).runs().count(), 0);
+        assert_eq!(strided.runs().len(), 10);
+        assert!(Picks::new(vec![]).runs().is_empty());
+        // A row of the same batch that does not follow starts a run, and
+        // so does a batch's row 0 after another batch's last.
+        let rows = vec![(0, 1), (0, 1), (0, 2), (1, 0), (0, 3)];
+        assert_eq!(
+            Picks::new(rows).runs(),
+            [(0, 1..2), (0, 1..3), (1, 0..1), (0, 3..4)]
+        );
     }
 
     #[test]
