@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -74,8 +73,7 @@ RATIOS = [
 def median(values: list[float]) -> float:
     """The median by nearest rank, as the bench takes it (of an even count,
     the lower middle value): the one a run's `median_s` and ratios use."""
-    ordered = sorted(values)
-    return ordered[max(math.ceil(0.5 * len(ordered)), 1) - 1]
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def rates(result: dict) -> tuple[float, float]:

@@ -726,26 +726,24 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
         let node_plan = phases::node_plan(plan(Shuffle::Global), per_node);
-        let mut round = None;
+        let mut round = Default::default();
         for node in 0..n as u32 {
             let ranks = node * per_node..(node + 1) * per_node;
             let one = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
-            round = Some(phases::then(round, one));
+            round = phases::then(round, one);
         }
-        if let Some((s, rows)) = round {
-            record(run, &format!("cluster/node{first}"), rows, s);
-        }
+        let (s, rows) = round;
+        record(run, &format!("cluster/node{first}"), rows, s);
         let (s, rows) = phases::get_ranks(&uris[0], node_plan.clone(), None).await?;
         record(run, &format!("cluster/node-all{first}"), rows, s);
-        let mut round = None;
+        let mut round = Default::default();
         for g in 0..n {
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
             let one = phases::get_ranks(&single_rows, one, None).await?;
-            round = Some(phases::then(round, one));
+            round = phases::then(round, one);
         }
-        if let Some((s, rows)) = round {
-            record(run, &format!("cluster/single-node-rows{first}"), rows, s);
-        }
+        let (s, rows) = round;
+        record(run, &format!("cluster/single-node-rows{first}"), rows, s);
         for (phase, shuffle) in [
             ("cluster/single-node-ranks", Shuffle::None),
             ("cluster/single-node-ranks-global", Shuffle::Global),

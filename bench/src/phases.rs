@@ -208,12 +208,10 @@ pub async fn get_ranks(
 }
 
 /// A read timed in parts, one after another (`get_ranks` node by node):
-/// `so_far` (none before the first part) followed by `next`, rows added.
-pub fn then(so_far: Option<(Sample, u64)>, next: (Sample, u64)) -> (Sample, u64) {
-    match so_far {
-        Some((s, rows)) => (s.then(next.0), rows + next.1),
-        None => next,
-    }
+/// `so_far` (`Default` before the first part) followed by `next`, rows
+/// added.
+pub fn then((sample, rows): (Sample, u64), next: (Sample, u64)) -> (Sample, u64) {
+    (sample.then(next.0), rows + next.1)
 }
 
 /// Drops a dataset, ignoring "not found".

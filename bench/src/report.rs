@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-/// One measured run of one phase against one target.
-#[derive(Debug, Clone)]
+/// One measured run of one phase against one target; the default is an
+/// empty one (no time, no latencies), the start of a phase timed in parts.
+#[derive(Debug, Clone, Default)]
 pub struct Sample {
     /// Wall time of the phase.
     pub elapsed: Duration,
