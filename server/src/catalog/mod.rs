@@ -188,6 +188,19 @@ impl SealedData {
         &self.selections
     }
 
+    /// [`Self::locate`], looking first in batch `near` (the batch of the
+    /// row before, in a read whose neighbouring rows mostly share one):
+    /// no search when it holds `row`.
+    #[inline]
+    pub fn locate_near(&self, row: u64, near: usize) -> (usize, usize) {
+        match (self.starts.get(near), self.starts.get(near + 1)) {
+            (Some(&start), Some(&end)) if start <= row && row < end => {
+                (near, (row - start) as usize)
+            }
+            _ => self.locate(row),
+        }
+    }
+
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).
     pub fn locate(&self, row: u64) -> (usize, usize) {
         debug_assert!(row < self.rows());

@@ -9,8 +9,12 @@
 //! order, or one rank's every `W`-th row of an unshuffled one) and the
 //! gather was given the arena, those columns are instead gathered from the
 //! dataset's [`packed`] copy: one contiguous record per row into a tile that
-//! stays in cache, transposed back into columns. Other columns go through
-//! Arrow's `interleave`. Every path gives the same arrays.
+//! stays in cache, transposed back into columns. The copy groups each stored
+//! batch's records by row residue modulo the world size of the plan that
+//! built it, so a rank's rows of an unshuffled read by that many ranks are
+//! one run of records, copied into the tile as one forward stream. Other
+//! columns go through Arrow's `interleave`. Every path gives the same
+//! arrays.
 //!
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.
@@ -85,6 +89,9 @@ pub struct Gather {
     arena: Option<Arc<Arena>>,
     /// The packed gather, decided at the first shuffled batch.
     packed: OnceLock<Option<PackedGather>>,
+    /// The stride a packed copy built here groups its records by: the
+    /// plan's world size (see [`packed`]).
+    stride: usize,
     /// The rows a filter selected: read row `i` is stored row
     /// `selection.row(i)`; `None` = every row.
     selection: Option<Arc<Selection>>,
@@ -179,6 +186,7 @@ impl Gather {
             schema,
             arena: None,
             packed: OnceLock::new(),
+            stride: 1,
             selection: None,
             derive: None,
         })
@@ -197,6 +205,7 @@ impl Gather {
         let mut gather = Self::new(data, &columns, &plan.dataset, fixed)?;
         gather.selection = selection;
         gather.derive = derive;
+        gather.stride = plan.world_size as usize;
         Ok(gather)
     }
 
@@ -213,6 +222,24 @@ impl Gather {
             Some(s) => self.data.locate(s.row(row)),
             None => self.data.locate(row),
         }
+    }
+
+    /// [`Self::locate`] of each of `rows`, in order (each looked for first
+    /// in the batch of the row before: unshuffled and strided reads take
+    /// their rows a batch at a time).
+    pub fn locate_all(&self, rows: impl IntoIterator<Item = u64>) -> Vec<(usize, usize)> {
+        let mut near = 0;
+        rows.into_iter()
+            .map(|row| {
+                let stored = match &self.selection {
+                    Some(s) => s.row(row),
+                    None => row,
+                };
+                let at = self.data.locate_near(stored, near);
+                near = at.0;
+                at
+            })
+            .collect()
     }
 
     /// Lets shuffled batches gather from the dataset's packed copy, built
@@ -293,10 +320,12 @@ impl Gather {
         let arena = self.arena.as_ref()?;
         self.packed
             .get_or_init(|| {
-                let packed = self
-                    .data
-                    .packed()
-                    .get_or_build(&self.data, arena, &self.dataset)?;
+                let packed = self.data.packed().get_or_build(
+                    &self.data,
+                    arena,
+                    &self.dataset,
+                    self.stride,
+                )?;
                 let outputs: Vec<(usize, Slot)> = self
                     .columns
                     .iter()
@@ -340,45 +369,75 @@ impl Gather {
             .iter()
             .map(|(_, s)| MutableBuffer::with_capacity(n * s.width))
             .collect();
+        // Where each pick's record is: `(batch, record)` of a local pick
+        // (its place in the copy's residue groups, found once per pick),
+        // `(batch, row)` of one fetched from a member.
+        let place = |&(b, r): &(usize, usize)| {
+            if b < local {
+                (b, p.packed.position(b, r))
+            } else {
+                (b, r)
+            }
+        };
         if p.outputs.len() <= DIRECT_COLUMNS {
             // Few (wide) columns: each value straight from its record.
-            for (i, &(b, r)) in picks.rows.iter().enumerate() {
-                if let Some(&(b, r)) = picks.rows.get(i + PREFETCH_ROWS)
+            let places: Vec<(usize, usize)> = picks.rows.iter().map(place).collect();
+            for (i, &(b, at)) in places.iter().enumerate() {
+                if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
                     && b < local
                 {
-                    prefetch(&p.packed.batch(b)[r * record..][..record]);
+                    prefetch(p.packed.at(b, at));
                 }
+                let local_record = (b < local).then(|| p.packed.at(b, at));
                 for ((out, &(_, slot)), values) in
                     outs.iter_mut().zip(&p.outputs).zip(&extra_values)
                 {
-                    let from = if b < local {
-                        &p.packed.batch(b)[r * record + slot.offset..][..slot.width]
+                    let from = if let Some(record) = local_record {
+                        &record[slot.offset..][..slot.width]
                     } else {
-                        &values[b - local].as_slice()[r * slot.width..][..slot.width]
+                        &values[b - local].as_slice()[at * slot.width..][..slot.width]
                     };
                     out.extend_from_slice(from);
                 }
             }
             return self.packed_arrays(p, outs, n);
         }
-        let tile_rows = (TILE_BYTES / record).max(1);
+        // A whole number of 16-record gathers where the tile holds that
+        // many (no rows left over to take out one by one).
+        let tile_rows = match TILE_BYTES / record {
+            r if r >= 16 => r / 16 * 16,
+            r => r.max(1),
+        };
         let mut tile = vec![0u8; tile_rows * record];
         // The tile's rows fetched from other members: (tile row, extra
         // batch, row in it).
         let mut fetched: Vec<(usize, usize, usize)> = Vec::new();
+        let mut places: Vec<(usize, usize)> = Vec::with_capacity(tile_rows + PREFETCH_ROWS);
         for start in (0..n).step_by(tile_rows) {
             let rows = &picks.rows[start..n.min(start + tile_rows)];
-            for (i, &(b, r)) in rows.iter().enumerate() {
-                if let Some(&(b, r)) = picks.rows.get(start + i + PREFETCH_ROWS)
+            if let Some(run) = packed_run(&p.packed, rows, local) {
+                // Records back to back (an unshuffled read by as many
+                // ranks as the copy's stride): one forward copy.
+                tile[..run.len()].copy_from_slice(run);
+                for (out, &(_, slot)) in outs.iter_mut().zip(&p.outputs) {
+                    untile(&tile, record, rows.len(), slot, out);
+                }
+                continue;
+            }
+            // The tile's picks and those a prefetch ahead of its last.
+            places.clear();
+            let ahead = &picks.rows[start..n.min(start + rows.len() + PREFETCH_ROWS)];
+            places.extend(ahead.iter().map(place));
+            for (i, &(b, at)) in places[..rows.len()].iter().enumerate() {
+                if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
                     && b < local
                 {
-                    prefetch(&p.packed.batch(b)[r * record..][..record]);
+                    prefetch(p.packed.at(b, at));
                 }
                 if b < local {
-                    tile[i * record..(i + 1) * record]
-                        .copy_from_slice(&p.packed.batch(b)[r * record..(r + 1) * record]);
+                    tile[i * record..(i + 1) * record].copy_from_slice(p.packed.at(b, at));
                 } else {
-                    fetched.push((i, b - local, r));
+                    fetched.push((i, b - local, at));
                 }
             }
             // Rows from other members, column by column into the tile.
@@ -476,13 +535,7 @@ impl Shard {
     }
 
     fn gather(&self, samples: std::ops::Range<u64>) -> Result<RecordBatch> {
-        let picks = Picks::new(
-            self.order
-                .rows(samples)
-                .into_iter()
-                .map(|row| self.gather.locate(row))
-                .collect(),
-        );
+        let picks = Picks::new(self.gather.locate_all(self.order.rows(samples)));
         self.gather.batch(&picks, &[])
     }
 }
@@ -702,6 +755,24 @@ fn fetched_values(batch: &RecordBatch, j: usize, row_bytes: usize) -> Result<Buf
         )));
     }
     Ok(values)
+}
+
+/// The records of `rows` when they lie back to back in `packed`: all rows
+/// of one stored batch (below `local`, not fetched from a member), each the
+/// copy's stride after the one before, so one residue group in order.
+fn packed_run<'a>(packed: &'a Packed, rows: &[(usize, usize)], local: usize) -> Option<&'a [u8]> {
+    let &(b, first) = rows.first()?;
+    let stride = packed.stride();
+    let follows = rows
+        .iter()
+        .enumerate()
+        .all(|(i, &(c, r))| c == b && r == first + i * stride);
+    if b >= local || !follows {
+        return None;
+    }
+    let record = packed.record();
+    let at = packed.position(b, first) * record;
+    Some(&packed.batch(b)[at..at + rows.len() * record])
 }
 
 /// Asks the CPU to start loading `bytes` into cache (a record a few rows
@@ -1203,6 +1274,65 @@ mod tests {
                 assert_eq!(packed, packing);
             }
         }
+    }
+
+    #[test]
+    fn one_ranks_strided_rows_of_a_batch_are_one_run_of_packed_records() {
+        let batches = vec![batch(0, 700), batch(700, 500)];
+        let data = SealedData::from_batches(batches[0].schema(), vec![], batches);
+        let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
+        let packed = Packed::build(&data, &arena, "d", 3)
+            .expect("fits")
+            .expect("packed");
+        let record = packed.record();
+        // Rank 2 of 3: rows 2, 5, 8, … of the first batch; rank 1 from the
+        // second batch's row 1 (the dataset's row 701).
+        for (b, first) in [(0, 2), (1, 1)] {
+            let rows: Vec<(usize, usize)> = (0..50).map(|k| (b, first + 3 * k)).collect();
+            let run = packed_run(&packed, &rows, 2).expect("one run");
+            for (k, &(b, r)) in rows.iter().enumerate() {
+                assert_eq!(&run[k * record..][..record], packed.record_of(b, r));
+            }
+            // Fetched from a member (past the local batches): not a run.
+            assert!(packed_run(&packed, &rows, b).is_none());
+        }
+        // Another stride, a gap, or a batch boundary: no run.
+        let other: Vec<(usize, usize)> = (0..50).map(|k| (0, 2 * k)).collect();
+        let gap = [(0, 2), (0, 5), (0, 11)];
+        let across = [(0, 698), (1, 1)];
+        for rows in [&other[..], &gap[..], &across[..]] {
+            assert!(packed_run(&packed, rows, 2).is_none(), "{rows:?}");
+        }
+        assert!(packed_run(&packed, &[], 2).is_none());
+    }
+
+    #[test]
+    fn rows_are_located_alike_in_any_order_with_and_without_a_selection() {
+        let batches = vec![batch(0, 5), batch(5, 1), batch(6, 40), batch(46, 9)];
+        let data = Arc::new(SealedData::from_batches(
+            batches[0].schema(),
+            vec![],
+            batches,
+        ));
+        let n = data.rows();
+        let strided: Vec<u64> = (0..3).flat_map(|r| (r..n).step_by(3)).collect();
+        let shuffled: Vec<u64> = (0..n).map(|k| (k * 37 + 11) % n).collect();
+        let backwards: Vec<u64> = (0..n).rev().collect();
+        for rows in [strided, shuffled, backwards] {
+            let gather = Gather::new(data.clone(), &[], "d", None).expect("gather");
+            let want: Vec<(usize, usize)> = rows.iter().map(|&r| data.locate(r)).collect();
+            assert_eq!(gather.locate_all(rows.iter().copied()), want);
+        }
+        // Through a selection: read row `i` is stored row `3 i + 1`.
+        let selected: Vec<u64> = (0..n).filter(|r| r % 3 == 1).collect();
+        let mut gather = Gather::new(data.clone(), &[], "d", None).expect("gather");
+        gather.selection = Some(Arc::new(Selection::of(selected.clone())));
+        let reads: Vec<u64> = (0..selected.len() as u64).rev().collect();
+        let want: Vec<(usize, usize)> = reads
+            .iter()
+            .map(|&i| data.locate(selected[i as usize]))
+            .collect();
+        assert_eq!(gather.locate_all(reads), want);
     }
 
     #[test]

@@ -934,7 +934,7 @@ impl MergedRead {
     /// For another member's rank: this member's `rows` of the rank's
     /// `batches` (`(batch, rows)`, in order), tagged with them.
     fn peer_message(&mut self, batches: &[(u64, usize)], rows: &[u64]) -> Result<Vec<IpcMessage>> {
-        let local: Vec<(usize, usize)> = rows.iter().map(|&r| self.gather.locate(r)).collect();
+        let local = self.gather.locate_all(rows.iter().copied());
         let t = &self.traffic;
         self.gather
             .gathered(&Picks::new(local), &[])
