@@ -763,11 +763,12 @@ fn fetched_values(batch: &RecordBatch, j: usize, row_bytes: usize) -> Result<Buf
 fn packed_run<'a>(packed: &'a Packed, rows: &[(usize, usize)], local: usize) -> Option<&'a [u8]> {
     let &(b, first) = rows.first()?;
     let stride = packed.stride();
-    let follows = rows
-        .iter()
-        .enumerate()
-        .all(|(i, &(c, r))| c == b && r == first + i * stride);
-    if b >= local || !follows {
+    let follows = b < local
+        && rows
+            .iter()
+            .enumerate()
+            .all(|(i, &(c, r))| c == b && r == first + i * stride);
+    if !follows {
         return None;
     }
     let record = packed.record();
@@ -1285,8 +1286,8 @@ mod tests {
             .expect("fits")
             .expect("packed");
         let record = packed.record();
-        // Rank 2 of 3: rows 2, 5, 8, … of the first batch; rank 1 from the
-        // second batch's row 1 (the dataset's row 701).
+        // Rank 2 of 3: rows 2, 5, 8, … of the first batch, and of the
+        // second (its row 0 is the dataset's row 700) rows 1, 4, 7, …
         for (b, first) in [(0, 2), (1, 1)] {
             let rows: Vec<(usize, usize)> = (0..50).map(|k| (b, first + 3 * k)).collect();
             let run = packed_run(&packed, &rows, 2).expect("one run");
