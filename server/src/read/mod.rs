@@ -21,6 +21,7 @@
 
 pub mod packed;
 
+use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
@@ -218,10 +219,12 @@ impl Gather {
 
     /// `(batch, row within batch)` of read row `row` (below `rows()`).
     pub fn locate(&self, row: u64) -> (usize, usize) {
-        match &self.selection {
-            Some(s) => self.data.locate(s.row(row)),
-            None => self.data.locate(row),
-        }
+        self.data.locate(self.stored(row))
+    }
+
+    /// The stored row of read row `row`.
+    fn stored(&self, row: u64) -> u64 {
+        self.selection.as_ref().map_or(row, |s| s.row(row))
     }
 
     /// [`Self::locate`] of each of `rows`, in order (each looked for first
@@ -231,11 +234,7 @@ impl Gather {
         let mut near = 0;
         rows.into_iter()
             .map(|row| {
-                let stored = match &self.selection {
-                    Some(s) => s.row(row),
-                    None => row,
-                };
-                let at = self.data.locate_near(stored, near);
+                let at = self.data.locate_near(self.stored(row), near);
                 near = at.0;
                 at
             })
@@ -381,7 +380,12 @@ impl Gather {
         };
         if p.outputs.len() <= DIRECT_COLUMNS {
             // Few (wide) columns: each value straight from its record.
-            let places: Vec<(usize, usize)> = picks.rows.iter().map(place).collect();
+            // (Storage order needs no mapping: the picks are the places.)
+            let places: Cow<'_, [(usize, usize)]> = if p.packed.stride() == 1 {
+                Cow::Borrowed(&picks.rows)
+            } else {
+                Cow::Owned(picks.rows.iter().map(place).collect())
+            };
             for (i, &(b, at)) in places.iter().enumerate() {
                 if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
                     && b < local
@@ -1292,7 +1296,10 @@ mod tests {
             let rows: Vec<(usize, usize)> = (0..50).map(|k| (b, first + 3 * k)).collect();
             let run = packed_run(&packed, &rows, 2).expect("one run");
             for (k, &(b, r)) in rows.iter().enumerate() {
-                assert_eq!(&run[k * record..][..record], packed.record_of(b, r));
+                assert_eq!(
+                    &run[k * record..][..record],
+                    packed.at(b, packed.position(b, r))
+                );
             }
             // Fetched from a member (past the local batches): not a run.
             assert!(packed_run(&packed, &rows, b).is_none());

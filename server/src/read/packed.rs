@@ -173,11 +173,6 @@ impl Packed {
         }
     }
 
-    /// The record of row `r` of stored batch `b`.
-    pub fn record_of(&self, b: usize, r: usize) -> &[u8] {
-        self.at(b, self.position(b, r))
-    }
-
     /// Record `at` of stored batch `b` (a [`Self::position`]).
     #[inline]
     pub fn at(&self, b: usize, at: usize) -> &[u8] {
@@ -252,6 +247,7 @@ impl PackedCache {
     /// the dataset has nothing worth packing or the budget has no room (the
     /// read then gathers column by column, as before). Concurrent callers
     /// wait for one build.
+    ///
     /// `stride` groups a new copy's records (see [`Packed::build`]); a
     /// copy already held keeps its own.
     pub fn get_or_build(
@@ -366,7 +362,7 @@ mod tests {
             assert_eq!(packed.stride(), stride.max(1));
             for (b, rows) in [(0, 0..7i64), (1, 7..107)] {
                 for (r, v) in rows.enumerate() {
-                    let record = packed.record_of(b, r);
+                    let record = packed.at(b, packed.position(b, r));
                     let mut want = v.to_le_bytes().to_vec();
                     want.extend_from_slice(&(v as f64 * 0.5).to_le_bytes());
                     assert_eq!(record, &want[..], "stride {stride} batch {b} row {r}");
