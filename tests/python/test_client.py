@@ -232,7 +232,10 @@ def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_threa
     # Three handed out, more read: the state counts the three.
     state = ds.state_dict()
     assert state == {"epoch": 0, "start_sample": 3 * 100 * 2, "world_size": 2}
-    assert ds.stall_seconds > 0
+    # Whether the loop waited here depends on the threads' timing (the
+    # waits themselves are counted in the test of `Prefetched` below): the
+    # dataset reports its reader's.
+    assert ds.stall_seconds == ds._reader.stall
     # The loop stops mid-epoch: the stream is cancelled, the thread ends.
     it.close()
     assert ds._reader is None and prefetch_threads() == []
@@ -263,6 +266,53 @@ def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_threa
     plain.set_epoch(1)
     assert plain.stall_seconds == 0
 
+
+
+class GatedReader:
+    """A stand-in for a `DoGet` stream: each message is read once the test
+    opens its gate, so when the consumer waits is the test's choice."""
+
+    def __init__(self, messages: list[pa.RecordBatch]) -> None:
+        self.messages = list(messages)
+        self.gates = [threading.Event() for _ in messages]
+        self.cancelled = False
+
+    def read_chunk(self):
+        if not self.messages:
+            raise StopIteration
+        self.gates[len(self.gates) - len(self.messages)].wait(timeout=30)
+        return flight_chunk(self.messages.pop(0))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def flight_chunk(batch: pa.RecordBatch):
+    return type("Chunk", (), {"data": batch})()
+
+
+def test_prefetch_counts_the_consumer_waits_and_only_them():
+    from flightdeck.client import Prefetched
+
+    messages = [
+        pa.record_batch({"id": pa.array(range(i * 4, i * 4 + 4), pa.int64())}) for i in range(3)
+    ]
+    reader = GatedReader(messages)
+    fetched = Prefetched(reader, depth=8, slice_rows=2)
+    it = iter(fetched)
+    # The first message is held back 0.2 s: the consumer waits that long.
+    threading.Timer(0.2, reader.gates[0].set).start()
+    assert next(it).column("id").to_pylist() == [0, 1]
+    waited = fetched.stall
+    assert 0.15 <= waited < 30
+    # The rest read before they are asked for: no more waiting counted.
+    reader.gates[1].set()
+    reader.gates[2].set()
+    eventually("reading to the end", lambda: not fetched._thread.is_alive() or None)
+    rest = [b.column("id").to_pylist() for b in it]
+    assert rest == [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert fetched.stall == waited and fetched.received == 6
+    assert reader.cancelled and not fetched._thread.is_alive()
 
 def test_split_streams_partition_a_rank(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
