@@ -14,10 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from pathlib import Path
+from types import SimpleNamespace
 
 import flightdeck
 from conftest import eventually, scaled, server_name_cases, strided_order
 from flightdeck import ShardedDataset, to_numpy
+from flightdeck.client import Prefetched
 
 
 def mixed_table(ids: range) -> pa.Table:
@@ -267,33 +269,28 @@ def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_threa
     assert plain.stall_seconds == 0
 
 
-
 class GatedReader:
     """A stand-in for a `DoGet` stream: each message is read once the test
     opens its gate, so when the consumer waits is the test's choice."""
 
     def __init__(self, messages: list[pa.RecordBatch]) -> None:
-        self.messages = list(messages)
+        self.messages = messages
         self.gates = [threading.Event() for _ in messages]
+        self.read = 0
         self.cancelled = False
 
-    def read_chunk(self):
-        if not self.messages:
+    def read_chunk(self) -> SimpleNamespace:
+        if self.read == len(self.messages):
             raise StopIteration
-        self.gates[len(self.gates) - len(self.messages)].wait(timeout=30)
-        return flight_chunk(self.messages.pop(0))
+        self.gates[self.read].wait(timeout=30)
+        self.read += 1
+        return SimpleNamespace(data=self.messages[self.read - 1])
 
     def cancel(self) -> None:
         self.cancelled = True
 
 
-def flight_chunk(batch: pa.RecordBatch):
-    return type("Chunk", (), {"data": batch})()
-
-
 def test_prefetch_counts_the_consumer_waits_and_only_them():
-    from flightdeck.client import Prefetched
-
     messages = [
         pa.record_batch({"id": pa.array(range(i * 4, i * 4 + 4), pa.int64())}) for i in range(3)
     ]
@@ -313,6 +310,7 @@ def test_prefetch_counts_the_consumer_waits_and_only_them():
     assert rest == [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
     assert fetched.stall == waited and fetched.received == 6
     assert reader.cancelled and not fetched._thread.is_alive()
+
 
 def test_split_streams_partition_a_rank(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
