@@ -23,6 +23,9 @@ use crate::memory::spill::{PersistedDataset, Stored};
 use crate::query::SelectionCache;
 use crate::read::packed::PackedCache;
 
+mod rows;
+use rows::RowIndex;
+
 /// The most rows a dataset (and so any attempt or batch of it) may have.
 /// Columns of Arrow's null type take no memory, so a writer could otherwise
 /// claim any row count for free; 2^40 is far past what any memory holds in
@@ -115,8 +118,8 @@ pub struct SealedData {
     schema: SchemaRef,
     winners: Vec<AttemptKey>,
     batches: Vec<RecordBatch>,
-    /// `starts[i]` is the first row of `batches[i]`; one extra entry = rows.
-    starts: Vec<u64>,
+    /// Where each row is.
+    rows: RowIndex,
     /// The row-major copy shuffled reads gather from, once built.
     packed: PackedCache,
     /// The rows read-plan filters selected, by filter.
@@ -137,22 +140,13 @@ impl SealedData {
         winners: Vec<AttemptKey>,
         all: impl IntoIterator<Item = RecordBatch>,
     ) -> Self {
-        let mut batches = Vec::new();
-        let mut starts = vec![0u64];
-        let mut rows = 0u64;
-        for batch in all {
-            if batch.num_rows() == 0 {
-                continue;
-            }
-            rows += batch.num_rows() as u64;
-            starts.push(rows);
-            batches.push(batch);
-        }
+        let batches: Vec<RecordBatch> = all.into_iter().filter(|b| b.num_rows() > 0).collect();
+        let rows = RowIndex::new(batches.iter().map(|b| b.num_rows() as u64));
         Self {
             schema,
             winners,
             batches,
-            starts,
+            rows,
             packed: PackedCache::default(),
             selections: SelectionCache::default(),
         }
@@ -165,7 +159,7 @@ impl SealedData {
 
     /// Total rows.
     pub fn rows(&self) -> u64 {
-        self.starts.last().copied().unwrap_or(0)
+        self.rows.rows()
     }
 
     /// The winning attempt of each partition, in partition order.
@@ -193,20 +187,13 @@ impl SealedData {
     /// no search when it holds `row`.
     #[inline]
     pub fn locate_near(&self, row: u64, near: usize) -> (usize, usize) {
-        match (self.starts.get(near), self.starts.get(near + 1)) {
-            (Some(&start), Some(&end)) if start <= row && row < end => {
-                (near, (row - start) as usize)
-            }
-            _ => self.locate(row),
-        }
+        self.rows.locate_near(row, near)
     }
 
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).
+    #[inline]
     pub fn locate(&self, row: u64) -> (usize, usize) {
-        debug_assert!(row < self.rows());
-        // The last start not greater than `row`.
-        let batch = self.starts.partition_point(|&s| s <= row) - 1;
-        (batch, (row - self.starts[batch]) as usize)
+        self.rows.locate(row)
     }
 }
 
