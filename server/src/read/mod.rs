@@ -170,9 +170,9 @@ struct PackedGather {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Untile {
     /// Outputs `first..first + 8`: 4-byte values side by side in each
-    /// record, from `offset` on (eight `float32` columns in schema order,
-    /// the common case), transposed eight rows at a time.
-    Eight { first: usize, offset: usize },
+    /// record, from the first one's offset on (eight `float32` columns in
+    /// schema order, the common case), transposed eight rows at a time.
+    Eight(usize),
     /// One output, on its own.
     One(usize),
 }
@@ -191,7 +191,7 @@ fn untile_steps(outputs: &[(usize, Slot)]) -> Vec<Untile> {
                 .all(|(k, (_, s))| s.width == 4 && s.offset == offset + 4 * k)
         });
         if adjacent {
-            steps.push(Untile::Eight { first: i, offset });
+            steps.push(Untile::Eight(i));
             i += 8;
         } else {
             steps.push(Untile::One(i));
@@ -208,7 +208,8 @@ impl PackedGather {
         let record = self.packed.record();
         for &step in &self.untiles {
             match step {
-                Untile::Eight { first, offset } => {
+                Untile::Eight(first) => {
+                    let offset = self.outputs[first].1.offset;
                     untile_eight(tile, record, rows, offset, &mut outs[first..first + 8]);
                 }
                 Untile::One(i) => untile(tile, record, rows, self.outputs[i].1, &mut outs[i]),
@@ -1392,10 +1393,7 @@ mod tests {
             untile_steps(&all),
             [
                 Untile::One(0),
-                Untile::Eight {
-                    first: 1,
-                    offset: 8
-                },
+                Untile::Eight(1),
                 Untile::One(9),
                 Untile::One(10),
             ]
