@@ -13,6 +13,8 @@ and 2 CPU ranks (with its data stall).
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
+
+`--unix` reads over the server's `--unix-socket` instead of loopback TCP.
 """
 
 from __future__ import annotations
@@ -77,14 +79,18 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bin", default=synthetic.SERVER_BIN)
+    ap.add_argument(
+        "--unix", action="store_true", help="read over the server's Unix domain socket instead of TCP"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    with synthetic.server(args.bin) as uri:
+    with synthetic.server(args.bin, unix=args.unix) as uri:
         x, y = synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         print(f"{args.rows} rows x {args.dim} float32, {args.classes} classes, AdamW, batch {args.batch_size}, "
-              f"one epoch, {args.threads} torch threads, {args.reps} reps (medians)")
+              f"one epoch, {args.threads} torch threads, {args.reps} reps (medians), "
+              f"over {'the Unix socket' if args.unix else 'loopback TCP'}")
         print()
         print("| model | path | samples/s | of the in-memory floor | waiting for data |")
         print("| --- | --- | ---: | ---: | ---: |")

@@ -1,4 +1,5 @@
-"""What the training benchmarks share: a release server on a free port, and
+"""What the training benchmarks share: a release server on a free port (or
+its Unix domain socket), and
 a synthetic, learnable classification dataset written to it.
 
 The dataset: `rows` × `dim` float32 features as one fixed_size_list column
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -26,21 +28,26 @@ SERVER_BIN = str(REPO / "target" / "release" / "flightdeck")
 
 
 @contextlib.contextmanager
-def server(bin: str = SERVER_BIN) -> Iterator[str]:
-    """A server with an in-memory spill store, as `grpc://HOST:PORT`; stopped
+def server(bin: str = SERVER_BIN, unix: bool = False) -> Iterator[str]:
+    """A server with an in-memory spill store, as `grpc://HOST:PORT` (with
+    `unix`, also on a Unix domain socket, as `grpc+unix:///PATH`); stopped
     on exit."""
-    proc = subprocess.Popen(
-        [bin, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB", "--spill-url", "memory://"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        yield "grpc://" + proc.stdout.readline().split()[-1]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with tempfile.TemporaryDirectory(prefix="flightdeck-bench-") as folder:
+        socket = Path(folder) / "fd.sock"
+        extra = ["--unix-socket", str(socket)] if unix else []
+        proc = subprocess.Popen(
+            [bin, "serve", "--listen", "127.0.0.1:0", "--memory-limit", "8GiB", "--spill-url", "memory://", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            tcp = "grpc://" + proc.stdout.readline().split()[-1]
+            yield f"grpc+unix://{socket}" if unix else tcp
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def write_dataset(uri: str, rows: int, dim: int, classes: int) -> tuple[np.ndarray, np.ndarray]:

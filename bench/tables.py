@@ -35,6 +35,7 @@ RATIOS = [
     ("get none / pyarrow's get none", ("get/none", "flightdeck"), ("get/none", "pyarrow")),
     ("get global / pyarrow's get global", ("get/global", "flightdeck"), ("get/global", "pyarrow")),
     ("get none / loopback limit", ("get/none", "flightdeck"), ("limit/tcp", "limit")),
+    ("get none / Unix socket limit", ("get/none", "flightdeck"), ("limit/unix", "limit")),
     ("put / pyarrow's put", ("put", "flightdeck"), ("put", "pyarrow")),
     ("e2e / the Parquet path's e2e", ("e2e", "flightdeck"), ("e2e", "parquet")),
     (

@@ -10,6 +10,7 @@ use arrow_flight::FlightDescriptor;
 use flightdeck_client::{
     Client, DatasetState, PartitionAttempt, ReadPlan, SealDataset, Shard, Shuffle,
 };
+use flightdeck_server::ServerConfig;
 use flightdeck_tests::{
     CutProxy, TestServer, attempts_by_id, check_batch, layout, partition_batches, put_ids,
     raw_bytes, schema, timed,
@@ -606,5 +607,112 @@ async fn attempts_of_an_aborted_write_are_refused() {
         .abort_write("none", "job-9")
         .await
         .expect("nothing to drop");
+    server.stop().await;
+}
+
+/// `--unix-socket`: the same service on a Unix domain socket beside TCP.
+/// A writer on the socket and one on TCP fill one dataset; every rank's
+/// stream reads byte for byte the same over either; the socket file goes
+/// when the server stops, a stale one is replaced, and a live server's
+/// socket or a file that is not a socket is refused naming the path.
+#[tokio::test]
+async fn a_unix_socket_serves_what_tcp_serves() {
+    let dir = flightdeck_tests::temp_dir("unix");
+    let path = dir.join("fd.sock");
+    let config = || ServerConfig {
+        memory_limit: 1 << 30,
+        unix_socket: Some(path.clone()),
+        ..flightdeck_tests::test_config()
+    };
+    let server = TestServer::start_with(config()).await;
+    let mut tcp = server.client().await;
+    let local_uri = format!("grpc+unix://{}", path.display());
+    let mut local = flightdeck_tests::eventually("the socket accepts", || async {
+        Client::connect(&local_uri).await.map_err(|e| e.to_string())
+    })
+    .await;
+    let parts = layout(&[900, 1300, 40]);
+    put_rows(&mut tcp, "both", 0, parts[0].clone()).await;
+    put_rows(&mut local, "both", 1, parts[1].clone()).await;
+    put_rows(&mut local, "both", 2, parts[2].clone()).await;
+    local
+        .seal(SealDataset {
+            dataset: "both".into(),
+            partitions: 3,
+            ..Default::default()
+        })
+        .await
+        .expect("seal over the socket");
+    for shuffle in [Shuffle::None, Shuffle::Global] {
+        let plan = local
+            .plan(ReadPlan {
+                dataset: "both".into(),
+                world_size: 3,
+                shuffle: shuffle.into(),
+                seed: 7,
+                batch_rows: 256,
+                ..Default::default()
+            })
+            .await
+            .expect("plan over the socket");
+        let mut ids = HashSet::new();
+        for shard in &plan.shards {
+            let over_socket = raw_bytes(&mut local, shard.ticket.clone()).await;
+            assert_eq!(over_socket, raw_bytes(&mut tcp, shard.ticket.clone()).await);
+            let batches: Vec<RecordBatch> = local
+                .read_shard(shard)
+                .await
+                .expect("read over the socket")
+                .try_collect()
+                .await
+                .expect("batches");
+            for b in &batches {
+                ids.extend(check_batch(b, &|_| 0));
+            }
+        }
+        assert_eq!(ids.len(), 2240, "{shuffle:?}: every row once");
+    }
+    drop((tcp, local));
+
+    // A second server on a live socket is refused; a file is not a socket.
+    let refused = |config: ServerConfig| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let served = flightdeck_server::serve(listener, config, std::future::pending()).await;
+        served.expect_err("refused").to_string()
+    };
+    let e = refused(config()).await;
+    assert!(
+        e.contains("already listening") && e.contains("fd.sock"),
+        "{e}"
+    );
+    server.stop().await;
+    assert!(!path.exists(), "the socket file is removed at shutdown");
+    let file = dir.join("not-a-socket");
+    std::fs::write(&file, b"x").expect("write");
+    let e = refused(ServerConfig {
+        unix_socket: Some(file.clone()),
+        ..config()
+    })
+    .await;
+    assert!(
+        e.contains("is not a socket") && e.contains("not-a-socket"),
+        "{e}"
+    );
+    assert!(file.exists(), "a file that is not a socket is left alone");
+
+    // A socket left behind by a server that is gone is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
+    assert!(path.exists());
+    let server = TestServer::start_with(config()).await;
+    let mut local = flightdeck_tests::eventually("the socket accepts again", || async {
+        Client::connect(&local_uri).await.map_err(|e| e.to_string())
+    })
+    .await;
+    assert_eq!(
+        local.list_datasets().await.expect("list"),
+        Vec::<String>::new()
+    );
     server.stop().await;
 }

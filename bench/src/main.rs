@@ -84,6 +84,11 @@ struct Args {
     /// Run the server inside this process instead (no peak RSS figure).
     #[arg(long)]
     in_process: bool,
+    /// Serve the started server also on a Unix domain socket and read and
+    /// write it there (`grpc+unix://`); `limit` then measures a Unix socket
+    /// beside loopback TCP. (Baselines stay on TCP.)
+    #[arg(long)]
+    unix: bool,
     /// Python with pyarrow for the pyarrow baseline (default: .venv's, else python3).
     #[arg(long)]
     python: Option<PathBuf>,
@@ -316,6 +321,16 @@ async fn run(args: Args) -> Result<(), BoxError> {
 
     // flightdeck: a running server, or a child we can measure.
     let mut child = None;
+    let socket = args.unix.then(|| {
+        std::env::temp_dir().join(format!("flightdeck-bench-{}.sock", std::process::id()))
+    });
+    if socket.is_some() && args.server.is_some() {
+        return Err(
+            "--unix starts a server on a socket; with --server, name the socket in it \
+                    (--server grpc+unix:///PATH)"
+                .into(),
+        );
+    }
     let fd_uri = match &args.server {
         Some(uri) => uri.clone(),
         None if args.in_process => {
@@ -323,6 +338,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             let addr = listener.local_addr()?;
             let config = flightdeck_server::ServerConfig {
                 memory_limit: (payload * 3).max(1 << 30),
+                unix_socket: socket.clone(),
                 ..Default::default()
             };
             tokio::spawn(flightdeck_server::serve(
@@ -361,6 +377,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 }
                 cmd.arg("--auth-token-file").arg(tokens);
             }
+            if let Some(path) = &socket {
+                cmd.arg("--unix-socket").arg(path);
+            }
             let mut server =
                 ChildServer::start(cmd, &format!("flightdeck server {}", bin.display()))?;
             if args.tls_cert.is_some() {
@@ -370,6 +389,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
             child = Some(server);
             uri
         }
+    };
+    let fd_uri = match &socket {
+        Some(path) => format!("grpc+unix://{}", path.display()),
+        None => fd_uri,
     };
     let pyarrow = if args.baseline.iter().any(|b| b == "pyarrow") {
         let python = args.python.clone().unwrap_or_else(|| {
@@ -415,6 +438,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         for _ in 0..reps {
             let s = phases::limit_tcp(run.args.ranks as usize, bytes, message)?;
             run.record("limit/tcp", "limit", 0, bytes, s);
+            if run.args.unix {
+                let s = phases::limit_unix(run.args.ranks as usize, bytes, message)?;
+                run.record("limit/unix", "limit", 0, bytes, s);
+            }
             run.record(
                 "limit/memcpy",
                 "limit",
@@ -529,6 +556,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .iter()
         .find(|m| m.phase == "limit/tcp")
         .map(Measured::gbps);
+    let unix_gbps = run
+        .results
+        .iter()
+        .find(|m| m.phase == "limit/unix")
+        .map(Measured::gbps);
     let none_gbps = run
         .results
         .iter()
@@ -556,6 +588,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "cluster_global_vs_single_none": ratio(gbps("cluster/global-global"), gbps("cluster/single-none")),
         "get_none_vs_pyarrow": ratio(run.median("get/none", "pyarrow"), get_none),
         "get_none_vs_loopback_limit": ratio(none_gbps, tcp_gbps),
+        "get_none_vs_unix_limit": ratio(none_gbps, unix_gbps),
         "get_global_vs_none": ratio(get_none, run.median("get/global", "flightdeck")),
         "put_vs_pyarrow": ratio(run.median("put", "pyarrow"), run.median("put", "flightdeck")),
         "e2e_vs_parquet": ratio(run.median("e2e", "parquet"), run.median("e2e", "flightdeck")),
@@ -589,6 +622,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     show(
         "get none vs loopback TCP limit",
         &ratios["get_none_vs_loopback_limit"],
+    );
+    show(
+        "get none vs Unix socket limit",
+        &ratios["get_none_vs_unix_limit"],
     );
     show("get global vs get none", &ratios["get_global_vs_none"]);
     show("put, flightdeck vs pyarrow", &ratios["put_vs_pyarrow"]);

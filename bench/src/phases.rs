@@ -300,12 +300,48 @@ pub fn parquet_path(
 pub fn limit_tcp(conns: usize, bytes: u64, message: usize) -> Result<Sample, BoxError> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
+    limit_stream(
+        conns,
+        bytes,
+        message,
+        move || listener.accept().map(|(s, _)| s),
+        move || std::net::TcpStream::connect(addr),
+    )
+}
+
+/// [`limit_tcp`] over a Unix domain socket (what `--unix-socket` serves on).
+pub fn limit_unix(conns: usize, bytes: u64, message: usize) -> Result<Sample, BoxError> {
+    let path = std::env::temp_dir().join(format!("flightdeck-limit-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path)?;
+    let at = path.clone();
+    let measured = limit_stream(
+        conns,
+        bytes,
+        message,
+        move || listener.accept().map(|(s, _)| s),
+        move || std::os::unix::net::UnixStream::connect(&at),
+    );
+    let _ = std::fs::remove_file(&path);
+    measured
+}
+
+/// `conns` streams from `accept` to `connect` each carrying `bytes / conns`
+/// bytes in `message` byte writes, timed from the first connect to the last
+/// byte read.
+fn limit_stream<S: Read + Write + Send + 'static>(
+    conns: usize,
+    bytes: u64,
+    message: usize,
+    accept: impl Fn() -> std::io::Result<S> + Send + 'static,
+    connect: impl Fn() -> std::io::Result<S> + Send + Sync + 'static,
+) -> Result<Sample, BoxError> {
     let per_conn = bytes / conns as u64;
     let message = message.max(1);
     let sender = std::thread::spawn(move || -> Result<(), BoxError> {
         let mut senders = Vec::new();
         for _ in 0..conns {
-            let (mut sock, _) = listener.accept()?;
+            let mut sock = accept()?;
             senders.push(std::thread::spawn(move || -> std::io::Result<()> {
                 let buf = vec![7u8; message];
                 let mut left = per_conn;
@@ -322,11 +358,13 @@ pub fn limit_tcp(conns: usize, bytes: u64, message: usize) -> Result<Sample, Box
         }
         Ok(())
     });
+    let connect = Arc::new(connect);
     let start = Instant::now();
     let readers: Vec<_> = (0..conns)
         .map(|_| {
+            let connect = connect.clone();
             std::thread::spawn(move || -> std::io::Result<u64> {
-                let mut sock = std::net::TcpStream::connect(addr)?;
+                let mut sock = connect()?;
                 let mut buf = vec![0u8; 1 << 20];
                 let mut total = 0u64;
                 loop {
@@ -347,7 +385,7 @@ pub fn limit_tcp(conns: usize, bytes: u64, message: usize) -> Result<Sample, Box
     sender.join().map_err(|_| "sender panicked")??;
     if total != per_conn * conns as u64 {
         return Err(format!(
-            "loopback moved {total} bytes, expected {}",
+            "the socket moved {total} bytes, expected {}",
             per_conn * conns as u64
         )
         .into());

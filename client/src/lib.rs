@@ -97,12 +97,14 @@ pub enum ClientError {
 /// The port a flightdeck server listens on when a name gives none.
 pub const DEFAULT_PORT: u16 = 50051;
 
-/// The location a server name names, `grpc://HOST:PORT` or
-/// `grpc+tls://HOST:PORT`: `local` (this node's server: the location
-/// `FLIGHTDECK_URI` holds where it is set, else `127.0.0.1`), `local:PORT`,
-/// `HOST`, `HOST:PORT`, IPv6 literals (`[::1]:PORT`, or `::1` without a port),
-/// and `grpc://`, `grpc+tcp://`, `http://`, `grpc+tls://` or `https://`
-/// followed by any of those; [`DEFAULT_PORT`] wherever none is given. The
+/// The location a server name names, `grpc://HOST:PORT`,
+/// `grpc+tls://HOST:PORT` or `grpc+unix:///PATH`: `local` (this node's
+/// server: the location `FLIGHTDECK_URI` holds where it is set, else
+/// `127.0.0.1`), `local:PORT`, `HOST`, `HOST:PORT`, IPv6 literals
+/// (`[::1]:PORT`, or `::1` without a port), and `grpc://`, `grpc+tcp://`,
+/// `http://`, `grpc+tls://` or `https://` followed by any of those;
+/// [`DEFAULT_PORT`] wherever none is given; `grpc+unix://` or `unix://`
+/// followed by the absolute path of a server's `--unix-socket`. The
 /// Python client reads names the same way (one table of cases tests both:
 /// `tests/server_names.tsv`).
 pub fn server_location(name: &str) -> Result<String> {
@@ -115,7 +117,8 @@ fn server_location_with(name: &str, local: Option<&str>) -> Result<String> {
     let bad = || {
         ClientError::Protocol(format!(
             "'{name}' does not name a server: give host[:port], grpc://host[:port], \
-             grpc+tls://host[:port] or local (the default port is {DEFAULT_PORT})"
+             grpc+tls://host[:port], grpc+unix:///path or local (the default port is \
+             {DEFAULT_PORT})"
         ))
     };
     let name = name.trim();
@@ -132,6 +135,14 @@ fn server_location_with(name: &str, local: Option<&str>) -> Result<String> {
         return Ok(format!("grpc://127.0.0.1:{port}"));
     }
     let (scheme, rest) = name.split_once("://").unwrap_or(("grpc", name));
+    if matches!(scheme, "grpc+unix" | "unix") {
+        // A socket's absolute path, nothing that could be read as a host.
+        let absolute = rest.starts_with('/') && rest.len() > 1 && !rest.ends_with('/');
+        return match absolute && !rest.contains(char::is_whitespace) {
+            true => Ok(format!("grpc+unix://{rest}")),
+            false => Err(bad()),
+        };
+    }
     let scheme = match scheme {
         "grpc" | "grpc+tcp" | "http" => "grpc",
         "grpc+tls" | "https" => "grpc+tls",
@@ -382,9 +393,14 @@ impl Client {
     pub async fn connect_with(uri: impl AsRef<str>, tls_root_certs: Option<&[u8]>) -> Result<Self> {
         let given = uri.as_ref().trim().to_string();
         let location = server_location(&given)?;
-        let (tls, uri) = match location.strip_prefix("grpc+tls://") {
-            Some(rest) => (true, format!("https://{rest}")),
-            None => (false, location.replacen("grpc://", "http://", 1)),
+        let (tls, uri) = match (
+            location.strip_prefix("grpc+tls://"),
+            location.strip_prefix("grpc+unix://"),
+        ) {
+            (Some(rest), _) => (true, format!("https://{rest}")),
+            // tonic reads `unix://PATH` as a Unix domain socket.
+            (_, Some(path)) => (false, format!("unix://{path}")),
+            _ => (false, location.replacen("grpc://", "http://", 1)),
         };
         let mut endpoint = Endpoint::from_shared(uri)?;
         if tls {
@@ -717,8 +733,23 @@ impl Client {
         shard: &Shard,
     ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
         let ticket = Ticket::new(shard.ticket.clone());
-        let stream = match &shard.location {
-            Some(at) if self.uri.as_deref() != Some(at.as_str()) => {
+        let mut elsewhere = shard
+            .location
+            .as_ref()
+            .filter(|at| self.uri.as_deref() != Some(at.as_str()));
+        if let Some(at) = elsewhere
+            && self
+                .uri
+                .as_deref()
+                .is_some_and(|u| u.starts_with("grpc+unix://"))
+            && server_location(&self.stats().await?.location).ok().as_ref() == Some(at)
+        {
+            // Endpoints name members by their network location; the one
+            // this client reaches over its Unix socket stays on the socket.
+            elsewhere = None;
+        }
+        let stream = match elsewhere {
+            Some(at) => {
                 let mut member = Client::connect_with(at, self.tls_roots.as_deref()).await?;
                 member.share_headers(self);
                 member.do_get(ticket).await?

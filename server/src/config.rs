@@ -81,6 +81,10 @@ pub struct ServerConfig {
     /// Where `/metrics` (Prometheus, OpenMetrics text) is served; `None` =
     /// nowhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// A Unix domain socket served beside `listen` for clients on this
+    /// machine (`grpc+unix://PATH`): the same service without the TCP
+    /// stack. `None` = none.
+    pub unix_socket: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -107,6 +111,7 @@ impl Default for ServerConfig {
             tls_key: None,
             tls_ca: None,
             metrics_listen: None,
+            unix_socket: None,
         }
     }
 }
@@ -259,9 +264,24 @@ impl ServerConfig {
                 "--advertise '{a}' is not a location; give grpc://HOST:PORT"
             )));
         }
+        if let Some(path) = &self.unix_socket {
+            // Clients name the socket `grpc+unix://` + an absolute path, and
+            // the kernel takes at most 107 bytes of it.
+            if !path.is_absolute() || path.as_os_str().len() > MAX_UNIX_SOCKET_PATH {
+                return Err(Error::invalid(format!(
+                    "--unix-socket '{}' must be an absolute path of at most \
+                     {MAX_UNIX_SOCKET_PATH} bytes, e.g. /run/flightdeck.sock",
+                    path.display()
+                )));
+            }
+        }
         Ok(())
     }
 }
+
+/// The longest path a Unix domain socket can be bound to (`sun_path`,
+/// less its terminating NUL).
+const MAX_UNIX_SOCKET_PATH: usize = 107;
 
 /// The default of [`ServerConfig::admission_wait`].
 pub const DEFAULT_ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -374,6 +394,28 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_unix_socket_must_be_an_absolute_path_the_kernel_can_bind() {
+        let with = |path: &str| ServerConfig {
+            unix_socket: Some(path.into()),
+            memory_limit: MIN_MEMORY_LIMIT,
+            ..ServerConfig::default()
+        };
+        assert!(with("/run/flightdeck.sock").validate().is_ok());
+        assert!(with(&format!("/{}", "s".repeat(106))).validate().is_ok());
+        for bad in ["flightdeck.sock", "run/fd.sock", ""] {
+            let e = with(bad).validate().expect_err(bad).to_string();
+            assert!(
+                e.contains("--unix-socket") && e.contains("absolute"),
+                "{bad}: {e}"
+            );
+        }
+        let e = with(&format!("/{}", "s".repeat(107)))
+            .validate()
+            .expect_err("a 108-byte path");
+        assert!(e.to_string().contains("107 bytes"), "{e}");
+    }
 
     #[test]
     fn checkpoints_are_confined_to_the_root_and_the_allowed_prefixes() {

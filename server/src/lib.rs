@@ -57,9 +57,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use arrow_flight::flight_service_server::FlightServiceServer;
-use futures::StreamExt;
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use futures::{FutureExt, StreamExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tracing::info;
 
 pub use config::ServerConfig;
@@ -121,33 +121,90 @@ pub fn peer_roots(config: &ServerConfig) -> std::result::Result<Option<Vec<u8>>,
     }
 }
 
+/// Binds a Unix domain socket at `path` for [`Listeners::unix`]. A socket
+/// file left there by a server that is gone is replaced; a live server on
+/// it, or a file that is not a socket, is an error naming the path.
+pub fn bind_unix(path: &std::path::Path) -> std::result::Result<UnixListener, Error> {
+    use std::os::unix::fs::FileTypeExt;
+    let shown = path.display();
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(Error::invalid(format!(
+                "--unix-socket {shown} exists and is not a socket; remove it or name another path"
+            )));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(Error::Unavailable(format!(
+                "--unix-socket {shown}: a server is already listening there; stop it or name \
+                 another path"
+            )));
+        }
+        std::fs::remove_file(path).map_err(|e| {
+            Error::Unavailable(format!("cannot remove the stale socket {shown}: {e}"))
+        })?;
+    }
+    UnixListener::bind(path)
+        .map_err(|e| Error::Unavailable(format!("cannot listen on --unix-socket {shown}: {e}")))
+}
+
+/// What a server listens on: the Flight service on TCP (what members,
+/// Spark and remote clients reach) and, for clients on this machine,
+/// optionally on a Unix domain socket; `/metrics` optionally.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The Flight service's TCP listener (its address is the location the
+    /// server advertises unless `--advertise` says otherwise).
+    pub flight: TcpListener,
+    /// The same service on a Unix domain socket ([`bind_unix`]), never
+    /// over TLS: file permissions and tokens guard it.
+    pub unix: Option<UnixListener>,
+    /// Where `/metrics` is served.
+    pub metrics: Option<TcpListener>,
+}
+
 /// Serves the Flight service on `listener` until `shutdown` completes, then
 /// drains: new calls are refused (`UNAVAILABLE`) and the gRPC health service
 /// says `NOT_SERVING` while the calls in flight finish; then it stops and
-/// returns. With `config.metrics_listen`, `/metrics` is served there.
+/// returns. With `config.metrics_listen`, `/metrics` is served there; with
+/// `config.unix_socket`, the service is served on that socket too.
 pub async fn serve(
     listener: TcpListener,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::result::Result<(), ServeError> {
+    config.validate()?;
     let metrics = match config.metrics_listen {
         Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
             Error::Unavailable(format!("cannot listen on --metrics-listen {addr}: {e}"))
         })?),
         None => None,
     };
-    serve_with(listener, metrics, config, shutdown).await
+    let unix = config.unix_socket.as_deref().map(bind_unix).transpose()?;
+    let listeners = Listeners {
+        flight: listener,
+        unix,
+        metrics,
+    };
+    serve_with(listeners, config, shutdown).await
 }
 
-/// [`serve`], with `/metrics` on `metrics` (bound by the caller, which can
-/// then say where) instead of `config.metrics_listen`.
+/// [`serve`] on listeners the caller bound (and can then say where),
+/// instead of those `config.metrics_listen` and `config.unix_socket` name.
 pub async fn serve_with(
-    listener: TcpListener,
-    metrics: Option<TcpListener>,
+    listeners: Listeners,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::result::Result<(), ServeError> {
+    let Listeners {
+        flight: listener,
+        unix,
+        metrics,
+    } = listeners;
     config.validate()?;
+    let unix_path = unix
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .and_then(|a| a.as_pathname().map(std::path::Path::to_path_buf));
     let max_message = config.max_message_bytes;
     let bound = listener.local_addr().map_err(|e| {
         Error::Unavailable(format!(
@@ -183,7 +240,8 @@ pub async fn serve_with(
         .await;
     let drain = {
         let state = state.clone();
-        async move {
+        // Awaited by the TCP and the Unix socket server alike; runs once.
+        FutureExt::shared(async move {
             shutdown.await;
             health
                 .set_not_serving::<FlightServiceServer<FlightdeckService>>()
@@ -199,7 +257,7 @@ pub async fn serve_with(
             while state.metrics.in_flight() > 0 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-        }
+        })
     };
     let incoming = TcpListenerStream::new(listener).map(|conn| {
         conn.inspect(|stream| {
@@ -207,19 +265,41 @@ pub async fn serve_with(
             let _ = stream.set_nodelay(true);
         })
     });
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls)?;
+    let router = |tls: Option<tonic::transport::ServerTlsConfig>| {
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls)?;
+        }
+        Ok::<_, tonic::transport::Error>(
+            builder
+                .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+                .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+                .max_frame_size(Some(MAX_FRAME_BYTES))
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .add_service(health_service.clone())
+                .add_service(service::Edge::new(
+                    service.clone(),
+                    state.clone(),
+                    max_message,
+                )),
+        )
+    };
+    let tcp = router(tls)?.serve_with_incoming_shutdown(incoming, drain.clone());
+    let served = match unix {
+        Some(unix) => {
+            if let Some(path) = &unix_path {
+                info!(path = %path.display(), "also serving on a Unix domain socket");
+            }
+            let local =
+                router(None)?.serve_with_incoming_shutdown(UnixListenerStream::new(unix), drain);
+            tokio::try_join!(tcp, local).map(|_| ())
+        }
+        None => tcp.await,
+    };
+    if let Some(path) = &unix_path {
+        let _ = std::fs::remove_file(path);
     }
-    builder
-        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
-        .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
-        .max_frame_size(Some(MAX_FRAME_BYTES))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(health_service)
-        .add_service(service::Edge::new(service, state.clone(), max_message))
-        .serve_with_incoming_shutdown(incoming, drain)
-        .await?;
+    served?;
     let _ = metrics_stop.send(());
     if let Some(task) = metrics_task {
         let _ = task.await;

@@ -115,6 +115,13 @@ struct ServeArgs {
     /// e.g. 0.0.0.0:9090; port 0 picks a free port (printed on stdout).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Also serve on this Unix domain socket (an absolute path), for ranks
+    /// and writers on this machine: `grpc+unix:///run/flightdeck.sock`
+    /// reaches the same datasets without the TCP stack. Who may connect is
+    /// the socket file's permissions (and tokens, with --auth-token-file);
+    /// never TLS. A socket left by a server that is gone is replaced.
+    #[arg(long)]
+    unix_socket: Option<std::path::PathBuf>,
     /// Log lines as text for people or as JSON objects for log collectors.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -155,6 +162,7 @@ impl ServeArgs {
             tls_key: self.tls_key,
             tls_ca: self.tls_ca,
             metrics_listen: self.metrics_listen,
+            unix_socket: self.unix_socket,
             ..defaults
         }
     }
@@ -205,14 +213,30 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         ),
         None => None,
     };
+    let unix = match &config.unix_socket {
+        Some(path) => Some(flightdeck_server::bind_unix(path).map_err(|e| e.to_string())?),
+        None => None,
+    };
     // Machine-readable lines for scripts and tests that start the server.
     let mut out = std::io::stdout();
     let _ = writeln!(out, "flightdeck listening on {addr}");
+    if let Some(path) = &config.unix_socket {
+        let _ = writeln!(
+            out,
+            "flightdeck listening on grpc+unix://{}",
+            path.display()
+        );
+    }
     if let Some(at) = metrics.as_ref().and_then(|l| l.local_addr().ok()) {
         let _ = writeln!(out, "flightdeck metrics on http://{at}/metrics");
     }
     let _ = out.flush();
-    flightdeck_server::serve_with(listener, metrics, config, shutdown_signal())
+    let listeners = flightdeck_server::Listeners {
+        flight: listener,
+        unix,
+        metrics,
+    };
+    flightdeck_server::serve_with(listeners, config, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import require_torch, scaled
+from conftest import RunningServer, require_torch, scaled
 from flightdeck import ShardedDataset
 from flightdeck import _wire as wire
 
@@ -255,3 +255,38 @@ def test_members_with_different_schemas_refuse_the_seal_and_stay_open(members):
     flightdeck.connect(members[1].uri).put_partition("mixed", 1, ints)
     info = flightdeck.connect(members[2].uri).seal_cluster("mixed", layout, partitions=2)
     assert info.rows == 4
+
+
+def test_a_rank_on_the_unix_socket_reads_its_own_member_there(tmp_path):
+    """A member started with `--unix-socket`: a client connected through the
+    socket (`grpc+unix://`, as `FLIGHTDECK_URI` may name it) writes, plans
+    and reads; the shards its own member serves stay on the socket (no
+    second connection to that member's network location), the other
+    member's come over TCP, and every stream equals the TCP one."""
+    sock = tmp_path / "fd.sock"
+    near = RunningServer("--memory-limit", "256MiB", "--unix-socket", str(sock))
+    far = RunningServer("--memory-limit", "256MiB")
+    try:
+        local = flightdeck.connect(f"grpc+unix://{sock}")
+        assert local.location == near.uri
+        layout = {}
+        for p in range(4):
+            table = pa.table({"id": pa.array(range(p * 100, (p + 1) * 100), pa.int64())})
+            writer = local if p % 2 == 0 else flightdeck.connect(far.uri)
+            ack = writer.put_partition("uds", p, table)
+            layout.setdefault(ack.location, {})[p] = 0
+        assert set(layout) == {near.uri, far.uri}, "acks name network locations"
+        local.seal_cluster("uds", layout, partitions=4)
+        tcp = flightdeck.connect(near.uri)
+        for locality in ("global", "node"):
+            args = dict(world_size=2, seed=5, locality=locality, ranks_per_node=1)
+            plan = local.plan("uds", **args)
+            assert sorted(s.location for s in plan.shards) == sorted([near.uri, far.uri])
+            streams = [ids(local.read_shard(s)) for s in plan.shards]
+            assert streams == [ids(tcp.read_shard(s)) for s in tcp.plan("uds", **args).shards]
+            assert sorted(streams[0] + streams[1]) == list(range(400))
+            assert list(local._members) == [far.uri], "its own shard stayed on the socket"
+    finally:
+        for server in (near, far):
+            assert server.stop() == 0, "".join(server.stderr_lines)
+    assert not sock.exists(), "the socket file goes with the server"

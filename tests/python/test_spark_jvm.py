@@ -135,6 +135,14 @@ def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server,
         flightdeck.connect(uri).describe("interval")
 
 
+def test_a_unix_socket_is_refused_naming_what_to_give_instead(spark):
+    """`grpc+unix://` names parse as in the other clients, but this
+    connector speaks TCP only: a write to a socket fails saying to give
+    the server's grpc:// location."""
+    with pytest.raises(Exception, match="reaches flightdeck over TCP: give the server's grpc://"):
+        write(spark.range(10), "grpc+unix:///run/flightdeck.sock", "unix")
+
+
 def test_server_names_read_as_the_shared_table_says(spark):
     """The JVM connector reads `uri`/`uris` by the table the Rust and
     Python clients are tested with."""

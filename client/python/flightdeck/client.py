@@ -43,13 +43,15 @@ Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordB
 
 
 def normalize_uri(uri: str, local: str | None = None) -> str:
-    """The location a server name names, `grpc://HOST:PORT` or
-    `grpc+tls://HOST:PORT`: `local` (this node's server: the location in
+    """The location a server name names, `grpc://HOST:PORT`,
+    `grpc+tls://HOST:PORT` or `grpc+unix:///PATH`: `local` (this node's server: the location in
     `FLIGHTDECK_URI` where it is set, as a DaemonSet's pod template sets it on
     every executor and training pod, else 127.0.0.1), `local:PORT`, `HOST`,
     `HOST:PORT`, IPv6 literals (`[::1]:PORT`, or `::1` without a port), and
     `grpc://`, `grpc+tcp://`, `http://`, `grpc+tls://` or `https://` followed
-    by any of those; port 50051 wherever none is given. The Rust client reads
+    by any of those; port 50051 wherever none is given; `grpc+unix://` or
+    `unix://` followed by the absolute path of a server's `--unix-socket`
+    (this machine's server without the TCP stack). The Rust client reads
     names the same way (one table of cases tests both:
     `tests/server_names.tsv`). `local` overrides `FLIGHTDECK_URI`."""
     name = uri.strip()
@@ -57,7 +59,7 @@ def normalize_uri(uri: str, local: str | None = None) -> str:
     def bad() -> InvalidArgument:
         return InvalidArgument(
             f"{uri!r} does not name a server: give host[:port], grpc://host[:port], "
-            f"grpc+tls://host[:port] or local (the default port is {DEFAULT_PORT})"
+            f"grpc+tls://host[:port], grpc+unix:///path or local (the default port is {DEFAULT_PORT})"
         )
 
     if name == "local":
@@ -71,6 +73,12 @@ def normalize_uri(uri: str, local: str | None = None) -> str:
             raise bad()
         return f"grpc://127.0.0.1:{port}"
     scheme, rest = name.split("://", 1) if "://" in name else ("grpc", name)
+    if scheme in ("grpc+unix", "unix"):
+        # A socket's absolute path, nothing that could be read as a host.
+        absolute = rest.startswith("/") and len(rest) > 1 and not rest.endswith("/")
+        if not absolute or any(c.isspace() for c in rest):
+            raise bad()
+        return f"grpc+unix://{rest}"
     if scheme in ("grpc", "grpc+tcp", "http"):
         scheme = "grpc"
     elif scheme in ("grpc+tls", "https"):
@@ -277,8 +285,14 @@ class Client:
                 f"{self.uri} is served over TLS: pass its root certificates (tls_root_certs)"
             )
         self._tls_root_certs = tls_root_certs
-        tls = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
-        self._connection = translate(lambda: flight.FlightClient(self.uri, **tls))
+        # A Unix socket is never served over TLS; over one, gRPC would name
+        # the socket's escaped path as the authority, which the server's
+        # HTTP/2 stack refuses as malformed: name this machine instead.
+        unix = self.uri.startswith("grpc+unix://")
+        options = {"generic_options": [("grpc.default_authority", "localhost")]} if unix else {}
+        if tls_root_certs and not unix:
+            options["tls_root_certs"] = tls_root_certs
+        self._connection = translate(lambda: flight.FlightClient(self.uri, **options))
         self._pid = os.getpid()
         _CONNECTED_PIDS.add(self._pid)
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -286,6 +300,8 @@ class Client:
         self._timeout, self._headers = timeout, headers
         # Connections to other members, for shards they serve.
         self._members: dict[str, Client] = {}
+        # The location this server advertises, once asked (see `_serving`).
+        self._advertised: str | None = None
 
     @property
     def _flight(self) -> flight.FlightClient:
@@ -636,6 +652,13 @@ class Client:
         """The client for the member that serves `shard`."""
         if shard.location is None or normalize_uri(shard.location) == self.uri:
             return self
+        if self.uri.startswith("grpc+unix://"):
+            # Endpoints name members by their network location; the one this
+            # client reaches over its Unix socket stays on the socket.
+            if self._advertised is None:
+                self._advertised = normalize_uri(self.location)
+            if normalize_uri(shard.location) == self._advertised:
+                return self
         if shard.location not in self._members:
             self._members[shard.location] = Client(
                 shard.location,

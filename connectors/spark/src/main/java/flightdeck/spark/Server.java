@@ -58,6 +58,13 @@ final class Server implements AutoCloseable {
   private static Server connect(
       String name, String token, BufferAllocator allocator, BufferAllocator own) {
     String location = ServerNames.normalize(name);
+    if (location.startsWith("grpc+unix://")) {
+      // gRPC-Java's Netty transport has no Unix sockets in this jar.
+      throw new IllegalArgumentException(
+          "'" + name + "' names the Unix socket " + location + "; the JVM connector reaches "
+              + "flightdeck over TCP: give the server's grpc://HOST:PORT as the uri option "
+              + "(FLIGHTDECK_URI may name the socket for Python and Rust clients only)");
+    }
     FlightClient client =
         FlightClient.builder(allocator, new Location(URI.create(location))).build();
     String bearer = token != null && !token.isEmpty() ? token : System.getenv("FLIGHTDECK_TOKEN");

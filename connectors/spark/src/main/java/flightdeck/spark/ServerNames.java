@@ -10,7 +10,8 @@ import java.net.UnknownHostException;
  * set, else 127.0.0.1); {@code local:PORT}, {@code HOST}, {@code HOST:PORT},
  * IPv6 literals, and {@code grpc://}, {@code grpc+tcp://}, {@code http://},
  * {@code grpc+tls://} or {@code https://} before any of those; port 50051
- * wherever none is given.
+ * wherever none is given; {@code grpc+unix://} or {@code unix://} before
+ * the absolute path of a server's {@code --unix-socket}.
  */
 public final class ServerNames {
   /** The port a name without one means. */
@@ -19,8 +20,8 @@ public final class ServerNames {
   private ServerNames() {}
 
   /**
-   * The location {@code name} names, {@code grpc://HOST:PORT} or
-   * {@code grpc+tls://HOST:PORT}; {@code local} is read from
+   * The location {@code name} names, {@code grpc://HOST:PORT},
+   * {@code grpc+tls://HOST:PORT} or {@code grpc+unix:///PATH}; {@code local} is read from
    * {@code FLIGHTDECK_URI}.
    */
   public static String normalize(String name) {
@@ -51,6 +52,14 @@ public final class ServerNames {
       scheme = n.substring(0, sep);
       rest = n.substring(sep + 3);
     }
+    if (scheme.equals("grpc+unix") || scheme.equals("unix")) {
+      // A socket's absolute path, nothing that could be read as a host.
+      boolean absolute = rest.startsWith("/") && rest.length() > 1 && !rest.endsWith("/");
+      if (!absolute || rest.chars().anyMatch(Character::isWhitespace)) {
+        throw bad(name);
+      }
+      return "grpc+unix://" + rest;
+    }
     switch (scheme) {
       case "grpc", "grpc+tcp", "http" -> scheme = "grpc";
       case "grpc+tls", "https" -> scheme = "grpc+tls";
@@ -67,7 +76,8 @@ public final class ServerNames {
   private static IllegalArgumentException bad(String name) {
     return new IllegalArgumentException(
         "'" + name + "' does not name a server: give host[:port], grpc://host[:port], "
-            + "grpc+tls://host[:port] or local (the default port is " + DEFAULT_PORT + ")");
+            + "grpc+tls://host[:port], grpc+unix:///path or local (the default port is "
+            + DEFAULT_PORT + ")");
   }
 
   /** A port: digits only, 1 to 65535; -1 otherwise. */
