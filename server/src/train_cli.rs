@@ -10,8 +10,9 @@ use futures::StreamExt;
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
     /// Server to train on: `local` (this node's: FLIGHTDECK_URI, else
-    /// 127.0.0.1), `host`, `host:port`, `grpc://…` or `grpc+tls://…`; port
-    /// 50051 when none is given.
+    /// 127.0.0.1), `host`, `host:port`, `grpc://…`, `grpc+tls://…` or
+    /// `grpc+unix:///PATH` (a server's --unix-socket); port 50051 when none
+    /// is given.
     #[arg(long, default_value = "local")]
     server: String,
     /// Sealed dataset.
