@@ -20,11 +20,11 @@ use arrow::array::{ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int64Arr
 use arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use flightdeck_client::{
     Client, Code, DatasetState, Locality, MemberPartitions, PartitionAttempt, ReadPlan,
-    SealDataset, ServerStats, Shuffle,
+    SealDataset, ServerStats, Shard, Shuffle,
 };
 use flightdeck_tests::{
-    MemberProcess, TestServer, batch, check_batch, layout, partition_batches, raw_bytes, read_all,
-    schema, temp_dir, timed,
+    CutProxy, MemberProcess, TestServer, batch, check_batch, layout, partition_batches, raw_bytes,
+    read_all, schema, temp_dir, timed,
 };
 use futures::{StreamExt, TryStreamExt, stream};
 
@@ -795,4 +795,83 @@ async fn members_over_tls_call_each_other_over_tls() {
         ids_of_two_ranks(&mut clients[1], ds).await,
         (0..2_000).collect::<HashSet<i64>>()
     );
+}
+
+/// A member also serving on a Unix socket: a client on the socket writes,
+/// seals and reads the cluster dataset. The shards its own member serves
+/// stay on the socket — they still read after the member's advertised
+/// network location (a proxy here) is cut — and every row is read once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_on_a_members_unix_socket_reads_its_shards_there() {
+    let dir = temp_dir("cluster-unix");
+    let socket = dir.join("fd.sock").display().to_string();
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let proxy = CutProxy::start(listen).await;
+    let near = MemberProcess::start(
+        &listen.to_string(),
+        &[
+            "--unix-socket",
+            socket.as_str(),
+            "--advertise",
+            proxy.uri().as_str(),
+        ],
+    );
+    let far = MemberProcess::start("127.0.0.1:0", &[]);
+    let mut local = Client::connect(format!("grpc+unix://{socket}"))
+        .await
+        .expect("connect to the socket");
+    let mut clients = vec![local.clone(), far.client().await];
+    let locations = vec![proxy.uri(), far.location()];
+    let ds = "near";
+    let seal = one_partition_each(&mut clients, &locations, ds).await;
+    timed("seal", local.seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal over the socket");
+    let plan = |locality: Locality| ReadPlan {
+        dataset: ds.into(),
+        world_size: 2,
+        locality: locality.into(),
+        ranks_per_node: 1,
+        ..Default::default()
+    };
+    for locality in [Locality::Global, Locality::Node] {
+        let p = local.plan(plan(locality)).await.expect("plan");
+        let ids: HashSet<i64> = read_all(&mut local, &p)
+            .await
+            .iter()
+            .flatten()
+            .flat_map(|b| check_batch(b, &|_| 0))
+            .collect();
+        assert_eq!(ids, (0..2_000).collect::<HashSet<i64>>(), "{locality:?}");
+    }
+    let p = local.plan(plan(Locality::Node)).await.expect("plan");
+    proxy.cut();
+    let own: Vec<&Shard> = p
+        .shards
+        .iter()
+        .filter(|s| {
+            s.location.as_deref().map(server_location_of) == Some(server_location_of(&locations[0]))
+        })
+        .collect();
+    assert_eq!(own.len(), 1, "{:?}", p.shards);
+    let batches: Vec<RecordBatch> = local
+        .read_shard(own[0])
+        .await
+        .expect("the near member's shard, on the socket")
+        .try_collect()
+        .await
+        .expect("batches");
+    let ids: HashSet<i64> = batches
+        .iter()
+        .flat_map(|b| check_batch(b, &|_| 0))
+        .collect();
+    assert_eq!(ids, (0..1_000).collect::<HashSet<i64>>());
+    drop(near);
+}
+
+/// A location as the client names it (`http://` and `grpc://` alike).
+fn server_location_of(at: &str) -> String {
+    flightdeck_client::server_location(at).expect("a location")
 }

@@ -353,6 +353,9 @@ pub struct Client {
     tls_roots: Option<Vec<u8>>,
     /// The write its attempts belong to ([`Client::with_write_id`]).
     write_id: String,
+    /// The network location the server advertises, once asked (a client
+    /// on its Unix socket compares shards' locations with it).
+    advertised: Option<String>,
 }
 
 impl Clone for Client {
@@ -361,6 +364,7 @@ impl Clone for Client {
             uri: self.uri.clone(),
             tls_roots: self.tls_roots.clone(),
             write_id: self.write_id.clone(),
+            advertised: self.advertised.clone(),
             ..Self::from_channel(self.channel.clone())
         };
         clone.share_headers(self);
@@ -473,6 +477,7 @@ impl Client {
             uri: None,
             tls_roots: None,
             write_id: String::new(),
+            advertised: None,
         }
     }
 
@@ -742,11 +747,16 @@ impl Client {
                 .uri
                 .as_deref()
                 .is_some_and(|u| u.starts_with("grpc+unix://"))
-            && server_location(&self.stats().await?.location).ok().as_ref() == Some(at)
         {
-            // Endpoints name members by their network location; the one
-            // this client reaches over its Unix socket stays on the socket.
-            elsewhere = None;
+            if self.advertised.is_none() {
+                let location = self.stats().await?.location;
+                self.advertised = Some(server_location(&location).unwrap_or(location));
+            }
+            if self.advertised == server_location(at).ok() {
+                // Endpoints name members by their network location; the
+                // one this client reaches over its Unix socket stays on it.
+                elsewhere = None;
+            }
         }
         let stream = match elsewhere {
             Some(at) => {
