@@ -551,16 +551,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
     // Ratios against the targets of the benchmark issue.
     let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
     let get_none = run.median("get/none", "flightdeck");
-    let tcp_gbps = run
-        .results
-        .iter()
-        .find(|m| m.phase == "limit/tcp")
-        .map(Measured::gbps);
-    let unix_gbps = run
-        .results
-        .iter()
-        .find(|m| m.phase == "limit/unix")
-        .map(Measured::gbps);
+    let limit_gbps = |phase: &str| {
+        run.results
+            .iter()
+            .find(|m| m.phase == phase)
+            .map(Measured::gbps)
+    };
+    let (tcp_gbps, unix_gbps) = (limit_gbps("limit/tcp"), limit_gbps("limit/unix"));
     let none_gbps = run
         .results
         .iter()

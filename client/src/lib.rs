@@ -738,28 +738,8 @@ impl Client {
         shard: &Shard,
     ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
         let ticket = Ticket::new(shard.ticket.clone());
-        let mut elsewhere = shard
-            .location
-            .as_ref()
-            .filter(|at| self.uri.as_deref() != Some(at.as_str()));
-        if let Some(at) = elsewhere
-            && self
-                .uri
-                .as_deref()
-                .is_some_and(|u| u.starts_with("grpc+unix://"))
-        {
-            if self.advertised.is_none() {
-                let location = self.stats().await?.location;
-                self.advertised = Some(server_location(&location).unwrap_or(location));
-            }
-            if self.advertised == server_location(at).ok() {
-                // Endpoints name members by their network location; the
-                // one this client reaches over its Unix socket stays on it.
-                elsewhere = None;
-            }
-        }
-        let stream = match elsewhere {
-            Some(at) => {
+        let stream = match &shard.location {
+            Some(at) if !self.serves(at).await? => {
                 let mut member = Client::connect_with(at, self.tls_roots.as_deref()).await?;
                 member.share_headers(self);
                 member.do_get(ticket).await?
@@ -767,6 +747,28 @@ impl Client {
             _ => self.do_get(ticket).await?,
         };
         Ok(stream.map_err(ClientError::from).boxed())
+    }
+
+    /// Whether `location` (the member an endpoint names) is the server
+    /// this client is connected to: the same server name, or, for a client
+    /// on a Unix socket, the network location that server advertises
+    /// (asked once).
+    async fn serves(&mut self, location: &str) -> Result<bool> {
+        let Some(uri) = self.uri.as_deref() else {
+            return Ok(false);
+        };
+        let named = server_location(location).ok();
+        if named.as_deref() == Some(uri) {
+            return Ok(true);
+        }
+        if !uri.starts_with("grpc+unix://") {
+            return Ok(false);
+        }
+        if self.advertised.is_none() {
+            let advertised = self.stats().await?.location;
+            self.advertised = Some(server_location(&advertised).unwrap_or(advertised));
+        }
+        Ok(self.advertised == named)
     }
 
     /// `DoGet` for `ticket`: its batches, each body received with one copy

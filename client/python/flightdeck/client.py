@@ -650,15 +650,8 @@ class Client:
 
     def _serving(self, shard: Shard) -> Client:
         """The client for the member that serves `shard`."""
-        if shard.location is None or normalize_uri(shard.location) == self.uri:
+        if shard.location is None or self._serves(shard.location):
             return self
-        if self.uri.startswith("grpc+unix://"):
-            # Endpoints name members by their network location; the one this
-            # client reaches over its Unix socket stays on the socket.
-            if self._advertised is None:
-                self._advertised = normalize_uri(self.location)
-            if normalize_uri(shard.location) == self._advertised:
-                return self
         if shard.location not in self._members:
             self._members[shard.location] = Client(
                 shard.location,
@@ -667,6 +660,19 @@ class Client:
                 tls_root_certs=self._tls_root_certs,
             )
         return self._members[shard.location]
+
+    def _serves(self, location: str) -> bool:
+        """Whether `location` (the member an endpoint names) is this
+        client's server: the same server name, or, for a client on a Unix
+        socket, the network location that server advertises (asked once)."""
+        named = normalize_uri(location)
+        if named == self.uri:
+            return True
+        if not self.uri.startswith("grpc+unix://"):
+            return False
+        if self._advertised is None:
+            self._advertised = normalize_uri(self.location)
+        return named == self._advertised
 
     def _do_get(self, shard: Shard) -> flight.FlightStreamReader:
         member = self._serving(shard)
