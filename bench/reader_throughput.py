@@ -7,9 +7,10 @@ random linear map), then trains one epoch of each model (linear, and an MLP
 with one hidden layer of `--hidden`; AdamW, batch `--batch-size`) five ways
 and prints samples/s: PyTorch (`--threads` threads) on an in-memory tensor
 (the compute floor), PyTorch through `FlightDeckIterableDataset` with
-`prefetch=0` and `--prefetch` batches read ahead (with the loop's stall,
-`stall_seconds`, as a share of the epoch), and the embedded trainer on 1
-and 2 CPU ranks (with its data stall).
+`prefetch=0`, with `--prefetch` batches read ahead on a background thread,
+and read in bursts of `--burst-mib` MiB on the loop's thread (each with the
+loop's stall, `stall_seconds`, as a share of the epoch), and the embedded
+trainer on 1 and 2 CPU ranks (with its data stall).
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--burst-mib", type=int, default=64, help="burst_bytes of the burst row, in MiB")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bin", default=synthetic.SERVER_BIN)
     ap.add_argument(
@@ -110,10 +112,13 @@ def main() -> None:
                 results.setdefault("PyTorch, in-memory tensor", []).append(
                     args.rows / (time.perf_counter() - start)
                 )
-                for depth in (0, args.prefetch):
-                    path = f"PyTorch, FlightDeckIterableDataset prefetch={depth}"
+                readers = [(f"prefetch={depth}", depth, 0) for depth in (0, args.prefetch)]
+                readers.append((f"in {args.burst_mib} MiB bursts", 0, args.burst_mib << 20))
+                for how, depth, burst in readers:
+                    path = f"PyTorch, FlightDeckIterableDataset {how}"
                     data = FlightDeckIterableDataset(
-                        uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, prefetch=depth
+                        uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
+                        prefetch=depth, burst_bytes=burst,
                     )
                     net, opt = model(args.dim, hidden, args.classes)
                     start = time.perf_counter()

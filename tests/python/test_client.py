@@ -241,6 +241,69 @@ def test_read_ahead_takes_whole_messages_and_stays_within_two_of_them(flightdeck
     assert sum(b.num_rows for b in rest) == n and prefetch_threads() == []
 
 
+def test_bursts_are_read_whole_before_their_batches_and_resume_exactly(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    n = write(client, "burst", [1000, 1500, 700])
+
+    def dataset(**kw):
+        return ShardedDataset(
+            flightdeck_server.uri, "burst", rank=0, world_size=2, batch_rows=50, seed=4,
+            read_rows=200, **kw,
+        )
+
+    def counted(ds):
+        """Counts the messages the dataset takes from its stream, and their bytes."""
+        read_shard, sizes = ds.client.read_shard, []
+
+        def reading(*args, **kw):
+            for message in read_shard(*args, **kw):
+                sizes.append(message.nbytes)
+                yield message
+
+        ds.client.read_shard = reading
+        return sizes
+
+    one_by_one = [b.column("id").to_pylist() for b in dataset(prefetch=0)]
+    for limit in [1, 3000, 10**9]:
+        ds = dataset(prefetch=0, burst_bytes=limit)
+        sizes = counted(ds)
+        it = iter(ds)
+        first = next(it)
+        read_before_first = len(sizes)
+        assert prefetch_threads() == []
+        rest = [first.column("id").to_pylist()] + [b.column("id").to_pylist() for b in it]
+        assert rest == one_by_one, limit
+        # The first burst was read whole before its first batch came out:
+        # the fewest messages that reach the limit (every message, past it).
+        reached = next((k + 1 for k in range(len(sizes)) if sum(sizes[: k + 1]) >= limit), None)
+        assert read_before_first == (reached or len(sizes)), (limit, sizes)
+        assert limit > 1 or read_before_first == 1
+        assert limit < 10**9 or read_before_first == len(sizes) > 1
+        assert ds.stall_seconds > 0
+
+    # Stopped inside a burst: only the batches handed out count, and a
+    # resume (on one rank) reads each remaining row once.
+    both = [dataset(prefetch=0, burst_bytes=10**9), dataset(prefetch=0, burst_bytes=10**9)]
+    both[1].rank = 1
+    seen = set()
+    for ds in both:
+        it = iter(ds)
+        for _ in range(3):
+            seen.update(next(it).column("id").to_pylist())
+        it.close()
+    state = both[0].state_dict()
+    assert state == {"epoch": 0, "start_sample": 3 * 50 * 2, "world_size": 2}
+    one = ShardedDataset(flightdeck_server.uri, "burst", rank=0, world_size=1, batch_rows=50, seed=4)
+    one.load_state_dict(state)
+    rest = ids_of(one)
+    assert len(rest) == n - 300 and set(rest).isdisjoint(seen) and set(rest) | seen == set(range(n))
+
+    with pytest.raises(flightdeck.InvalidArgument, match="pass prefetch=0 with burst_bytes"):
+        dataset(burst_bytes=1 << 20)
+    with pytest.raises(flightdeck.InvalidArgument, match="burst_bytes must be 0"):
+        dataset(prefetch=0, burst_bytes=-1)
+
+
 def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_thread(
     flightdeck_server,
 ):

@@ -3,6 +3,7 @@ epoch, resumable mid-epoch — also with a different world size."""
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -42,6 +43,16 @@ class ShardedDataset:
     are not counted by :meth:`state_dict`. :attr:`stall_seconds` is how long
     the loop has waited for batches this epoch: the time training spent
     waiting for data.
+
+    Where training runs on the CPU cores the server runs on, reading while
+    the loop computes slows the loop by about twice what the reading costs
+    (a core taken from one of PyTorch's threads stalls the others at their
+    next barrier). There, pass `prefetch=0, burst_bytes=64 << 20`: the
+    loop's own thread reads that many bytes of messages at once (the server
+    and this process then use every core while the loop waits), and hands
+    out all their batches before it reads again, so little reading happens
+    while the loop computes. Batches read in a burst but not yet handed out
+    are not counted by :meth:`state_dict` either.
 
     On a dataset sealed across several servers, each rank reads from the
     member its plan names (its own node's, by torchrun's convention: rank r
@@ -85,6 +96,7 @@ class ShardedDataset:
         filter: str = "",
         select: Sequence[str] = (),
         read_rows: int | None = None,
+        burst_bytes: int = 0,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
@@ -96,6 +108,13 @@ class ShardedDataset:
             )
         if prefetch < 0:
             raise InvalidArgument("prefetch must be 0 (off) or more batches")
+        if burst_bytes < 0:
+            raise InvalidArgument("burst_bytes must be 0 (one message at a time) or more bytes")
+        if burst_bytes and prefetch:
+            raise InvalidArgument(
+                f"burst_bytes reads on the loop's own thread and prefetch={prefetch} on a "
+                "background one: pass prefetch=0 with burst_bytes"
+            )
         shuffle_mode(shuffle)  # validate early
         locality_mode(locality)
         self._client = uri if isinstance(uri, Client) else None
@@ -127,6 +146,9 @@ class ShardedDataset:
         self._yielded = 0
         self._rows: int | None = None
         self.prefetch = prefetch
+        #: With `prefetch=0`: bytes of messages read at a time before any of
+        #: their batches is handed out (0: one message at a time).
+        self.burst_bytes = burst_bytes
         #: Rows a message from the server carries (None: chosen at the
         #: first iteration, see the class's description).
         self.read_rows = read_rows
@@ -265,6 +287,8 @@ class ShardedDataset:
         shard = plan.shards[self.rank]
         if self.prefetch == 0:
             messages = _timed(self.client.read_shard(shard), self)
+            if self.burst_bytes:
+                messages = _bursts(messages, self.burst_bytes)
             for message in messages:
                 for batch, item in prepared_slices(
                     message, self.batch_rows, prepare, slice_prepared
@@ -295,6 +319,24 @@ class ShardedDataset:
         self._yielded = 0
         self.stall_seconds = 0.0
         return self.iter_batches()
+
+
+def _bursts(messages: Iterator[pa.RecordBatch], limit: int) -> Iterator[pa.RecordBatch]:
+    """`messages`, read in bursts of at least `limit` bytes (or to the end):
+    a burst is read whole before its first message is handed out, and the
+    next one only after its last."""
+    held: collections.deque[pa.RecordBatch] = collections.deque()
+    while True:
+        size = 0
+        for message in messages:
+            held.append(message)
+            size += message.nbytes
+            if size >= limit:
+                break
+        if not held:
+            return
+        while held:
+            yield held.popleft()
 
 
 def _timed(batches: Iterator[pa.RecordBatch], owner: ShardedDataset) -> Iterator[pa.RecordBatch]:

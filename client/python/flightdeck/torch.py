@@ -99,7 +99,9 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     are read ahead on a background thread (see
     `ShardedDataset`, also for `read_rows`, the rows a message from the
     server carries), and `transform` runs there too; `stall_seconds` is
-    how long this process's iteration waited for data this epoch.
+    how long this process's iteration waited for data this epoch. Training
+    on the CPU cores the server runs on, read in bursts instead
+    (`prefetch=0, burst_bytes=64 << 20`, see `ShardedDataset`).
 
     `pin_memory=True` (needs CUDA) copies every tensor of each batch into
     page-locked host memory on that thread, the way DataLoader's
@@ -131,6 +133,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         filter: str = "",
         select: Sequence[str] = (),
         read_rows: int | None = None,
+        burst_bytes: int = 0,
     ) -> None:
         super().__init__()
         if pin_memory and not torch.cuda.is_available():
@@ -162,6 +165,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             filter=filter,
             select=select,
             read_rows=read_rows,
+            burst_bytes=burst_bytes,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
