@@ -32,8 +32,9 @@ def test_to_torch_shares_the_arrow_buffer():
     assert to_torch(lists).data_ptr() == values.buffers()[1].address
 
 
+@pytest.mark.parametrize("burst_bytes", [0, 20_000])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_dataloader_workers_yield_each_row_once(flightdeck_server, num_workers):
+def test_dataloader_workers_yield_each_row_once(flightdeck_server, num_workers, burst_bytes):
     client = flightdeck.connect(flightdeck_server.uri)
     n = 10_007
     for p, (lo, hi) in enumerate([(0, 5000), (5000, 5001), (5001, n)]):
@@ -51,9 +52,12 @@ def test_dataloader_workers_yield_each_row_once(flightdeck_server, num_workers):
         )
     client.seal("t", partitions=3)
     seen = []
+    # Read ahead on a thread (the default), or in bursts on the loop's (each
+    # worker's) own thread.
+    reading = {"prefetch": 0, "burst_bytes": burst_bytes} if burst_bytes else {}
     for rank in range(2):
         ds = FlightDeckIterableDataset(
-            flightdeck_server.uri, "t", rank=rank, world_size=2, batch_rows=500, seed=4
+            flightdeck_server.uri, "t", rank=rank, world_size=2, batch_rows=500, seed=4, **reading
         )
         ds.set_epoch(3)
         context = "spawn" if num_workers else None
