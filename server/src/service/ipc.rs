@@ -79,7 +79,7 @@ impl IpcMessage {
         }
         let after = self.metadata_field_len() + BODY_TAG.len() + varint_len(self.body_len);
         (self.header.len()..)
-            .find(|&h| (1 + varint_len(h) + h + after) % BODY_ALIGNMENT == 0)
+            .find(|&h| (1 + varint_len(h) + h + after).is_multiple_of(BODY_ALIGNMENT))
             .expect("a length within BODY_ALIGNMENT of any other fits")
     }
 
