@@ -51,9 +51,10 @@ impl IpcMessage {
         for piece in &self.body {
             body.extend_from_slice(piece);
         }
-        let mut header = BytesMut::with_capacity(self.padded_header_len());
+        let padded = self.padded_header_len();
+        let mut header = BytesMut::with_capacity(padded);
         header.extend_from_slice(&self.header);
-        header.resize(self.padded_header_len(), 0);
+        header.resize(padded, 0);
         FlightData {
             data_header: header.freeze(),
             data_body: body.freeze(),
