@@ -71,6 +71,15 @@ impl IpcMessage {
         }
     }
 
+    /// Bytes of the `data_body` field before the body: its tag and length
+    /// (none without a body).
+    fn body_head_len(&self) -> usize {
+        match self.body_len {
+            0 => 0,
+            body => BODY_TAG.len() + varint_len(body),
+        }
+    }
+
     /// The length `data_header` is sent with: the header, then zeros up to
     /// where the body starts a multiple of [`BODY_ALIGNMENT`] bytes into
     /// the message (no padding without a body).
@@ -78,7 +87,7 @@ impl IpcMessage {
         if self.body_len == 0 {
             return self.header.len();
         }
-        let after = self.metadata_field_len() + BODY_TAG.len() + varint_len(self.body_len);
+        let after = self.metadata_field_len() + self.body_head_len();
         (self.header.len()..)
             .find(|&h| (1 + varint_len(h) + h + after).is_multiple_of(BODY_ALIGNMENT))
             .expect("a length within BODY_ALIGNMENT of any other fits")
@@ -97,11 +106,7 @@ impl IpcMessage {
     pub fn to_grpc_frame(&self, max_bytes: usize) -> Result<Vec<Bytes>> {
         let meta = self.app_metadata.len();
         let meta_field = self.metadata_field_len();
-        let body_field = if self.body_len == 0 {
-            0
-        } else {
-            BODY_TAG.len() + varint_len(self.body_len) + self.body_len
-        };
+        let body_field = self.body_head_len() + self.body_len;
         let padded = self.padded_header_len();
         let header_field = 1 + varint_len(padded) + padded;
         let len = header_field + meta_field + body_field;
