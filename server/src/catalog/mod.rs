@@ -182,14 +182,6 @@ impl SealedData {
         &self.selections
     }
 
-    /// [`Self::locate`], looking first in batch `near` (the batch of the
-    /// row before, in a read whose neighbouring rows mostly share one):
-    /// no search when it holds `row`.
-    #[inline]
-    pub fn locate_near(&self, row: u64, near: usize) -> (usize, usize) {
-        self.rows.locate_near(row, near)
-    }
-
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).
     #[inline]
     pub fn locate(&self, row: u64) -> (usize, usize) {
