@@ -10,7 +10,10 @@ and prints samples/s: PyTorch (`--threads` threads) on an in-memory tensor
 `prefetch=0`, with `--prefetch` batches read ahead on a background thread,
 and read in bursts of `--burst-mib` MiB on the loop's thread (each with the
 loop's stall, `stall_seconds`, as a share of the epoch), and the embedded
-trainer on 1 and 2 CPU ranks (with its data stall).
+trainer on 1 and 2 CPU ranks (with its data stall). Each row also gives
+the split of the two cores: CPU seconds of the epoch in the server's
+process and in this one (PyTorch, the reader and its threads; the
+embedded trainer's include its final evaluation pass).
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
@@ -87,31 +90,45 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    with synthetic.server(args.bin, unix=args.unix) as uri:
+    with synthetic.server(args.bin, unix=args.unix) as srv:
+        uri = srv.uri
         x, y = synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         print(f"{args.rows} rows x {args.dim} float32, {args.classes} classes, AdamW, batch {args.batch_size}, "
               f"one epoch, {args.threads} torch threads, {args.reps} reps (medians), "
               f"over {'the Unix socket' if args.unix else 'loopback TCP'}")
         print()
-        print("| model | path | samples/s | of the in-memory floor | waiting for data |")
-        print("| --- | --- | ---: | ---: | ---: |")
+        print("| model | path | samples/s | of the in-memory floor | waiting for data | CPU s: server / PyTorch's process |")
+        print("| --- | --- | ---: | ---: | ---: | ---: |")
         for name in args.models.split(","):
             hidden = {"linear": 0, "mlp": args.hidden}[name]
             label = f"MLP [{hidden}]" if hidden else "linear"
             results: dict[str, list[float]] = {}
             stalls: dict[str, list[float]] = {}
+            cpus: dict[str, list[tuple[float, float]]] = {}
+
+            def timed(path: str, run) -> float:
+                """Runs `run`, noting the CPU each process used in `cpus`;
+                the wall-clock seconds it took."""
+                server, this = srv.cpu_seconds(), time.process_time()
+                start = time.perf_counter()
+                run()
+                took = time.perf_counter() - start
+                cpus.setdefault(path, []).append((srv.cpu_seconds() - server, time.process_time() - this))
+                return took
+
             for _ in range(args.reps):
                 net, opt = model(args.dim, hidden, args.classes)
                 # Shuffled once before the clock: the floor is the compute alone.
                 perm = torch.randperm(args.rows)
                 xs, ys = xt[perm].contiguous(), yt[perm].contiguous()
-                start = time.perf_counter()
-                for i in range(0, args.rows, args.batch_size):
-                    step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
-                results.setdefault("PyTorch, in-memory tensor", []).append(
-                    args.rows / (time.perf_counter() - start)
-                )
+                floor_path = "PyTorch, in-memory tensor"
+
+                def floor_epoch() -> None:
+                    for i in range(0, args.rows, args.batch_size):
+                        step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
+
+                results.setdefault(floor_path, []).append(args.rows / timed(floor_path, floor_epoch))
                 readers = [(f"prefetch={depth}", depth, 0) for depth in (0, args.prefetch)]
                 readers.append((f"in {args.burst_mib} MiB bursts", 0, args.burst_mib << 20))
                 for how, depth, burst in readers:
@@ -121,25 +138,31 @@ def main() -> None:
                         prefetch=depth, burst_bytes=burst,
                     )
                     net, opt = model(args.dim, hidden, args.classes)
-                    start = time.perf_counter()
                     rows = 0
-                    for batch in data:
-                        step(net, opt, batch["features"], batch["label"])
-                        rows += len(batch["label"])
-                    took = time.perf_counter() - start
+
+                    def read_epoch() -> None:
+                        nonlocal rows
+                        for batch in data:
+                            step(net, opt, batch["features"], batch["label"])
+                            rows += len(batch["label"])
+
+                    took = timed(path, read_epoch)
                     assert rows == args.rows, rows
                     results.setdefault(path, []).append(rows / took)
                     stalls.setdefault(path, []).append(data.stall_seconds / took)
                 for ranks in (1, 2):
                     path = f"flightdeck's embedded trainer, {ranks} CPU rank{'s' if ranks > 1 else ''}"
-                    rate, stall = embedded(uri, args, hidden, ranks)
+                    out: list[tuple[float, float]] = []
+                    timed(path, lambda: out.append(embedded(uri, args, hidden, ranks)))
+                    rate, stall = out[0]
                     results.setdefault(path, []).append(rate)
                     stalls.setdefault(path, []).append(stall)
             floor = float(np.median(results["PyTorch, in-memory tensor"]))
             for path, rates in results.items():
                 rate = float(np.median(rates))
                 stall = f"{float(np.median(stalls[path])) * 100:.0f} %" if path in stalls else "—"
-                print(f"| {label} | {path} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} |")
+                server, this = (float(np.median([c[k] for c in cpus[path]])) for k in (0, 1))
+                print(f"| {label} | {path} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} | {server:.2f} / {this:.2f} |")
 
 
 if __name__ == "__main__":

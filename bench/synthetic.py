@@ -10,9 +10,11 @@ features (so a model can learn it), in 8 partitions, sealed as `bench`.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -27,10 +29,25 @@ import flightdeck  # noqa: E402
 SERVER_BIN = str(REPO / "target" / "release" / "flightdeck")
 
 
+@dataclass(frozen=True)
+class Server:
+    """A running server: where to reach it and its process."""
+
+    #: `grpc://HOST:PORT`, or `grpc+unix:///PATH` on its Unix socket.
+    uri: str
+    pid: int
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server's process has used so far (user and system,
+        every thread), from `/proc`."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def server(bin: str = SERVER_BIN, unix: bool = False) -> Iterator[str]:
-    """A server with an in-memory spill store, as `grpc://HOST:PORT` (with
-    `unix`, also on a Unix domain socket, as `grpc+unix:///PATH`); stopped
+def server(bin: str = SERVER_BIN, unix: bool = False) -> Iterator[Server]:
+    """A server with an in-memory spill store, reached at `grpc://HOST:PORT`
+    (with `unix`, on a Unix domain socket, at `grpc+unix:///PATH`); stopped
     on exit."""
     with tempfile.TemporaryDirectory(prefix="flightdeck-bench-") as folder:
         socket = Path(folder) / "fd.sock"
@@ -44,7 +61,7 @@ def server(bin: str = SERVER_BIN, unix: bool = False) -> Iterator[str]:
         try:
             assert proc.stdout is not None
             tcp = "grpc://" + proc.stdout.readline().split()[-1]
-            yield f"grpc+unix://{socket}" if unix else tcp
+            yield Server(f"grpc+unix://{socket}" if unix else tcp, proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=30)

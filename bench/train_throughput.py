@@ -30,9 +30,9 @@ def main() -> None:
     ap.add_argument("--bin", default=synthetic.SERVER_BIN)
     args = ap.parse_args()
 
-    with synthetic.server(args.bin) as uri:
-        synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
-        addr = uri.removeprefix("grpc://")
+    with synthetic.server(args.bin) as srv:
+        synthetic.write_dataset(srv.uri, args.rows, args.dim, args.classes)
+        addr = srv.uri.removeprefix("grpc://")
         print(f"{args.rows} rows x {args.dim} features, {args.classes} classes, batch {args.batch_size}, one epoch")
         for model in args.models.split(";"):
             for devices in args.devices.split(","):
