@@ -107,15 +107,15 @@ def main() -> None:
             stalls: dict[str, list[float]] = {}
             cpus: dict[str, list[tuple[float, float]]] = {}
 
-            def timed(path: str, run) -> float:
+            def timed(path: str, run):
                 """Runs `run`, noting the CPU each process used in `cpus`;
-                the wall-clock seconds it took."""
+                what it returned and the wall-clock seconds it took."""
                 server, this = srv.cpu_seconds(), time.process_time()
                 start = time.perf_counter()
-                run()
+                result = run()
                 took = time.perf_counter() - start
                 cpus.setdefault(path, []).append((srv.cpu_seconds() - server, time.process_time() - this))
-                return took
+                return result, took
 
             for _ in range(args.reps):
                 net, opt = model(args.dim, hidden, args.classes)
@@ -128,7 +128,8 @@ def main() -> None:
                     for i in range(0, args.rows, args.batch_size):
                         step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
 
-                results.setdefault(floor_path, []).append(args.rows / timed(floor_path, floor_epoch))
+                _, took = timed(floor_path, floor_epoch)
+                results.setdefault(floor_path, []).append(args.rows / took)
                 readers = [(f"prefetch={depth}", depth, 0) for depth in (0, args.prefetch)]
                 readers.append((f"in {args.burst_mib} MiB bursts", 0, args.burst_mib << 20))
                 for how, depth, burst in readers:
@@ -138,23 +139,21 @@ def main() -> None:
                         prefetch=depth, burst_bytes=burst,
                     )
                     net, opt = model(args.dim, hidden, args.classes)
-                    rows = 0
 
-                    def read_epoch() -> None:
-                        nonlocal rows
+                    def read_epoch() -> int:
+                        rows = 0
                         for batch in data:
                             step(net, opt, batch["features"], batch["label"])
                             rows += len(batch["label"])
+                        return rows
 
-                    took = timed(path, read_epoch)
+                    rows, took = timed(path, read_epoch)
                     assert rows == args.rows, rows
                     results.setdefault(path, []).append(rows / took)
                     stalls.setdefault(path, []).append(data.stall_seconds / took)
                 for ranks in (1, 2):
                     path = f"flightdeck's embedded trainer, {ranks} CPU rank{'s' if ranks > 1 else ''}"
-                    out: list[tuple[float, float]] = []
-                    timed(path, lambda: out.append(embedded(uri, args, hidden, ranks)))
-                    rate, stall = out[0]
+                    (rate, stall), _ = timed(path, lambda: embedded(uri, args, hidden, ranks))
                     results.setdefault(path, []).append(rate)
                     stalls.setdefault(path, []).append(stall)
             floor = float(np.median(results["PyTorch, in-memory tensor"]))
