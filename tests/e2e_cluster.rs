@@ -227,7 +227,8 @@ async fn global_shards_are_byte_identical_to_one_server() {
             }
         }
     }
-    // drop_last, a projection, and a resume at another world size.
+    // drop_last, projections, and a resume at another world size.
+    let fixed: Vec<String> = ["vec", "x", "id", "attempt"].map(String::from).into();
     let variants = [
         ReadPlan {
             drop_last: true,
@@ -242,6 +243,18 @@ async fn global_shards_are_byte_identical_to_one_server() {
             start_sample: 5 * 37 * 6 + 3,
             drop_last: true,
             ..plan("g", 4, Shuffle::Block, 2)
+        },
+        // Every fixed-width column, out of order: members send each other
+        // their packed records (the dataset is packed by now), shuffled and
+        // strided.
+        ReadPlan {
+            columns: fixed.clone(),
+            ..plan("g", 6, Shuffle::Global, 4)
+        },
+        ReadPlan {
+            columns: fixed.clone(),
+            start_sample: 3,
+            ..plan("g", 4, Shuffle::None, 4)
         },
     ];
     for p in variants {

@@ -14,12 +14,14 @@
 //! built it, so a rank's rows of an unshuffled read by that many ranks are
 //! one run of records, copied into the tile as one forward stream. Other
 //! columns go through Arrow's `interleave`. Every path gives the same
-//! arrays.
+//! arrays. A member's rows of another member's rank stream cross between
+//! them as those [`records`] where the copy holds every gathered column.
 //!
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.
 
 pub mod packed;
+pub mod records;
 
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
@@ -163,6 +165,9 @@ struct PackedGather {
     outputs: Vec<(usize, Slot)>,
     /// How a tile of records is turned back into `outputs`.
     untiles: Vec<Untile>,
+    /// The schema of the gathered rows as records for another member, when
+    /// they can be sent so ([`records`]).
+    records: Option<SchemaRef>,
 }
 
 /// One step of turning a tile of records back into a packed gather's
@@ -206,14 +211,28 @@ impl PackedGather {
     /// output), column by column.
     fn untile(&self, tile: &[u8], rows: usize, outs: &mut [MutableBuffer]) {
         let record = self.packed.record();
-        for &step in &self.untiles {
-            match step {
-                Untile::Eight(first) => {
-                    let offset = self.outputs[first].1.offset;
-                    untile_eight(tile, record, rows, offset, &mut outs[first..first + 8]);
-                }
-                Untile::One(i) => untile(tile, record, rows, self.outputs[i].1, &mut outs[i]),
+        untile_records(tile, record, rows, &self.outputs, &self.untiles, outs);
+    }
+}
+
+/// Appends the first `rows` records (of `record` bytes) of `tile` to `outs`,
+/// one buffer per output (`(projected column, slot)`), by `steps`
+/// ([`untile_steps`] of `outputs`).
+fn untile_records(
+    tile: &[u8],
+    record: usize,
+    rows: usize,
+    outputs: &[(usize, Slot)],
+    steps: &[Untile],
+    outs: &mut [MutableBuffer],
+) {
+    for &step in steps {
+        match step {
+            Untile::Eight(first) => {
+                let offset = outputs[first].1.offset;
+                untile_eight(tile, record, rows, offset, &mut outs[first..first + 8]);
             }
+            Untile::One(i) => untile(tile, record, rows, outputs[i].1, &mut outs[i]),
         }
     }
 }
@@ -339,7 +358,9 @@ impl Gather {
 
     /// One batch of the picked rows' gathered columns, nothing derived.
     pub fn gathered(&self, picks: &Picks, extra: &[RecordBatch]) -> Result<RecordBatch> {
-        let mut packed = match self.packed_gather(picks) {
+        let p = self.packed_gather(picks);
+        let extra = &*self.usable_extra(p, extra)?;
+        let mut packed = match p {
             Some(p) => self.gather_packed(p, picks, extra)?,
             None => Vec::new(),
         };
@@ -367,6 +388,13 @@ impl Gather {
         if !picks.scattered {
             return None;
         }
+        self.packed_copy()
+    }
+
+    /// The packed gather of this gather's columns, decided (and the
+    /// dataset's packed copy built, when there is none and it is worth it)
+    /// the first time it is asked for.
+    fn packed_copy(&self) -> Option<&PackedGather> {
         let arena = self.arena.as_ref()?;
         self.packed
             .get_or_init(|| {
@@ -387,7 +415,10 @@ impl Gather {
                 let projected: usize = outputs.iter().map(|(_, s)| s.width).sum();
                 (outputs.len() >= 2 && 2 * projected >= packed.record()).then(|| {
                     let untiles = untile_steps(&outputs);
+                    let whole = outputs.len() == self.columns.len() && projected == packed.record();
+                    let slots: Vec<Slot> = outputs.iter().map(|&(_, s)| s).collect();
                     PackedGather {
+                        records: whole.then(|| records::records_schema(packed.record(), &slots)),
                         packed,
                         outputs,
                         untiles,
@@ -410,16 +441,34 @@ impl Gather {
         let local = self.data.batches().len();
         let record = p.packed.record();
         let n = picks.len();
+        // Per fetched batch: its records, when it holds records laid out as
+        // this copy's (copied whole); else its values, column by column.
+        let extra_records: Vec<Option<Buffer>> = extra.iter().map(|b| p.own_records(b)).collect();
         let extra_values = p
             .outputs
             .iter()
             .map(|&(j, slot)| {
                 extra
                     .iter()
-                    .map(|b| fetched_values(b, j, slot.width))
+                    .zip(&extra_records)
+                    .map(|(b, records)| match records {
+                        // Never read: its rows are copied whole.
+                        Some(_) => Ok(Buffer::from_vec(Vec::<u8>::new())),
+                        None => fetched_values(b, j, slot.width),
+                    })
                     .collect::<Result<Vec<Buffer>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        // The record of a pick at its place: a local one, or a fetched one
+        // sent as a record.
+        let record_at = |b: usize, at: usize| -> Option<&[u8]> {
+            if b < local {
+                Some(p.packed.at(b, at))
+            } else {
+                let records = extra_records[b - local].as_ref()?;
+                Some(&records.as_slice()[at * record..][..record])
+            }
+        };
         let mut outs: Vec<MutableBuffer> = p
             .outputs
             .iter()
@@ -449,11 +498,11 @@ impl Gather {
                 {
                     prefetch(p.packed.at(b, at));
                 }
-                let local_record = (b < local).then(|| p.packed.at(b, at));
+                let whole = record_at(b, at);
                 for ((out, &(_, slot)), values) in
                     outs.iter_mut().zip(&p.outputs).zip(&extra_values)
                 {
-                    let from = if let Some(record) = local_record {
+                    let from = if let Some(record) = whole {
                         &record[slot.offset..][..slot.width]
                     } else {
                         &values[b - local].as_slice()[at * slot.width..][..slot.width]
@@ -493,13 +542,13 @@ impl Gather {
                 {
                     prefetch(p.packed.at(b, at));
                 }
-                if b < local {
-                    tile[i * record..(i + 1) * record].copy_from_slice(p.packed.at(b, at));
-                } else {
-                    fetched.push((i, b - local, at));
+                match record_at(b, at) {
+                    Some(from) => tile[i * record..(i + 1) * record].copy_from_slice(from),
+                    None => fetched.push((i, b - local, at)),
                 }
             }
-            // Rows from other members, column by column into the tile.
+            // Rows other members sent as columns, column by column into
+            // the tile.
             for (values, &(_, slot)) in extra_values.iter().zip(&p.outputs) {
                 fetched_into_tile(&mut tile, record, slot, values, &fetched);
             }
@@ -1153,7 +1202,8 @@ mod tests {
     use crate::memory::arena::HostMemory;
     use crate::order::{Shuffle, Split};
     use arrow::array::{
-        FixedSizeListArray, Float32Array, Float64Array, Int16Array, Int64Array, StringArray,
+        AsArray, FixedSizeBinaryArray, FixedSizeListArray, Float32Array, Float64Array, Int16Array,
+        Int64Array, StringArray,
     };
     use arrow::compute::interleave_record_batch;
     use arrow::datatypes::Field;
@@ -1509,6 +1559,161 @@ mod tests {
                 assert_eq!(packed, packing);
             }
         }
+    }
+
+    #[test]
+    fn rows_from_members_as_records_gather_the_same_as_their_columns() {
+        let local = vec![batch(0, 700), batch(700, 500)];
+        let held = vec![batch(5000, 300), batch(6000, 40)];
+        // Every packed column (all but c2, c6 and c7), out of schema order:
+        // through a tile.
+        let mut columns: Vec<String> = (0..19)
+            .filter(|i| ![2, 6, 7].contains(i))
+            .map(|i| format!("c{i}"))
+            .collect();
+        columns.reverse();
+        columns.swap(0, 7);
+        records_gather_as_columns(local.clone(), held.clone(), columns);
+        // A dataset of four wide columns: straight from each record.
+        let wide = |b: &RecordBatch| {
+            let i = [0, 5, 4, 3].map(|i| b.schema().index_of(&format!("c{i}")).expect("c"));
+            b.project(&i).expect("projection")
+        };
+        let columns = ["c4", "c0", "c3", "c5"].map(String::from).to_vec();
+        records_gather_as_columns(
+            local.iter().map(wide).collect(),
+            held.iter().map(wide).collect(),
+            columns,
+        );
+    }
+
+    /// A rank's rows merged with a member's rows of `held` sent as
+    /// records — laid out as the rank's packed copy, laid out otherwise —
+    /// are those sent as columns, gathered with and without a packed copy.
+    fn records_gather_as_columns(
+        local: Vec<RecordBatch>,
+        held: Vec<RecordBatch>,
+        columns: Vec<String>,
+    ) {
+        let sealed = |batches: &Vec<RecordBatch>| {
+            Arc::new(SealedData::from_batches(
+                batches[0].schema(),
+                vec![],
+                batches.clone(),
+            ))
+        };
+        let (data, member) = (sealed(&local), sealed(&held));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let (indices, _) = project(data.schema(), &columns, "d").expect("projection");
+        // The member's picks of its rows, two messages' worth.
+        let mut x = 99u64;
+        let mut next = |n: usize| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) as usize % n
+        };
+        let mut pick = |sizes: &[usize]| {
+            let b = next(sizes.len());
+            (b, next(sizes[b]))
+        };
+        let sent: Vec<Vec<(usize, usize)>> = (0..2)
+            .map(|_| (0..200).map(|_| pick(&[300, 40])).collect())
+            .collect();
+        let peer = Gather::new(member.clone(), &columns, "d", None)
+            .expect("gather")
+            .packing(arena.clone());
+        assert!(peer.records_schema().is_some());
+        let records: Vec<RecordBatch> = sent
+            .iter()
+            .map(|rows| peer.gathered_records(&Picks::new(rows.clone())))
+            .collect::<Result<_>>()
+            .expect("records");
+        // The same rows as the member's columns.
+        let held_columns: Vec<RecordBatch> = held
+            .iter()
+            .map(|b| b.project(&indices).expect("projection"))
+            .collect();
+        let held_sources: Vec<&RecordBatch> = held_columns.iter().collect();
+        let columns_sent: Vec<RecordBatch> = sent
+            .iter()
+            .map(|rows| interleave_record_batch(&held_sources, rows).expect("interleave"))
+            .collect();
+        // The rank's picks: its own rows, scattered, among every row of
+        // both messages.
+        let mut rows: Vec<(usize, usize)> = (0..500).map(|_| pick(&[700, 500])).collect();
+        rows.extend((0..200).map(|r| (2, r)));
+        rows.extend((0..200).rev().map(|r| (3, r)));
+        rows.sort_by_key(|&(b, r)| (b * 7919 + r * 104729) % 1009);
+        let picks = Picks::new(rows.clone());
+        let local_columns: Vec<RecordBatch> = local
+            .iter()
+            .map(|b| b.project(&indices).expect("projection"))
+            .collect();
+        let sources: Vec<&RecordBatch> = local_columns.iter().chain(&columns_sent).collect();
+        let want = interleave_record_batch(&sources, &rows).expect("interleave");
+        // Another layout of the same columns: each at its own place in a
+        // record of its own.
+        let mut offset = 3;
+        let slots: Vec<Slot> = peer.packed_copy().expect("packed").outputs[..]
+            .iter()
+            .map(|&(_, s)| {
+                offset += s.width;
+                Slot {
+                    offset: offset - s.width,
+                    width: s.width,
+                }
+            })
+            .collect();
+        let elsewhere: Vec<RecordBatch> = records
+            .iter()
+            .map(|b| {
+                let record = offset + 5;
+                let own = peer.packed_copy().expect("packed");
+                let values = b.column(0).as_fixed_size_binary().values().as_slice();
+                let mut moved = vec![0u8; b.num_rows() * record];
+                for r in 0..b.num_rows() {
+                    for (&(_, from), to) in own.outputs.iter().zip(&slots) {
+                        moved[r * record + to.offset..][..to.width].copy_from_slice(
+                            &values[r * own.packed.record() + from.offset..][..from.width],
+                        );
+                    }
+                }
+                let array = FixedSizeBinaryArray::try_new(record as i32, moved.into(), None)
+                    .expect("records");
+                RecordBatch::try_new(
+                    records::records_schema(record, &slots),
+                    vec![Arc::new(array)],
+                )
+                .expect("batch")
+            })
+            .collect();
+        for (extra, what) in [
+            (&records, "records"),
+            (&elsewhere, "other records"),
+            (&columns_sent, "columns"),
+        ] {
+            for packing in [false, true] {
+                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+                if packing {
+                    gather = gather.packing(arena.clone());
+                }
+                let got = gather.batch(&picks, extra).expect("gathered");
+                assert_eq!(got, want, "{what}, packing {packing}");
+                // Records laid out as the rank's copy are copied whole.
+                let whole = gather.packed_copy().and_then(|p| p.own_records(&extra[0]));
+                assert_eq!(whole.is_some(), packing && what == "records", "{what}");
+                // Rows in order (no packed gather) from the same messages.
+                let first = Picks::new((0..200).map(|r| (2, r)).collect());
+                let got = gather.batch(&first, extra).expect("gathered");
+                assert_eq!(got, columns_sent[0], "{what} in order, packing {packing}");
+            }
+        }
+        // Records only when the gathered columns are the whole record.
+        let part = Gather::new(member, &columns[..columns.len() - 1], "d", None)
+            .expect("gather")
+            .packing(arena);
+        assert!(part.records_schema().is_none());
     }
 
     #[test]

@@ -541,14 +541,16 @@ pub(super) async fn shard_messages(
     if packing(&t.plan, gather.data(), ranks) {
         gather = gather.packing(state.arena().clone());
     }
-    // Members send each other the gathered columns; the rank's member
-    // derives the plan's `select` columns from them.
+    // Members send each other the gathered columns (or their packed
+    // records, decided at a member's first message: see `PeerStream`); the
+    // rank's member derives the plan's `select` columns from them.
     let messages = if t.peer.is_some() {
         Messages::new(&gather.gathered_schema())?
     } else {
-        Messages::new(&gather.schema())?
+        let messages = Messages::new(&gather.schema())?;
+        start(&tx, &messages)?;
+        messages
     };
-    start(&tx, &messages)?;
     let read = MergedRead {
         gather,
         rows,
@@ -580,6 +582,7 @@ pub(super) async fn shard_messages(
                 held: None,
                 pending: None,
                 group: 1,
+                records: None,
             },
             run,
         );
@@ -827,6 +830,10 @@ struct PeerStream {
     pending: Option<(u64, Vec<u64>)>,
     /// Most batches the next message may hold.
     group: usize,
+    /// Whether the rows go as packed records (`crate::read::records`);
+    /// `None` until the first message, which decides it and sends the
+    /// schema.
+    records: Option<bool>,
 }
 
 impl PeerStream {
@@ -857,6 +864,18 @@ impl Batches for PeerStream {
     /// while a member supplying a few rows of each batch soon sends a few
     /// messages, not one per batch.
     fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
+        let mut schema = None;
+        if self.records.is_none() {
+            let records = self.read.gather.records_schema();
+            if let Some(records) = &records {
+                match Messages::new(records) {
+                    Ok(messages) => self.read.messages = messages,
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+            self.records = Some(records.is_some());
+            schema = Some(self.read.messages.schema());
+        }
         let limit = self.read.plan.batch_rows.max(1) as usize;
         let mut batches = Vec::new();
         let mut rows = Vec::new();
@@ -875,10 +894,15 @@ impl Batches for PeerStream {
             }
         }
         if batches.is_empty() {
-            return None;
+            return schema.map(|m| Ok(vec![m]));
         }
         self.group = self.group.saturating_mul(2);
-        Some(self.read.peer_message(&batches, &rows))
+        let records = self.records == Some(true);
+        let message = self.read.peer_message(&batches, &rows, records);
+        Some(match schema {
+            Some(schema) => message.map(|m| std::iter::once(schema).chain(m).collect()),
+            None => message,
+        })
     }
 }
 
@@ -932,22 +956,31 @@ type Feeds = HashMap<usize, (String, mpsc::Receiver<Result<PeerBatch>>)>;
 
 impl MergedRead {
     /// For another member's rank: this member's `rows` of the rank's
-    /// `batches` (`(batch, rows)`, in order), tagged with them.
-    fn peer_message(&mut self, batches: &[(u64, usize)], rows: &[u64]) -> Result<Vec<IpcMessage>> {
-        let local = self.gather.locate_all(rows.iter().copied());
+    /// `batches` (`(batch, rows)`, in order), tagged with them; as packed
+    /// records or as the gathered columns.
+    fn peer_message(
+        &mut self,
+        batches: &[(u64, usize)],
+        rows: &[u64],
+        records: bool,
+    ) -> Result<Vec<IpcMessage>> {
+        let picks = Picks::new(self.gather.locate_all(rows.iter().copied()));
         let t = &self.traffic;
-        self.gather
-            .gathered(&Picks::new(local), &[])
-            .and_then(|batch| {
-                encode(
-                    &mut self.messages,
-                    &batch,
-                    Some(batches_tag(batches)),
-                    &t.rows_to_peers,
-                    &t.bytes_to_peers,
-                    &self.tally,
-                )
-            })
+        let batch = if records {
+            self.gather.gathered_records(&picks)
+        } else {
+            self.gather.gathered(&picks, &[])
+        };
+        batch.and_then(|batch| {
+            encode(
+                &mut self.messages,
+                &batch,
+                Some(batches_tag(batches)),
+                &t.rows_to_peers,
+                &t.bytes_to_peers,
+                &self.tally,
+            )
+        })
     }
 
     /// For a rank reading here: batch `b`, merging this member's rows with
