@@ -245,8 +245,8 @@ async fn global_shards_are_byte_identical_to_one_server() {
             ..plan("g", 4, Shuffle::Block, 2)
         },
         // Every fixed-width column, out of order: members send each other
-        // their packed records (the dataset is packed by now), shuffled and
-        // strided.
+        // their packed records for the shuffled read (the dataset is packed
+        // by now), columns for the unshuffled one.
         ReadPlan {
             columns: fixed.clone(),
             ..plan("g", 6, Shuffle::Global, 4)

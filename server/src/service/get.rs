@@ -866,7 +866,13 @@ impl Batches for PeerStream {
     fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>> {
         let mut schema = None;
         if self.records.is_none() {
-            let records = self.read.gather.records_schema();
+            // Records pay where the rank's batches mix members' rows
+            // (shuffled, or a node's order); an unshuffled rank batch is
+            // mostly one member's run of rows, which the rank copies column
+            // by column as it came.
+            let plan = &self.read.plan;
+            let mixed = plan.shuffle != Shuffle::None || plan.locality == Locality::Node;
+            let records = mixed.then(|| self.read.gather.records_schema()).flatten();
             if let Some(records) = &records {
                 match Messages::new(records) {
                     Ok(messages) => self.read.messages = messages,
