@@ -1018,26 +1018,30 @@ impl MergedRead {
         let data = self.gather.data();
         let local_batches = data.batches().len();
         let mut extra: Vec<RecordBatch> = Vec::new();
-        // Per member: (index into `extra`, next row of it).
-        let mut taken: HashMap<usize, (usize, usize)> = HashMap::new();
+        // Per member (by index): (index into `extra`, next row of it).
+        let mut taken: Vec<Option<(usize, usize)>> = Vec::new();
         let mut picks = Vec::with_capacity((samples.end - samples.start) as usize);
         for (m, row) in self.rows.samples(samples) {
             if m == self.index {
                 picks.push(self.gather.locate(row));
                 continue;
             }
-            let (e, next) = match taken.get_mut(&m) {
+            if taken.len() <= m {
+                taken.resize(m + 1, None);
+            }
+            let (e, next) = match &mut taken[m] {
                 Some(t) => t,
-                None => {
+                slot => {
                     let batch = self.receive(feeds, m, b)?;
                     extra.push(batch);
-                    taken.entry(m).or_insert((extra.len() - 1, 0))
+                    slot.insert((extra.len() - 1, 0))
                 }
             };
             picks.push((local_batches + *e, *next));
             *next += 1;
         }
-        for (&m, &(e, used)) in &taken {
+        let taken = taken.iter().enumerate();
+        for (m, &(e, used)) in taken.filter_map(|(m, t)| Some((m, t.as_ref()?))) {
             if extra[e].num_rows() != used {
                 return Err(Error::Internal(format!(
                     "member {m} sent {} rows for batch {b} of the stream, {used} expected",
