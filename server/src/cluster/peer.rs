@@ -200,6 +200,9 @@ impl Peers {
                     .keep_alive_while_idle(true)
                     .initial_stream_window_size(Some(8 << 20))
                     .initial_connection_window_size(Some(32 << 20))
+                    // A member's rows arrive in MiB-sized messages: fewer,
+                    // larger frames (as a client's shards do).
+                    .max_frame_size(Some(1 << 20))
                     .connect_lazy();
                 channels.insert(location.to_string(), c.clone());
                 c
