@@ -1493,6 +1493,58 @@ mod tests {
     }
 
     #[test]
+    fn records_a_member_garbles_are_an_error_not_a_panic() {
+        let data = Arc::new(SealedData::from_batches(
+            batch(0, 10).schema(),
+            vec![],
+            vec![batch(0, 10)],
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let columns: Vec<String> = ["c0", "c3", "c4", "c5"].map(String::from).into();
+        let slot = |offset, width| Slot { offset, width };
+        let four = [slot(0, 8), slot(8, 12), slot(20, 16), slot(36, 20)];
+        let bad = [
+            // Past the end of the record.
+            (
+                56,
+                vec![slot(0, 8), slot(8, 12), slot(20, 16), slot(40, 20)],
+            ),
+            (
+                56,
+                vec![slot(usize::MAX, 8), slot(8, 12), slot(20, 16), slot(36, 20)],
+            ),
+            // Three columns where four are gathered.
+            (56, four[..3].to_vec()),
+            // A value of another width.
+            (
+                56,
+                vec![slot(0, 8), slot(8, 12), slot(20, 20), slot(36, 20)],
+            ),
+        ];
+        for (record, slots) in bad {
+            let values =
+                FixedSizeBinaryArray::try_new(record as i32, vec![7u8; 3 * record].into(), None)
+                    .expect("records");
+            let extra = RecordBatch::try_new(
+                records::records_schema(record, &slots),
+                vec![Arc::new(values)],
+            )
+            .expect("batch");
+            for packing in [false, true] {
+                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+                if packing {
+                    gather = gather.packing(arena.clone());
+                }
+                let picks = Picks::new(vec![(0, 5), (1, 2), (0, 1), (1, 0)]);
+                let err = gather
+                    .batch(&picks, std::slice::from_ref(&extra))
+                    .expect_err("garbled records");
+                assert!(err.to_string().contains("a member sent"), "{err}");
+            }
+        }
+    }
+
+    #[test]
     fn picks_split_into_runs_of_neighbouring_rows_and_say_when_scattered() {
         let runs = Picks::new(vec![(0, 4), (0, 5), (0, 6), (1, 0), (1, 1), (0, 9), (2, 3)]);
         assert_eq!(runs.runs(), [(0, 4..7), (1, 0..2), (0, 9..10), (2, 3..4)]);

@@ -102,13 +102,23 @@ fn records_of(batch: &RecordBatch) -> Result<Records> {
             })
         })
         .collect::<Option<Vec<Slot>>>()
-        .filter(|slots| slots.iter().all(|s| s.offset + s.width <= record))
+        .filter(|slots| {
+            slots.iter().all(|s| {
+                s.offset
+                    .checked_add(s.width)
+                    .is_some_and(|end| end <= record)
+            })
+        })
         .ok_or_else(|| bad("with a layout that does not fit them"))?;
     let array: &FixedSizeBinaryArray = batch.column(0).as_fixed_size_binary();
     if array.null_count() > 0 {
         return Err(bad("with nulls"));
     }
-    if array.values().len() < batch.num_rows() * record {
+    if batch
+        .num_rows()
+        .checked_mul(record)
+        .is_none_or(|bytes| array.values().len() < bytes)
+    {
         return Err(bad("shorter than their rows"));
     }
     Ok(Records {

@@ -1040,8 +1040,8 @@ impl MergedRead {
             picks.push((local_batches + *e, *next));
             *next += 1;
         }
-        let taken = taken.iter().enumerate();
-        for (m, &(e, used)) in taken.filter_map(|(m, t)| Some((m, t.as_ref()?))) {
+        for (m, t) in taken.iter().enumerate() {
+            let Some((e, used)) = *t else { continue };
             if extra[e].num_rows() != used {
                 return Err(Error::Internal(format!(
                     "member {m} sent {} rows for batch {b} of the stream, {used} expected",
