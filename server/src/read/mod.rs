@@ -1458,8 +1458,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn rows_of_another_width_from_a_member_are_an_error_not_a_panic() {
+    /// Gathers of four wide columns (8, 12, 16 and 20 bytes a row) of one
+    /// 10-row batch, as `(packing, gather)`: without and with a packed copy.
+    fn wide_gathers() -> Vec<(bool, Gather)> {
         let data = Arc::new(SealedData::from_batches(
             batch(0, 10).schema(),
             vec![],
@@ -1467,6 +1468,22 @@ mod tests {
         ));
         let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
         let columns: Vec<String> = ["c0", "c3", "c4", "c5"].map(String::from).into();
+        [false, true]
+            .into_iter()
+            .map(|packing| {
+                let gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+                let gather = if packing {
+                    gather.packing(arena.clone())
+                } else {
+                    gather
+                };
+                (packing, gather)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_of_another_width_from_a_member_are_an_error_not_a_panic() {
         // What a member should send: the projected columns; this one sends
         // 2-byte values where 8, 12, 16 and 20 bytes a row are due.
         let short: Vec<ArrayRef> = (0..4)
@@ -1476,11 +1493,7 @@ mod tests {
             .map(|i| Field::new(format!("x{i}"), DataType::Int16, false))
             .collect();
         let extra = RecordBatch::try_new(Arc::new(Schema::new(fields)), short).expect("batch");
-        for packing in [false, true] {
-            let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
-            if packing {
-                gather = gather.packing(arena.clone());
-            }
+        for (packing, gather) in wide_gathers() {
             // Out of stored order, so the packed gather is the one used.
             let picks = Picks::new(vec![(0, 5), (1, 3), (0, 1)]);
             let err = gather
@@ -1494,47 +1507,29 @@ mod tests {
 
     #[test]
     fn records_a_member_garbles_are_an_error_not_a_panic() {
-        let data = Arc::new(SealedData::from_batches(
-            batch(0, 10).schema(),
-            vec![],
-            vec![batch(0, 10)],
-        ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
-        let columns: Vec<String> = ["c0", "c3", "c4", "c5"].map(String::from).into();
+        // Records of 56 bytes a row (the four columns' 8 + 12 + 16 + 20).
+        const RECORD: usize = 56;
         let slot = |offset, width| Slot { offset, width };
         let four = [slot(0, 8), slot(8, 12), slot(20, 16), slot(36, 20)];
         let bad = [
             // Past the end of the record.
-            (
-                56,
-                vec![slot(0, 8), slot(8, 12), slot(20, 16), slot(40, 20)],
-            ),
-            (
-                56,
-                vec![slot(usize::MAX, 8), slot(8, 12), slot(20, 16), slot(36, 20)],
-            ),
+            vec![slot(0, 8), slot(8, 12), slot(20, 16), slot(40, 20)],
+            vec![slot(usize::MAX, 8), slot(8, 12), slot(20, 16), slot(36, 20)],
             // Three columns where four are gathered.
-            (56, four[..3].to_vec()),
+            four[..3].to_vec(),
             // A value of another width.
-            (
-                56,
-                vec![slot(0, 8), slot(8, 12), slot(20, 20), slot(36, 20)],
-            ),
+            vec![slot(0, 8), slot(8, 12), slot(20, 20), slot(36, 20)],
         ];
-        for (record, slots) in bad {
+        for slots in bad {
             let values =
-                FixedSizeBinaryArray::try_new(record as i32, vec![7u8; 3 * record].into(), None)
+                FixedSizeBinaryArray::try_new(RECORD as i32, vec![7u8; 3 * RECORD].into(), None)
                     .expect("records");
             let extra = RecordBatch::try_new(
-                records::records_schema(record, &slots),
+                records::records_schema(RECORD, &slots),
                 vec![Arc::new(values)],
             )
             .expect("batch");
-            for packing in [false, true] {
-                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
-                if packing {
-                    gather = gather.packing(arena.clone());
-                }
+            for (_, gather) in wide_gathers() {
                 let picks = Picks::new(vec![(0, 5), (1, 2), (0, 1), (1, 0)]);
                 let err = gather
                     .batch(&picks, std::slice::from_ref(&extra))

@@ -61,7 +61,7 @@ fn slots_text(slots: &[Slot]) -> String {
 }
 
 /// Whether `batch` holds records rather than columns.
-pub(super) fn is_records(batch: &RecordBatch) -> bool {
+fn is_records(batch: &RecordBatch) -> bool {
     let fields = batch.schema_ref().fields();
     fields.len() == 1 && fields[0].name() == RECORDS_FIELD
 }
