@@ -12,7 +12,7 @@
 //! Arrow columns unchanged, and a run of neighbouring rows is already a
 //! forward stream the packed layout cannot beat. The copy is built at the
 //! first scattered read after the dataset has served one epoch's worth of
-//! scattered streams (one pass does not repay the build;
+//! scattered streams (so a dataset read once holds its columns alone;
 //! [`PackedCache::worth_packing`]), lives in the arena (so it counts in the
 //! memory budget), is only built when the budget has room for it without
 //! spilling anything, and is the first thing given up when memory is
@@ -23,6 +23,10 @@
 //! (fixed-width values without nulls); the gather copies records into a
 //! small tile that stays in cache and transposes the tile back into columns,
 //! so the arrays it produces are the ones the columnar gather produces.
+//! The build is that transpose the other way: a block of records small
+//! enough to stay in cache at a time, every column written into it (eight
+//! side-by-side 4-byte columns eight rows at a time, in registers), and a
+//! large copy's stored batches split over a few threads.
 //!
 //! Within a stored batch the records are grouped by the row's residue modulo
 //! a stride `W` (the world size of the read that builds the copy; 1 keeps
@@ -79,12 +83,25 @@ impl Packed {
     /// already contiguous per row) or there are no rows. Each batch's
     /// records are grouped by row residue modulo `stride` (see the module
     /// overview; 0 is taken as 1). Memory comes from `arena`; a full budget
-    /// is a `ResourceExhausted` error and nothing is kept.
+    /// is a `ResourceExhausted` error and nothing is kept. Large copies
+    /// are built by several threads, a range of stored batches each.
     pub fn build(
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
         stride: usize,
+    ) -> Result<Option<Self>> {
+        Self::build_on(data, arena, dataset, stride, None)
+    }
+
+    /// [`Self::build`] on `threads` threads (`None`: as many as its size
+    /// and the cores call for).
+    fn build_on(
+        data: &SealedData,
+        arena: &Arena,
+        dataset: &str,
+        stride: usize,
+        threads: Option<usize>,
     ) -> Result<Option<Self>> {
         let stride = stride.max(1);
         let mut slots = Vec::with_capacity(data.schema().fields().len());
@@ -119,34 +136,48 @@ impl Packed {
                 what()
             )));
         }
-        let mut batches = Vec::with_capacity(data.batches().len());
-        let mut groups = Vec::with_capacity(data.batches().len());
-        let mut staged = Vec::new();
-        let mut places = Vec::new();
-        for (b, batch) in data.batches().iter().enumerate() {
-            let rows = batch.num_rows();
-            let shape = (rows / stride, rows % stride);
-            places.clear();
-            places.extend((0..rows).map(|r| position(shape, stride, r) * record));
-            staged.clear();
-            staged.resize(rows * record, 0u8);
-            for (offset, width, column) in &segments {
-                let into = &mut staged[*offset..];
-                match width {
-                    1 => tile_rows::<1>(column[b].as_slice(), &places, into),
-                    2 => tile_rows::<2>(column[b].as_slice(), &places, into),
-                    4 => tile_rows::<4>(column[b].as_slice(), &places, into),
-                    8 => tile_rows::<8>(column[b].as_slice(), &places, into),
-                    16 => tile_rows::<16>(column[b].as_slice(), &places, into),
-                    &n => {
-                        for (value, &at) in column[b].as_slice().chunks_exact(n).zip(&places) {
-                            into[at..][..n].copy_from_slice(value);
-                        }
-                    }
-                }
-            }
-            batches.push(arena.copy_bytes(&staged, &what)?);
-            groups.push(shape);
+        let groups: Vec<(usize, usize)> = data
+            .batches()
+            .iter()
+            .map(|b| (b.num_rows() / stride, b.num_rows() % stride))
+            .collect();
+        let pack = Pack {
+            columns: &segments,
+            record,
+            stride,
+        };
+        // Batches split into contiguous ranges, one per thread: the
+        // streams waiting for the copy hold their threads idle meanwhile,
+        // and most of a build is the kernel giving the copy fresh pages,
+        // which runs in parallel as well.
+        let threads = threads
+            .unwrap_or_else(|| build_threads(groups.len(), needed))
+            .clamp(1, groups.len().max(1));
+        let per_thread = groups.len().div_ceil(threads);
+        let parts: Vec<Result<Vec<Buffer>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..groups.len())
+                .step_by(per_thread.max(1))
+                .map(|first| {
+                    let (pack, groups) = (&pack, &groups);
+                    let range = first..(first + per_thread).min(groups.len());
+                    scope.spawn(move || pack.batches(range, groups, arena, &what))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal(format!(
+                            "{}: a packing thread panicked",
+                            what()
+                        )))
+                    })
+                })
+                .collect()
+        });
+        let mut batches = Vec::with_capacity(groups.len());
+        for part in parts {
+            batches.extend(part?);
         }
         Ok(Some(Self {
             slots,
@@ -210,6 +241,215 @@ fn position((quotient, remainder): (usize, usize), stride: usize, r: usize) -> u
     residue * quotient + residue.min(remainder) + r / stride
 }
 
+/// Most threads a build uses, and the fewest bytes of records each is
+/// given (below that, one thread does it all).
+const BUILD_THREADS: usize = 8;
+const BUILD_BYTES_PER_THREAD: u64 = 16 << 20;
+/// Bytes of records a build fills column by column before it moves on: the
+/// block stays in cache while every column is written into it (written a
+/// whole batch per column, each value lands on a line of its own and every
+/// column pass went back out to memory).
+const BUILD_BLOCK_BYTES: usize = 32 << 10;
+
+/// Threads to build a copy of `batches` stored batches and `bytes` bytes
+/// of records with.
+fn build_threads(batches: usize, bytes: u64) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let by_size = usize::try_from(bytes / BUILD_BYTES_PER_THREAD).unwrap_or(usize::MAX);
+    cores.min(BUILD_THREADS).min(by_size).min(batches).max(1)
+}
+
+/// What a build writes into each record: the packed columns as `(offset,
+/// width, values batch by batch)`, the record's bytes and the stride.
+struct Pack<'a> {
+    columns: &'a [(usize, usize, Vec<Buffer>)],
+    record: usize,
+    stride: usize,
+}
+
+impl Pack<'_> {
+    /// The records of stored batches `range` (`groups`: every batch's
+    /// residue group sizes), each copied into one arena allocation.
+    fn batches(
+        &self,
+        range: std::ops::Range<usize>,
+        groups: &[(usize, usize)],
+        arena: &Arena,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<Buffer>> {
+        let (mut staged, mut places) = (Vec::new(), Vec::new());
+        range
+            .map(|b| {
+                self.batch(b, groups[b], &mut staged, &mut places);
+                arena.copy_bytes(&staged, what)
+            })
+            .collect()
+    }
+
+    /// Fills `staged` with the records of stored batch `b`, whose residue
+    /// groups are `shape`, a block of rows at a time.
+    fn batch(
+        &self,
+        b: usize,
+        shape: (usize, usize),
+        staged: &mut Vec<u8>,
+        places: &mut Vec<usize>,
+    ) {
+        let rows = shape.0 * self.stride + shape.1;
+        places.clear();
+        places.extend((0..rows).map(|r| position(shape, self.stride, r) * self.record));
+        // Every byte is written below (the slots tile the record and the
+        // places are a permutation), so a buffer kept from the batch before
+        // needs no zeroing.
+        staged.resize(rows * self.record, 0);
+        // What `pack_eight` relies on: every place is a record of `staged`.
+        assert!(places.iter().all(|&at| at + self.record <= staged.len()));
+        let block = (BUILD_BLOCK_BYTES / self.record).max(16);
+        for first in (0..rows).step_by(block) {
+            let end = rows.min(first + block);
+            let places = &places[first..end];
+            let mut i = 0;
+            while i < self.columns.len() {
+                let (offset, width, _) = self.columns[i];
+                if let Some(eight) = self.eight_at(i) {
+                    let values = eight
+                        .each_ref()
+                        .map(|(_, _, column)| &column[b].as_slice()[first * 4..end * 4]);
+                    pack_eight(values, places, offset, self.record, staged);
+                    i += 8;
+                    continue;
+                }
+                let values = &self.columns[i].2[b].as_slice()[first * width..end * width];
+                let into = &mut staged[offset..];
+                match width {
+                    1 => tile_rows::<1>(values, places, into),
+                    2 => tile_rows::<2>(values, places, into),
+                    4 => tile_rows::<4>(values, places, into),
+                    8 => tile_rows::<8>(values, places, into),
+                    16 => tile_rows::<16>(values, places, into),
+                    n => {
+                        for (value, &at) in values.chunks_exact(n).zip(places) {
+                            into[at..][..n].copy_from_slice(value);
+                        }
+                    }
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// Columns `i..i + 8` when they are eight 4-byte columns side by side
+    /// in the record (eight `float32` columns in schema order, the common
+    /// case): [`pack_eight`] writes them eight rows at a time.
+    fn eight_at(&self, i: usize) -> Option<&[(usize, usize, Vec<Buffer>); 8]> {
+        let run: &[(usize, usize, Vec<Buffer>); 8] = self.columns.get(i..i + 8)?.try_into().ok()?;
+        let offset = run[0].0;
+        run.iter()
+            .enumerate()
+            .all(|(k, &(o, w, _))| w == 4 && o == offset + 4 * k)
+            .then_some(run)
+    }
+}
+
+/// Writes eight 4-byte columns (`columns[k]`: the `k`-th one's values of
+/// the rows `places` names, row by row) side by side at `offset` of each
+/// row's record (`places[i]`: the byte of `into` where row `i`'s
+/// `record`-byte record starts): eight rows at a time transposed in
+/// registers and stored 32 bytes a record where the CPU has AVX, the rows
+/// left (and every row elsewhere) value by value. The inverse of the
+/// gather's `untile_eight`.
+#[allow(unsafe_code)]
+fn pack_eight(
+    columns: [&[u8]; 8],
+    places: &[usize],
+    offset: usize,
+    record: usize,
+    into: &mut [u8],
+) {
+    let rows = places.len();
+    assert!(offset + 32 <= record && columns.iter().all(|c| c.len() == rows * 4));
+    assert!(places.iter().all(|&at| at + record <= into.len()));
+    #[cfg(target_arch = "x86_64")]
+    let done = if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU has the feature `pack_eight_avx` is compiled for;
+        // each column holds `rows` values and every place leaves room for
+        // 32 bytes at `offset` inside `into` (both checked above).
+        unsafe { pack_eight_avx(columns, places, offset, into) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (i, &at) in places.iter().enumerate().skip(done) {
+        for (k, column) in columns.iter().enumerate() {
+            into[at + offset + 4 * k..][..4].copy_from_slice(&column[4 * i..4 * i + 4]);
+        }
+    }
+}
+
+/// The AVX part of [`pack_eight`]: rows `0..` eight at a time (two 4 × 4
+/// transposes a lane, the halves of each record's 32 bytes then paired
+/// across lanes); returns the rows written, the rest left to the caller.
+///
+/// # Safety
+///
+/// Each of `columns` holds `places.len()` 4-byte values, and `at + offset
+/// + 32 <= into.len()` for every `at` of `places`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[allow(unsafe_code)]
+unsafe fn pack_eight_avx(
+    columns: [&[u8]; 8],
+    places: &[usize],
+    offset: usize,
+    into: &mut [u8],
+) -> usize {
+    use std::arch::x86_64::*;
+    let rows = places.len();
+    let base = into.as_mut_ptr();
+    let mut i = 0;
+    while i + 8 <= rows {
+        // SAFETY: the loads read values `i..i + 8` of each column (`i + 8
+        // <= rows`); the stores write 32 bytes at `places[i + j] + offset`,
+        // inside `into` by the caller's promise.
+        unsafe {
+            let c = columns.map(|column| _mm256_loadu_ps(column.as_ptr().add(4 * i).cast()));
+            let t = [
+                _mm256_unpacklo_ps(c[0], c[1]),
+                _mm256_unpackhi_ps(c[0], c[1]),
+                _mm256_unpacklo_ps(c[2], c[3]),
+                _mm256_unpackhi_ps(c[2], c[3]),
+                _mm256_unpacklo_ps(c[4], c[5]),
+                _mm256_unpackhi_ps(c[4], c[5]),
+                _mm256_unpacklo_ps(c[6], c[7]),
+                _mm256_unpackhi_ps(c[6], c[7]),
+            ];
+            // Row j's first four values (columns 0..4) in `low[j % 4]`, lane
+            // j / 4; its last four in `high[j % 4]`.
+            let low = [
+                _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+                _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+                _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+                _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            ];
+            let high = [
+                _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+                _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+                _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+                _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+            ];
+            for j in 0..4 {
+                let first = _mm256_permute2f128_ps::<0x20>(low[j], high[j]);
+                let second = _mm256_permute2f128_ps::<0x31>(low[j], high[j]);
+                _mm256_storeu_ps(base.add(places[i + j] + offset).cast(), first);
+                _mm256_storeu_ps(base.add(places[i + j + 4] + offset).cast(), second);
+            }
+        }
+        i += 8;
+    }
+    i
+}
+
 /// Writes each `N`-byte value of `column` at the byte of `into` that
 /// `places` gives its row.
 fn tile_rows<const N: usize>(column: &[u8], places: &[usize], into: &mut [u8]) {
@@ -234,10 +474,10 @@ impl PackedCache {
     /// `ranks` streams an epoch of its plan begins here, and says whether
     /// it should gather from packed rows: once the dataset has begun as
     /// many scattered streams as one epoch has (its first epoch is read
-    /// column by column), or whenever a copy is already held. One pass does
-    /// not pay for the copy — building it costs about what it saves in one
-    /// epoch — and a dataset read once (ingest, then one epoch) keeps its
-    /// memory at the columns alone.
+    /// column by column), or whenever a copy is already held. A dataset
+    /// read once (ingest, then one epoch) so keeps its memory at the
+    /// columns alone: the copy doubles what a dataset holds, though its
+    /// build now costs less than one epoch column by column saves.
     pub fn worth_packing(&self, ranks: u64) -> bool {
         let before = self.scattered.fetch_add(1, Ordering::Relaxed);
         before >= ranks.max(1) || self.bytes() > 0
@@ -261,11 +501,13 @@ impl PackedCache {
         if let Some(packed) = slot.as_ref() {
             return Some(packed.clone());
         }
+        let start = std::time::Instant::now();
         match Packed::build(data, arena, dataset, stride) {
             Ok(Some(packed)) => {
                 tracing::debug!(
                     dataset,
                     bytes = packed.bytes(),
+                    ms = start.elapsed().as_secs_f64() * 1e3,
                     "packed rows for scattered reads"
                 );
                 let packed = Arc::new(packed);
@@ -305,7 +547,7 @@ mod tests {
     use super::*;
     use crate::memory::Budget;
     use crate::memory::arena::HostMemory;
-    use arrow::array::{Float64Array, Int64Array, RecordBatch};
+    use arrow::array::{ArrayRef, Float32Array, Float64Array, Int16Array, Int64Array, RecordBatch};
     use arrow::datatypes::{DataType, Field, Schema};
     use proptest::prelude::*;
 
@@ -367,6 +609,73 @@ mod tests {
                     want.extend_from_slice(&(v as f64 * 0.5).to_le_bytes());
                     assert_eq!(record, &want[..], "stride {stride} batch {b} row {r}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn side_by_side_float_columns_are_packed_eight_at_a_time_into_the_same_records() {
+        // int64, eight float32 (one transposed run), an int16 that breaks
+        // the run, nine float32 (a run and one more): a 78-byte record,
+        // blocks of 420 rows (4 rows past the last eight of each), batches
+        // shorter than eight rows, and every tail.
+        let mut fields = vec![Field::new("id", DataType::Int64, false)];
+        fields.extend((0..8).map(|k| Field::new(format!("a{k}"), DataType::Float32, false)));
+        fields.push(Field::new("s", DataType::Int16, false));
+        fields.extend((0..9).map(|k| Field::new(format!("b{k}"), DataType::Float32, false)));
+        let schema = Arc::new(Schema::new(fields));
+        let value = |v: i64, k: usize| v as f32 * 0.25 + k as f32 * 1000.0;
+        let batch = |start: i64, rows: i64| {
+            let ids = start..start + rows;
+            let mut columns: Vec<ArrayRef> =
+                vec![Arc::new(Int64Array::from_iter_values(ids.clone()))];
+            columns.extend((0..8).map(|k| {
+                Arc::new(Float32Array::from_iter_values(
+                    ids.clone().map(|v| value(v, k)),
+                )) as ArrayRef
+            }));
+            columns.push(Arc::new(Int16Array::from_iter_values(
+                ids.clone().map(|v| v as i16),
+            )));
+            columns.extend((8..17).map(|k| {
+                Arc::new(Float32Array::from_iter_values(
+                    ids.clone().map(|v| value(v, k)),
+                )) as ArrayRef
+            }));
+            RecordBatch::try_new(schema.clone(), columns).expect("batch")
+        };
+        let sizes = [7i64, 100, 1003, 8];
+        let mut batches = Vec::new();
+        let mut start = 0;
+        for rows in sizes {
+            batches.push(batch(start, rows));
+            start += rows;
+        }
+        let data = SealedData::from_batches(schema.clone(), vec![], batches);
+        let arena = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
+        // One thread, and the batches split between threads (asked for
+        // three, four batches make two ranges of two).
+        for (stride, threads) in [(1, 1), (3, 1), (8, 1), (1, 3), (8, 3)] {
+            let packed = Packed::build_on(&data, &arena, "d", stride, Some(threads))
+                .expect("fits")
+                .expect("packed");
+            assert_eq!(packed.record(), 78);
+            let mut start = 0;
+            for (b, rows) in sizes.into_iter().enumerate() {
+                for r in 0..rows as usize {
+                    let v = start + r as i64;
+                    let mut want = v.to_le_bytes().to_vec();
+                    (0..8).for_each(|k| want.extend_from_slice(&value(v, k).to_le_bytes()));
+                    want.extend_from_slice(&(v as i16).to_le_bytes());
+                    (8..17).for_each(|k| want.extend_from_slice(&value(v, k).to_le_bytes()));
+                    let record = packed.at(b, packed.position(b, r));
+                    assert_eq!(
+                        record,
+                        &want[..],
+                        "stride {stride} threads {threads} batch {b} row {r}"
+                    );
+                }
+                start += rows;
             }
         }
     }
