@@ -502,7 +502,9 @@ impl PackedCache {
         let start = std::time::Instant::now();
         match Packed::build(data, arena, dataset, stride) {
             Ok(Some(packed)) => {
-                tracing::debug!(
+                // Once per dataset (again after a spill or a restart): its
+                // scattered reads waited for this.
+                tracing::info!(
                     dataset,
                     bytes = packed.bytes(),
                     ms = start.elapsed().as_secs_f64() * 1e3,
