@@ -154,26 +154,40 @@ impl Packed {
             .unwrap_or_else(|| build_threads(groups.len(), needed))
             .clamp(1, groups.len().max(1));
         let per_thread = groups.len().div_ceil(threads);
+        let ranges: Vec<std::ops::Range<usize>> = (0..groups.len())
+            .step_by(per_thread.max(1))
+            .map(|first| first..(first + per_thread).min(groups.len()))
+            .collect();
+        let build = |range| pack.batches(range, &groups, arena, &what);
+        let build = &build;
         let parts: Vec<Result<Vec<Buffer>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..groups.len())
-                .step_by(per_thread.max(1))
-                .map(|first| {
-                    let (pack, groups) = (&pack, &groups);
-                    let range = first..(first + per_thread).min(groups.len());
-                    scope.spawn(move || pack.batches(range, groups, arena, &what))
+            // The first range on this thread, every other on one of its own
+            // (one that cannot be started is built here too, after).
+            let others: Vec<_> = ranges
+                .iter()
+                .skip(1)
+                .map(|range| {
+                    let (range, again) = (range.clone(), range.clone());
+                    std::thread::Builder::new()
+                        .name("flightdeck-pack".to_string())
+                        .spawn_scoped(scope, move || build(range))
+                        .map_err(|_| again)
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
+            let mut parts = Vec::with_capacity(ranges.len());
+            parts.extend(ranges.first().cloned().map(build));
+            for other in others {
+                parts.push(match other {
+                    Ok(thread) => thread.join().unwrap_or_else(|_| {
                         Err(Error::Internal(format!(
                             "{}: a packing thread panicked",
                             what()
                         )))
-                    })
-                })
-                .collect()
+                    }),
+                    Err(range) => build(range),
+                });
+            }
+            parts
         });
         let mut batches = Vec::with_capacity(groups.len());
         for part in parts {
