@@ -108,6 +108,7 @@ pub struct Metrics {
     seals: Counter,
     spill_seconds: Histogram,
     restore_seconds: Histogram,
+    pack_seconds: Histogram,
     in_flight: AtomicU64,
 }
 
@@ -127,6 +128,7 @@ impl Default for Metrics {
             seals: Counter::default(),
             spill_seconds: seconds_histogram(),
             restore_seconds: seconds_histogram(),
+            pack_seconds: seconds_histogram(),
             in_flight: AtomicU64::new(0),
         }
     }
@@ -217,6 +219,12 @@ impl Metrics {
         self.restore_seconds.observe(took.as_secs_f64());
     }
 
+    /// A dataset's packed copy of rows for scattered reads was built in
+    /// `took`.
+    pub fn packed(&self, took: Duration) {
+        self.pack_seconds.observe(took.as_secs_f64());
+    }
+
     /// A registry holding these metrics and, read at each scrape, what
     /// `state` holds.
     pub fn registry(&self, state: Weak<State>) -> Registry {
@@ -281,6 +289,13 @@ impl Metrics {
             "restore_duration_seconds",
             "time to bring a spilled dataset back",
             self.restore_seconds.clone(),
+        );
+        r.register(
+            "pack_duration_seconds",
+            "time to build a dataset's packed copy of rows, which its scattered reads wait for \
+             (one build a dataset; a count that grows each epoch means the copy is given up for \
+             memory and built again)",
+            self.pack_seconds.clone(),
         );
         r.register_collector(Box::new(StateCollector(state)));
         r

@@ -216,3 +216,33 @@ def test_metrics_show_a_spill_and_a_restore():
         assert value(m, "flightdeck_restore_duration_seconds_count") == 1
     finally:
         assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_metrics_show_a_packed_copy_built_once_for_shuffled_epochs():
+    """A dataset's shuffled reads wait for its packed copy once: the build
+    is observed (count and seconds) at the second shuffled epoch, and the
+    epochs after it read the same copy without building again."""
+    server = RunningServer("--metrics-listen", "127.0.0.1:0")
+    try:
+        c = flightdeck.connect(server.uri)
+        rows = 20_000
+        features = {f"f{i}": pa.array(np.full(rows, i, dtype=np.float32)) for i in range(4)}
+        c.put_partition("d", 0, pa.table({"id": pa.array(np.arange(rows, dtype=np.int64)), **features}))
+        c.seal("d")
+
+        def epoch(e: int) -> None:
+            plan = c.plan("d", world_size=2, epoch=e, seed=5, shuffle="global")
+            ids = [b.column("id") for s in plan.shards for b in c.read_shard(s)]
+            assert sorted(pa.chunked_array(ids).to_numpy()) == list(range(rows))
+
+        builds = []
+        for e in range(4):
+            epoch(e)
+            m = scrape(server.metrics_url)
+            builds.append(value(m, "flightdeck_pack_duration_seconds_count"))
+            packed = value(m, "flightdeck_memory_bytes", tier="packed")
+        assert builds == [0, 1, 1, 1]
+        assert value(m, "flightdeck_pack_duration_seconds_sum") > 0
+        assert packed == rows * (8 + 4 * 4)
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)

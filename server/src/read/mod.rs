@@ -35,6 +35,7 @@ use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
 use crate::memory::device::{ColumnSegments, segments_at, value_bytes};
+use crate::metrics::Metrics;
 use crate::order::{ReadPlan, ShardOrder};
 use crate::query::{Derive, Filter, Selection};
 use packed::{Packed, Slot};
@@ -88,8 +89,9 @@ pub struct Gather {
     /// How each projected column is gathered.
     columns: Vec<Column>,
     schema: SchemaRef,
-    /// Where a packed copy's memory comes from; `None`: never packed.
-    arena: Option<Arc<Arena>>,
+    /// Where a packed copy's memory comes from, and what is told of its
+    /// build; `None`: never packed.
+    packing: Option<(Arc<Arena>, Arc<Metrics>)>,
     /// The packed gather, decided at the first shuffled batch.
     packed: OnceLock<Option<PackedGather>>,
     /// The stride a packed copy built here groups its records by: the
@@ -259,7 +261,7 @@ impl Gather {
             indices,
             columns,
             schema,
-            arena: None,
+            packing: None,
             packed: OnceLock::new(),
             stride: 1,
             selection: None,
@@ -312,9 +314,10 @@ impl Gather {
     }
 
     /// Lets shuffled batches gather from the dataset's packed copy, built
-    /// in `arena` at the first one when there is none.
-    pub fn packing(mut self, arena: Arc<Arena>) -> Self {
-        self.arena = Some(arena);
+    /// in `arena` at the first one when there is none (and the build's
+    /// time observed in `metrics`).
+    pub fn packing(mut self, arena: Arc<Arena>, metrics: Arc<Metrics>) -> Self {
+        self.packing = Some((arena, metrics));
         self
     }
 
@@ -395,7 +398,7 @@ impl Gather {
     /// dataset's packed copy built, when there is none and it is worth it)
     /// the first time it is asked for.
     fn packed_copy(&self) -> Option<&PackedGather> {
-        let arena = self.arena.as_ref()?;
+        let (arena, metrics) = self.packing.as_ref()?;
         self.packed
             .get_or_init(|| {
                 let packed = self.data.packed().get_or_build(
@@ -403,6 +406,7 @@ impl Gather {
                     arena,
                     &self.dataset,
                     self.stride,
+                    |took| metrics.packed(took),
                 )?;
                 let outputs: Vec<(usize, Slot)> = self
                     .columns
@@ -609,8 +613,8 @@ impl Shard {
     }
 
     /// Lets shuffled batches gather from packed rows ([`Gather::packing`]).
-    pub fn packing(mut self, arena: Arc<Arena>) -> Self {
-        self.gather = self.gather.packing(arena);
+    pub fn packing(mut self, arena: Arc<Arena>, metrics: Arc<Metrics>) -> Self {
+        self.gather = self.gather.packing(arena, metrics);
         self
     }
 
@@ -1330,7 +1334,7 @@ mod tests {
                 for (rank, packing) in (0..world).flat_map(|r| [(r, false), (r, true)]) {
                     let mut shard = Shard::new(data.clone(), &plan, rank).expect("shard");
                     if packing {
-                        shard = shard.packing(arena.clone());
+                        shard = shard.packing(arena.clone(), Arc::default());
                     }
                     let (indices, _) =
                         project(data.schema(), &plan.columns, "d").expect("projection");
@@ -1473,7 +1477,7 @@ mod tests {
             .map(|packing| {
                 let gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
                 let gather = if packing {
-                    gather.packing(arena.clone())
+                    gather.packing(arena.clone(), Arc::default())
                 } else {
                     gather
                 };
@@ -1598,7 +1602,7 @@ mod tests {
             for packing in [false, true] {
                 let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
                 if packing {
-                    gather = gather.packing(arena.clone());
+                    gather = gather.packing(arena.clone(), Arc::default());
                 }
                 let got = gather.batch(&picks, &extra).expect("gathered");
                 assert_eq!(got, want, "{columns:?} packing {packing}");
@@ -1669,7 +1673,7 @@ mod tests {
             .collect();
         let peer = Gather::new(member.clone(), &columns, "d", None)
             .expect("gather")
-            .packing(arena.clone());
+            .packing(arena.clone(), Arc::default());
         assert!(peer.records_schema().is_some());
         let records: Vec<RecordBatch> = sent
             .iter()
@@ -1743,7 +1747,7 @@ mod tests {
             for packing in [false, true] {
                 let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
                 if packing {
-                    gather = gather.packing(arena.clone());
+                    gather = gather.packing(arena.clone(), Arc::default());
                 }
                 let got = gather.batch(&picks, extra).expect("gathered");
                 assert_eq!(got, want, "{what}, packing {packing}");
@@ -1759,7 +1763,7 @@ mod tests {
         // Records only when the gathered columns are the whole record.
         let part = Gather::new(member, &columns[..columns.len() - 1], "d", None)
             .expect("gather")
-            .packing(arena);
+            .packing(arena, Arc::default());
         assert!(part.records_schema().is_none());
     }
 
@@ -1837,7 +1841,7 @@ mod tests {
         let plan = plan(Shuffle::Global, 2, vec![]);
         let with = Shard::new(data.clone(), &plan, 1)
             .expect("shard")
-            .packing(arena.clone());
+            .packing(arena.clone(), Arc::default());
         let without = Shard::new(data.clone(), &plan, 1).expect("shard");
         for (a, b) in with.batches().zip(without.batches()) {
             assert_eq!(a.expect("gathered"), b.expect("gathered"));

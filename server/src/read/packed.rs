@@ -501,13 +501,15 @@ impl PackedCache {
     /// wait for one build.
     ///
     /// `stride` groups a new copy's records (see [`Packed::build`]); a
-    /// copy already held keeps its own.
+    /// copy already held keeps its own. `built` is told how long a build
+    /// that kept its copy took.
     pub fn get_or_build(
         &self,
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
         stride: usize,
+        built: impl FnOnce(std::time::Duration),
     ) -> Option<Arc<Packed>> {
         let mut slot = self.copy.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(packed) = slot.as_ref() {
@@ -516,14 +518,16 @@ impl PackedCache {
         let start = std::time::Instant::now();
         match Packed::build(data, arena, dataset, stride) {
             Ok(Some(packed)) => {
-                // Once per dataset (again after a spill or a restart): its
-                // scattered reads waited for this.
+                // Once per dataset (again after a spill, a restart or the
+                // copy given up for memory): its scattered reads waited.
+                let took = start.elapsed();
                 tracing::info!(
                     dataset,
                     bytes = packed.bytes(),
-                    ms = start.elapsed().as_secs_f64() * 1e3,
+                    ms = took.as_secs_f64() * 1e3,
                     "packed rows for scattered reads"
                 );
+                built(took);
                 let packed = Arc::new(packed);
                 *slot = Some(packed.clone());
                 Some(packed)

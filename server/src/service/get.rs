@@ -513,7 +513,7 @@ pub(super) async fn shard_messages(
     if !source.cluster && t.plan.locality == Locality::Global {
         let mut shard = Shard::selecting(data, &t.plan, t.rank, space.selection)?;
         if packing(&t.plan, shard.data(), u64::from(t.plan.world_size)) {
-            shard = shard.packing(state.arena().clone());
+            shard = shard.packing(state.arena().clone(), state.metrics.clone());
         }
         let messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
@@ -539,7 +539,7 @@ pub(super) async fn shard_messages(
         Locality::Global => u64::from(t.plan.world_size),
     };
     if packing(&t.plan, gather.data(), ranks) {
-        gather = gather.packing(state.arena().clone());
+        gather = gather.packing(state.arena().clone(), state.metrics.clone());
     }
     // Members send each other the gathered columns (or their packed
     // records, decided at a member's first message: see `PeerStream`); the
