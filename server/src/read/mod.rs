@@ -173,7 +173,8 @@ struct PackedGather {
 }
 
 /// One step of turning a tile of records back into a packed gather's
-/// outputs (indices into [`PackedGather::outputs`]).
+/// outputs (indices into [`PackedGather::outputs`]); the packed copy's
+/// build takes the same steps the other way, columns into records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Untile {
     /// Outputs `first..first + 8`: 4-byte values side by side in each
@@ -406,7 +407,7 @@ impl Gather {
                     arena,
                     &self.dataset,
                     self.stride,
-                    |took| metrics.packed(took),
+                    metrics,
                 )?;
                 let outputs: Vec<(usize, Slot)> = self
                     .columns

@@ -49,6 +49,9 @@ use crate::catalog::SealedData;
 use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
 use crate::memory::device::segments_at;
+use crate::metrics::Metrics;
+
+use super::{Untile, untile_steps};
 
 /// Where one column's bytes sit in a packed record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +146,16 @@ impl Packed {
             .collect();
         let pack = Pack {
             columns: &segments,
+            // The gather's untile steps over the record's slots, taken
+            // the other way: runs of eight side-by-side 4-byte columns
+            // transposed together, every other column on its own.
+            steps: untile_steps(
+                &segments
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(offset, width, _))| (i, Slot { offset, width }))
+                    .collect::<Vec<_>>(),
+            ),
             record,
             stride,
         };
@@ -274,9 +287,11 @@ fn build_threads(batches: usize, bytes: u64) -> usize {
 }
 
 /// What a build writes into each record: the packed columns as `(offset,
-/// width, values batch by batch)`, the record's bytes and the stride.
+/// width, values batch by batch)`, the steps that write them, the record's
+/// bytes and the stride.
 struct Pack<'a> {
     columns: &'a [(usize, usize, Vec<Buffer>)],
+    steps: Vec<Untile>,
     record: usize,
     stride: usize,
 }
@@ -320,46 +335,35 @@ impl Pack<'_> {
         for first in (0..rows).step_by(block) {
             let end = rows.min(first + block);
             let places = &places[first..end];
-            let mut i = 0;
-            while i < self.columns.len() {
-                let (offset, width, _) = self.columns[i];
-                if let Some(eight) = self.eight_at(i) {
-                    let values = eight
-                        .each_ref()
-                        .map(|(_, _, column)| &column[b].as_slice()[first * 4..end * 4]);
-                    pack_eight(values, places, offset, self.record, staged);
-                    i += 8;
-                    continue;
-                }
-                let values = &self.columns[i].2[b].as_slice()[first * width..end * width];
-                let into = &mut staged[offset..];
-                match width {
-                    1 => tile_rows::<1>(values, places, into),
-                    2 => tile_rows::<2>(values, places, into),
-                    4 => tile_rows::<4>(values, places, into),
-                    8 => tile_rows::<8>(values, places, into),
-                    16 => tile_rows::<16>(values, places, into),
-                    n => {
-                        for (value, &at) in values.chunks_exact(n).zip(places) {
-                            into[at..][..n].copy_from_slice(value);
+            let values = |i: usize| {
+                let (_, width, column) = &self.columns[i];
+                &column[b].as_slice()[first * width..end * width]
+            };
+            for &step in &self.steps {
+                match step {
+                    Untile::Eight(i) => {
+                        let eight = std::array::from_fn(|k| values(i + k));
+                        pack_eight(eight, places, self.columns[i].0, self.record, staged);
+                    }
+                    Untile::One(i) => {
+                        let (offset, width, _) = self.columns[i];
+                        let (values, into) = (values(i), &mut staged[offset..]);
+                        match width {
+                            1 => tile_rows::<1>(values, places, into),
+                            2 => tile_rows::<2>(values, places, into),
+                            4 => tile_rows::<4>(values, places, into),
+                            8 => tile_rows::<8>(values, places, into),
+                            16 => tile_rows::<16>(values, places, into),
+                            n => {
+                                for (value, &at) in values.chunks_exact(n).zip(places) {
+                                    into[at..][..n].copy_from_slice(value);
+                                }
+                            }
                         }
                     }
                 }
-                i += 1;
             }
         }
-    }
-
-    /// Columns `i..i + 8` when they are eight 4-byte columns side by side
-    /// in the record (eight `float32` columns in schema order, the common
-    /// case): [`pack_eight`] writes them eight rows at a time.
-    fn eight_at(&self, i: usize) -> Option<&[(usize, usize, Vec<Buffer>); 8]> {
-        let run: &[(usize, usize, Vec<Buffer>); 8] = self.columns.get(i..i + 8)?.try_into().ok()?;
-        let offset = run[0].0;
-        run.iter()
-            .enumerate()
-            .all(|(k, &(o, w, _))| w == 4 && o == offset + 4 * k)
-            .then_some(run)
     }
 }
 
@@ -501,15 +505,15 @@ impl PackedCache {
     /// wait for one build.
     ///
     /// `stride` groups a new copy's records (see [`Packed::build`]); a
-    /// copy already held keeps its own. `built` is told how long a build
-    /// that kept its copy took.
+    /// copy already held keeps its own. A build that keeps its copy is
+    /// logged and its time observed in `metrics`.
     pub fn get_or_build(
         &self,
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
         stride: usize,
-        built: impl FnOnce(std::time::Duration),
+        metrics: &Metrics,
     ) -> Option<Arc<Packed>> {
         let mut slot = self.copy.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(packed) = slot.as_ref() {
@@ -527,7 +531,7 @@ impl PackedCache {
                     ms = took.as_secs_f64() * 1e3,
                     "packed rows for scattered reads"
                 );
-                built(took);
+                metrics.packed(took);
                 let packed = Arc::new(packed);
                 *slot = Some(packed.clone());
                 Some(packed)
