@@ -420,7 +420,7 @@ async fn put_rows(c: &mut Client, ds: &str, p: u32, ids: std::ops::Range<i64>) {
 
 /// The metadata calls as the README's protocol table says: `ListFlights`
 /// lists open and sealed datasets by path with their totals (sealed ones
-/// with one unshuffled endpoint); `GetSchema` answers on an open dataset
+/// with one unshuffled endpoint), those starting with its criteria; `GetSchema` answers on an open dataset
 /// too, projected, and `NOT_FOUND` for a missing one; a split index not
 /// below its count is refused; `SHUFFLE_BLOCK` without `block_rows` uses
 /// blocks of 1024.
@@ -463,6 +463,30 @@ async fn metadata_calls_answer_as_the_protocol_table_says() {
     assert_eq!(
         paths,
         [vec!["open".to_string()], vec!["sealed".to_string()]]
+    );
+    // The criteria is a name prefix; one that is not UTF-8 is refused.
+    for (prefix, names) in [("se", &["sealed"][..]), ("open", &["open"]), ("x", &[])] {
+        assert_eq!(
+            c.list_datasets_starting_with(prefix).await.expect("list"),
+            names,
+            "datasets starting with {prefix:?}"
+        );
+    }
+    let garbled = c
+        .flight()
+        .list_flights(bytes::Bytes::from_static(&[0xff, 0xfe]))
+        .await
+        .map(|_| ());
+    let garbled =
+        flightdeck_client::ClientError::from(garbled.expect_err("criteria that is not UTF-8"));
+    assert_eq!(
+        garbled.code(),
+        flightdeck_client::Code::InvalidArgument,
+        "{garbled}"
+    );
+    assert!(
+        garbled.to_string().contains("dataset name prefix"),
+        "{garbled}"
     );
     let (open, sealed) = (&listed[0], &listed[1]);
     let open_bytes = c.describe("open").await.expect("describe").bytes;

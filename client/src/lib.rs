@@ -807,9 +807,15 @@ impl Client {
 
     /// Names of the datasets on the server.
     pub async fn list_datasets(&mut self) -> Result<Vec<String>> {
+        self.list_datasets_starting_with("").await
+    }
+
+    /// Names of the datasets on the server that start with `prefix`
+    /// (`ListFlights` with `prefix` as its criteria).
+    pub async fn list_datasets_starting_with(&mut self, prefix: &str) -> Result<Vec<String>> {
         let infos: Vec<FlightInfo> = self
             .inner
-            .list_flights(Bytes::new())
+            .list_flights(Bytes::copy_from_slice(prefix.as_bytes()))
             .await?
             .try_collect()
             .await?;

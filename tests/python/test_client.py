@@ -75,6 +75,23 @@ def test_round_trip_every_type(flightdeck_server):
     assert client.stats().rows == 1000
 
 
+def test_list_datasets_by_name_prefix(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    for name in ["train/a", "train/b", "eval/a"]:
+        client.put_partition(name, 0, mixed_table(range(3)))
+    client.seal("train/b", partitions=1)
+    assert sorted(client.list_datasets()) == ["eval/a", "train/a", "train/b"]
+    assert sorted(client.list_datasets("train/")) == ["train/a", "train/b"]
+    assert client.list_datasets("eval") == ["eval/a"]
+    assert client.list_datasets("test/") == []
+    # Plain pyarrow.flight: the criteria is the prefix; bytes that are not
+    # UTF-8 are refused with a message saying what the criteria is.
+    plain = pa.flight.connect(flightdeck_server.uri)
+    assert [i.descriptor.path for i in plain.list_flights(b"train/b")] == [[b"train/b"]]
+    with pytest.raises(pa.ArrowInvalid, match="dataset name prefix in UTF-8"):
+        list(plain.list_flights(b"\xff"))
+
+
 def test_errors_keep_code_and_message(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
     with pytest.raises(flightdeck.NotFound) as err:

@@ -574,9 +574,13 @@ class Client:
         """Where other members and ranks reach this server (its `--advertise`)."""
         return self.stats().location
 
-    def list_datasets(self) -> list[str]:
-        """Names of the datasets on the server."""
-        infos = translate(lambda: list(self._flight.list_flights(options=self._options)))
+    def list_datasets(self, prefix: str = "") -> list[str]:
+        """Names of the datasets on the server, those starting with `prefix`
+        when one is given (`ListFlights` with `prefix` as its criteria)."""
+        criteria = prefix.encode()
+        infos = translate(
+            lambda: list(self._flight.list_flights(criteria, options=self._options))
+        )
         return [i.descriptor.path[0].decode() for i in infos if i.descriptor.path]
 
     # Reading

@@ -373,12 +373,14 @@ pub(super) fn schema(state: &State, descriptor: &FlightDescriptor) -> Result<Sch
         .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))
 }
 
-/// `ListFlights`: every dataset with its path descriptor; sealed ones carry
-/// one endpoint reading everything unshuffled.
-pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
+/// `ListFlights`: every dataset whose name starts with the criteria's
+/// expression (all of them when it is empty), with its path descriptor;
+/// sealed ones carry one endpoint reading everything unshuffled.
+pub(super) fn list_flights(state: &State, criteria: &[u8]) -> Result<Vec<FlightInfo>> {
+    let prefix = name_prefix(criteria)?;
     let summaries = state.catalog().list();
     let mut infos = Vec::with_capacity(summaries.len());
-    for s in summaries {
+    for s in summaries.into_iter().filter(|s| s.name.starts_with(prefix)) {
         let descriptor = FlightDescriptor::new_path(vec![s.name.clone()]);
         let sealed =
             s.state == DatasetState::Sealed && !matches!(s.cluster, Some(ClusterState::Pending));
@@ -398,11 +400,19 @@ pub(super) fn list_flights(state: &State) -> Result<Vec<FlightInfo>> {
     Ok(infos)
 }
 
+/// The dataset name prefix a `ListFlights` criteria expression holds: UTF-8
+/// text, empty for every dataset.
+fn name_prefix(criteria: &[u8]) -> Result<&str> {
+    std::str::from_utf8(criteria).map_err(|_| {
+        Error::invalid(
+            "ListFlights criteria is a dataset name prefix in UTF-8; send an empty expression to \
+             list every dataset",
+        )
+    })
+}
+
 type Sender = outbox::Sender;
 
-/// The IPC messages of `batch`, the record batch tagged with `tag` (the
-/// batch's index, on streams between members); its rows and body bytes are
-/// added to `rows` and `bytes`.
 /// What a `DoGet` stream is, and what it has sent so far.
 #[derive(Debug, Clone)]
 pub(super) struct StreamInfo {
@@ -416,6 +426,9 @@ pub(super) struct StreamInfo {
     pub tally: Arc<Tally>,
 }
 
+/// The IPC messages of `batch`, the record batch tagged with `tag` (the
+/// batch's index, on streams between members); its rows and body bytes are
+/// added to `rows` and `bytes` and to the stream's `stream` tally.
 fn encode(
     messages: &mut Messages,
     batch: &RecordBatch,

@@ -76,9 +76,9 @@ impl FlightService for FlightdeckService {
 
     async fn list_flights(
         &self,
-        _request: Request<Criteria>,
+        request: Request<Criteria>,
     ) -> Result<Response<Self::ListFlightsStream>, Status> {
-        let infos = get::list_flights(&self.state)?;
+        let infos = get::list_flights(&self.state, &request.get_ref().expression)?;
         Ok(Response::new(
             stream::iter(infos.into_iter().map(Ok)).boxed(),
         ))
