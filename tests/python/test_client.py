@@ -110,6 +110,11 @@ def test_errors_keep_code_and_message(flightdeck_server):
         client.seal("e", partitions=3)
     with pytest.raises(flightdeck.InvalidArgument, match="shuffle"):
         client.plan("e", shuffle="sideways")
+    uri = flightdeck_server.uri
+    with pytest.raises(flightdeck.InvalidArgument, match="world_size must be at least 1, not 0"):
+        flightdeck.ShardedDataset(uri, "e", rank=0, world_size=0)
+    with pytest.raises(flightdeck.InvalidArgument, match=r"rank 2 must be in \[0, world_size=2\)"):
+        flightdeck.ShardedDataset(uri, "e", rank=2, world_size=2)
 
     # A writer whose data source fails half-way stores nothing.
     def failing():

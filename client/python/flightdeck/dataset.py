@@ -98,7 +98,9 @@ class ShardedDataset:
         read_rows: int | None = None,
         burst_bytes: int = 0,
     ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
+        if world_size < 1:
+            raise InvalidArgument(f"world_size must be at least 1, not {world_size}")
+        if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} must be in [0, world_size={world_size})")
         if batch_rows < 1:
             raise InvalidArgument("batch_rows must be at least 1")
