@@ -87,6 +87,10 @@ def render(run: dict, name: str) -> str:
     """The markdown for one run."""
     machine = run.get("machine", {})
     cpu = machine.get("cpu") or machine.get("arch", "?")
+    if machine.get("cpu_family") is not None:
+        cpu += f", family {machine['cpu_family']} model {machine.get('cpu_model', '?')}"
+    if machine.get("vector"):
+        cpu += f", {machine['vector']}"
     memory = machine.get("memory_bytes")
     memory = f", {memory / 2**30:.0f} GiB" if memory else ""
     commit = (run.get("commit") or "unknown")[:12]

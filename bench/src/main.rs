@@ -798,15 +798,30 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     Ok(())
 }
 
-/// The machine a run was measured on: cores, architecture, CPU model and
-/// memory.
+/// The machine a run was measured on: cores, architecture, CPU model (with
+/// its family and model numbers and widest vector extension, since hosts
+/// sold under one model name differ) and memory.
 fn machine() -> serde_json::Value {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string());
+    // The first processor's `key : value` lines.
+    let field = |key: &str| {
+        cpuinfo
+            .lines()
+            .take_while(|l| !l.trim().is_empty())
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim() == key)
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let model = field("model name");
+    let flags = field("flags").unwrap_or_default();
+    let has = |flag: &str| flags.split_whitespace().any(|f| f == flag);
+    let vector = if has("avx512f") {
+        Some("AVX-512")
+    } else if has("avx2") {
+        Some("AVX2")
+    } else {
+        None
+    };
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let memory_kib = meminfo
         .lines()
@@ -816,6 +831,9 @@ fn machine() -> serde_json::Value {
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "arch": std::env::consts::ARCH,
         "cpu": model,
+        "cpu_family": field("cpu family"),
+        "cpu_model": field("model"),
+        "vector": vector,
         "memory_bytes": memory_kib.map(|k| k * 1024),
     })
 }

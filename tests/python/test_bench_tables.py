@@ -72,3 +72,20 @@ def test_an_even_count_of_runs_has_the_benchs_median_in_every_column():
     assert "| get/none/first | flightdeck | 0.500 | 0.500 | 2.000 | 2.000 | 2.000 0.500 |" in (
         tables.render(run, "r.json")
     )
+
+
+def test_the_machine_line_names_the_cpus_family_model_and_vector_width():
+    # Hosts sold under one model name differ (runs on two kinds of "AMD
+    # EPYC" read differently); runs from before the fields say what they can.
+    tables = load_tables()
+    run = {
+        "command": "flightdeck-bench", "rows": 10, "features": 2, "commit": "abc",
+        "date": "d", "results": [],
+        "machine": {
+            "cores": 2, "cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17",
+            "vector": "AVX-512", "memory_bytes": 24 * 2**30,
+        },
+    }
+    assert "2 cores (AMD EPYC, family 25 model 17, AVX-512, 24 GiB)" in tables.render(run, "r.json")
+    run["machine"] = {"cores": 2, "cpu": "AMD EPYC"}
+    assert "2 cores (AMD EPYC);" in tables.render(run, "r.json")
