@@ -347,19 +347,7 @@ impl Pack<'_> {
                     }
                     Untile::One(i) => {
                         let (offset, width, _) = self.columns[i];
-                        let (values, into) = (values(i), &mut staged[offset..]);
-                        match width {
-                            1 => tile_rows::<1>(values, places, into),
-                            2 => tile_rows::<2>(values, places, into),
-                            4 => tile_rows::<4>(values, places, into),
-                            8 => tile_rows::<8>(values, places, into),
-                            16 => tile_rows::<16>(values, places, into),
-                            n => {
-                                for (value, &at) in values.chunks_exact(n).zip(places) {
-                                    into[at..][..n].copy_from_slice(value);
-                                }
-                            }
-                        }
+                        tile_column(values(i), width, places, &mut staged[offset..]);
                     }
                 }
             }
@@ -464,6 +452,23 @@ unsafe fn pack_eight_avx(
         i += 8;
     }
     i
+}
+
+/// Writes each `width`-byte value of `column` at the byte of `into` that
+/// `places` gives its row (the common widths as fixed-size copies).
+fn tile_column(column: &[u8], width: usize, places: &[usize], into: &mut [u8]) {
+    match width {
+        1 => tile_rows::<1>(column, places, into),
+        2 => tile_rows::<2>(column, places, into),
+        4 => tile_rows::<4>(column, places, into),
+        8 => tile_rows::<8>(column, places, into),
+        16 => tile_rows::<16>(column, places, into),
+        n => {
+            for (value, &at) in column.chunks_exact(n).zip(places) {
+                into[at..][..n].copy_from_slice(value);
+            }
+        }
+    }
 }
 
 /// Writes each `N`-byte value of `column` at the byte of `into` that
