@@ -11,6 +11,9 @@
 //! - A member killed mid-epoch: the rank's stream fails `UNAVAILABLE` naming
 //!   it; restarted with `--persist`, the epoch completes from
 //!   `start_sample`, every remaining row once.
+//! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
+//!   `stats` and `drop` see and drop the cluster dataset whole, and are
+//!   refused without the right token.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -715,13 +718,18 @@ async fn ids_of_two_ranks(c: &mut Client, ds: &str) -> HashSet<i64> {
         .collect()
 }
 
-/// Members started with a token file send its writer token on their calls
-/// to each other: a writer seals a cluster dataset through one member (which
-/// prepares and commits the others), and a reader's ranks read their shards,
-/// rows fetched from the other member included. Without a token nothing is
-/// served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn members_with_tokens_call_each_other_with_the_clusters_token() {
+/// Two members that need tokens (`writer w-secret`, `reader r-secret`),
+/// each holding one partition of `ds`, not yet sealed: the folder of their
+/// token file, the members, a writer's client of each, and the seal's
+/// layout.
+async fn guarded_members(
+    ds: &str,
+) -> (
+    flightdeck_tests::TempDir,
+    Vec<MemberProcess>,
+    Vec<Client>,
+    Vec<MemberPartitions>,
+) {
     let dir = temp_dir("tokens");
     let file = dir.join("tokens");
     std::fs::write(&file, "writer w-secret\nreader r-secret\n").expect("token file");
@@ -729,13 +737,24 @@ async fn members_with_tokens_call_each_other_with_the_clusters_token() {
     let members: Vec<MemberProcess> = (0..2)
         .map(|_| MemberProcess::start("127.0.0.1:0", &["--auth-token-file", file.as_str()]))
         .collect();
-    let ds = "guarded";
     let mut writers = Vec::new();
     for m in &members {
         writers.push(m.client().await.with_token("w-secret").expect("token"));
     }
     let locations: Vec<String> = members.iter().map(MemberProcess::location).collect();
     let seal = one_partition_each(&mut writers, &locations, ds).await;
+    (dir, members, writers, seal)
+}
+
+/// Members started with a token file send its writer token on their calls
+/// to each other: a writer seals a cluster dataset through one member (which
+/// prepares and commits the others), and a reader's ranks read their shards,
+/// rows fetched from the other member included. Without a token nothing is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_tokens_call_each_other_with_the_clusters_token() {
+    let ds = "guarded";
+    let (_dir, members, mut writers, seal) = guarded_members(ds).await;
     let mut reader = members[0]
         .client()
         .await
@@ -769,6 +788,101 @@ async fn members_with_tokens_call_each_other_with_the_clusters_token() {
         .await
         .expect_err("no token");
     assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+}
+
+/// `flightdeck` run as `args`, with `FLIGHTDECK_TOKEN` set to `token`
+/// (unset for `None`): its exit status, stdout and stderr.
+async fn cli(args: &[&str], token: Option<&str>) -> (bool, String, String) {
+    let mut command = std::process::Command::new(flightdeck_tests::server_binary());
+    command.args(args).env_remove("FLIGHTDECK_URI");
+    match token {
+        Some(t) => command.env("FLIGHTDECK_TOKEN", t),
+        None => command.env_remove("FLIGHTDECK_TOKEN"),
+    };
+    let out = timed(
+        "flightdeck command",
+        tokio::task::spawn_blocking(move || command.output()),
+    )
+    .await
+    .expect("joined")
+    .expect("the binary runs");
+    let text = |b: Vec<u8>| String::from_utf8(b).expect("UTF-8");
+    (out.status.success(), text(out.stdout), text(out.stderr))
+}
+
+/// An operator at the command line, on members that need tokens: without
+/// one every command is refused and says so; with the reader's token
+/// `datasets`, `describe` and `stats` on either member show the cluster
+/// dataset whole (every member's location and partitions), and `drop` is
+/// refused; with the writer's token `drop` through one member removes the
+/// dataset from both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_lists_describes_and_drops_a_cluster_dataset_from_the_command_line() {
+    let ds = "clicks";
+    let (_dir, members, mut writers, seal) = guarded_members(ds).await;
+    let locations: Vec<String> = members.iter().map(MemberProcess::location).collect();
+    timed("seal", writers[0].seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal");
+    let servers: Vec<String> = members.iter().map(|m| m.addr().to_string()).collect();
+
+    let (ok, _, err) = cli(&["datasets", "--server", &servers[0]], None).await;
+    assert!(!ok && err.contains("(Unauthenticated)"), "{err}");
+
+    for server in &servers {
+        let (ok, out, err) = cli(&["datasets", "--server", server], Some("r-secret")).await;
+        assert!(ok, "{err}");
+        let lines: Vec<Vec<&str>> = out
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert_eq!(lines[1][..4], [ds, "sealed", "2000", "2"], "{out}");
+        assert!(out.contains("2 members"), "{out}");
+
+        let (ok, out, err) = cli(&["describe", ds, "--server", server], Some("r-secret")).await;
+        assert!(ok, "{err}");
+        assert!(out.lines().any(|l| l == "rows        2000"), "{out}");
+        assert!(out.contains("  id: Int64"), "{out}");
+        for (p, location) in locations.iter().enumerate() {
+            let member = out
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{location} ")))
+                .unwrap_or_else(|| panic!("no line for {location} in\n{out}"));
+            let words: Vec<&str> = member.split_whitespace().collect();
+            assert_eq!(words[1], "1000", "{member}");
+            assert_eq!(words[3], p.to_string(), "{member}");
+        }
+    }
+
+    let (ok, out, err) = cli(&["stats", "--server", &servers[1]], Some("r-secret")).await;
+    assert!(ok, "{err}");
+    let location = format!("location    {}", locations[1]);
+    assert!(out.lines().any(|l| l == location), "{out}");
+    assert!(
+        out.contains("datasets    1 (1 sealed, 0 spilled): 1000 rows"),
+        "{out}"
+    );
+
+    let (ok, _, err) = cli(&["drop", ds, "--server", &servers[1]], Some("r-secret")).await;
+    assert!(!ok && err.contains("(PermissionDenied)"), "{err}");
+    let (ok, out, err) = cli(&["drop", ds, "--server", &servers[1]], Some("w-secret")).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with("dropped 'clicks' on all 2 members: 2000 rows"),
+        "{out}"
+    );
+    for server in &servers {
+        let (ok, out, err) = cli(&["datasets", "--server", server], Some("r-secret")).await;
+        assert!(ok, "{err}");
+        assert_eq!(out, "no datasets\n");
+        let (ok, _, err) = cli(&["describe", ds, "--server", server], Some("r-secret")).await;
+        assert!(!ok, "described a dropped dataset");
+        assert!(
+            err.contains("`flightdeck datasets` lists what the server holds (NotFound)"),
+            "{err}"
+        );
+    }
 }
 
 /// Members served over TLS reach each other over TLS (trusting `--tls-ca`):

@@ -339,7 +339,7 @@ fn machine_memory() -> Option<u64> {
 }
 
 /// `bytes` in the largest binary unit that keeps one decimal, e.g. `8.0GiB`.
-fn show_size(bytes: u64) -> String {
+pub fn show_size(bytes: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut value = bytes as f64;
     let mut unit = 0;

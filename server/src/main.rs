@@ -1,7 +1,10 @@
 //! The `flightdeck` binary: `serve` parses flags into a [`ServerConfig`],
 //! binds the listener and serves until SIGINT or SIGTERM; `train` submits a
-//! training job to a running server and shows its progress.
+//! training job to a running server and shows its progress; `datasets`,
+//! `describe`, `drop`, `stats` and `jobs` show (or drop) what a running
+//! server holds.
 
+mod admin_cli;
 mod train_cli;
 
 use std::io::{IsTerminal, Write};
@@ -28,6 +31,19 @@ enum Command {
     Serve(ServeArgs),
     /// Train a model on a sealed dataset of a running server.
     Train(train_cli::TrainArgs),
+    /// List a running server's datasets: state, rows, partitions, memory,
+    /// and where each is held.
+    Datasets(admin_cli::DatasetsArgs),
+    /// Show one dataset of a running server: its schema, partitions (with
+    /// their winning attempts) and, for a cluster dataset, every member.
+    Describe(admin_cli::DatasetArgs),
+    /// Drop a dataset from a running server (from every member, for a
+    /// cluster dataset) and free its memory.
+    Drop(admin_cli::DatasetArgs),
+    /// Show a running server's memory per tier, datasets and traffic.
+    Stats(admin_cli::StatsArgs),
+    /// Show the training jobs a running server has run since it started.
+    Jobs(admin_cli::JobsArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -258,6 +274,11 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => run(args).await,
         Command::Train(args) => train_cli::run(args).await,
+        Command::Datasets(args) => admin_cli::datasets(args).await,
+        Command::Describe(args) => admin_cli::describe(args).await,
+        Command::Drop(args) => admin_cli::drop(args).await,
+        Command::Stats(args) => admin_cli::stats(args).await,
+        Command::Jobs(args) => admin_cli::jobs(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,18 +3,16 @@
 
 use std::io::{IsTerminal, Write};
 
-use flightdeck_client::{Client, OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
+use flightdeck_client::{OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
 use futures::StreamExt;
+
+use crate::admin_cli::ServerArg;
 
 /// Flags of `flightdeck train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
-    /// Server to train on: `local` (this node's: FLIGHTDECK_URI, else
-    /// 127.0.0.1), `host`, `host:port`, `grpc://…`, `grpc+tls://…` or
-    /// `grpc+unix:///PATH` (a server's --unix-socket); port 50051 when none
-    /// is given.
-    #[arg(long, default_value = "local")]
-    server: String,
+    #[command(flatten)]
+    server: ServerArg,
     /// Sealed dataset.
     #[arg(long)]
     dataset: String,
@@ -181,12 +179,12 @@ fn line(p: &TrainProgress) -> String {
 }
 
 /// The server's advice (in Flight's words, left) as a person at the command
-/// line acts on it: this command writes and lists nothing itself.
+/// line acts on it: the command line writes nothing itself.
 pub const CLI_TERMS: &[(&str, &str)] = &[
     (
         "write it with DoPut, or list datasets with ListFlights",
-        "write it first (Spark's flightdeck data source, or a client's put_partition); a \
-         client's list_datasets lists what the server holds",
+        "write it first (Spark's flightdeck data source, or a client's put_partition); \
+         `flightdeck datasets` lists what the server holds",
     ),
     (
         "read it with DoGet (FlightDeckIterableDataset)",
@@ -197,9 +195,7 @@ pub const CLI_TERMS: &[(&str, &str)] = &[
 /// Runs `flightdeck train`.
 pub async fn run(args: TrainArgs) -> Result<(), String> {
     let job = args.job()?;
-    let mut client = Client::connect(&args.server)
-        .await
-        .map_err(|e| format!("cannot reach {}: {e}", args.server))?;
+    let mut client = args.server.connect().await?;
     let mut progress = client.train(job).await.map_err(|e| e.text_in(CLI_TERMS))?;
     let tty = std::io::stderr().is_terminal();
     let mut err = std::io::stderr();

@@ -1,0 +1,759 @@
+//! `flightdeck datasets | describe | drop | stats | jobs`: what a running
+//! server holds and does, for the person operating it, without a Python
+//! client at hand.
+//!
+//! Each command is one call or a few (a listing describes every dataset it
+//! lists) through the Rust client, so it follows the same names, tokens
+//! (`FLIGHTDECK_TOKEN`) and TLS roots (`FLIGHTDECK_TLS_ROOT_CERTS`) as every
+//! client. The text is made by pure functions of the server's replies,
+//! tested apart from any server.
+
+use std::fmt::Write as _;
+
+use arrow::ipc::convert::try_schema_from_ipc_buffer;
+use flightdeck_client::{Client, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats};
+use flightdeck_server::config::show_size;
+
+use crate::train_cli::CLI_TERMS;
+
+/// The server a command talks to.
+#[derive(Debug, clap::Args)]
+pub struct ServerArg {
+    /// Server: `local` (this node's: FLIGHTDECK_URI, else 127.0.0.1),
+    /// `host`, `host:port`, `grpc://…`, `grpc+tls://…` or
+    /// `grpc+unix:///PATH` (a server's --unix-socket); port 50051 when none
+    /// is given.
+    #[arg(long, default_value = "local")]
+    server: String,
+}
+
+impl ServerArg {
+    /// A client of the server, or why it cannot be reached (every cause:
+    /// "connection refused", not only "transport error").
+    pub async fn connect(&self) -> Result<Client, String> {
+        Client::connect(&self.server)
+            .await
+            .map_err(|e| format!("cannot reach {}: {}", self.server, with_causes(&e)))
+    }
+}
+
+/// `e` and each of its causes that it does not already say, `: ` apart.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// Flags of `flightdeck datasets`.
+#[derive(Debug, clap::Args)]
+pub struct DatasetsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// List only the datasets whose names start with this.
+    #[arg(default_value = "")]
+    prefix: String,
+}
+
+/// Flags of `flightdeck describe` and `flightdeck drop`.
+#[derive(Debug, clap::Args)]
+pub struct DatasetArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The dataset's name.
+    dataset: String,
+}
+
+/// Flags of `flightdeck stats`.
+#[derive(Debug, clap::Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+}
+
+/// Flags of `flightdeck jobs`.
+#[derive(Debug, clap::Args)]
+pub struct JobsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// One job's id; every job since the server started when not given.
+    job: Option<u64>,
+}
+
+/// Runs `flightdeck datasets`: one line a dataset.
+pub async fn datasets(args: DatasetsArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let names = client
+        .list_datasets_starting_with(&args.prefix)
+        .await
+        .map_err(|e| e.text_in(CLI_TERMS))?;
+    let mut infos = Vec::with_capacity(names.len());
+    for name in names {
+        match client.describe(&name).await {
+            Ok(info) => infos.push(info),
+            // Dropped since it was listed.
+            Err(e) if e.code() == flightdeck_client::Code::NotFound => {}
+            Err(e) => return Err(e.text_in(CLI_TERMS)),
+        }
+    }
+    print!("{}", datasets_text(&infos));
+    Ok(())
+}
+
+/// Runs `flightdeck describe`.
+pub async fn describe(args: DatasetArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let info = client
+        .describe(&args.dataset)
+        .await
+        .map_err(|e| e.text_in(CLI_TERMS))?;
+    print!("{}", describe_text(&info));
+    Ok(())
+}
+
+/// Runs `flightdeck drop`.
+pub async fn drop(args: DatasetArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let info = client
+        .drop_dataset(&args.dataset)
+        .await
+        .map_err(|e| e.text_in(CLI_TERMS))?;
+    println!("{}", dropped_text(&info));
+    Ok(())
+}
+
+/// Runs `flightdeck stats`.
+pub async fn stats(args: StatsArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let stats = client.stats().await.map_err(|e| e.text_in(CLI_TERMS))?;
+    print!("{}", stats_text(&stats));
+    Ok(())
+}
+
+/// Runs `flightdeck jobs`.
+pub async fn jobs(args: JobsArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let list = client
+        .jobs(args.job.unwrap_or(0))
+        .await
+        .map_err(|e| e.text_in(CLI_TERMS))?;
+    print!("{}", jobs_text(&list.jobs));
+    Ok(())
+}
+
+/// `rows` as a table: columns padded to their widest cell (the header's
+/// included), two spaces apart, the last one not padded.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let last = row.len().saturating_sub(1);
+        for (i, (cell, w)) in row.iter().zip(&widths).enumerate() {
+            if i == last {
+                out.push_str(cell);
+            } else {
+                let _ = write!(out, "{cell:<w$}  ");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// A dataset's state as a word.
+fn state(info: &DatasetInfo) -> &'static str {
+    match info.state() {
+        DatasetState::Open => "open",
+        DatasetState::Sealed => "sealed",
+        DatasetState::Unspecified => "unknown",
+    }
+}
+
+/// Where a dataset's rows are: `memory` or `spilled`, then `persisted`,
+/// the GPUs holding placed columns, and the members of a cluster dataset.
+fn held(info: &DatasetInfo) -> String {
+    let mut at = vec![if info.spilled { "spilled" } else { "memory" }.to_string()];
+    if info.persisted {
+        at.push("persisted".into());
+    }
+    if !info.placements.is_empty() {
+        let devices: Vec<String> = info
+            .placements
+            .iter()
+            .map(|p| p.device.to_string())
+            .collect();
+        at.push(format!("gpu {}", devices.join(",")));
+    }
+    if let Some(layout) = &info.layout {
+        at.push(format!("{} members", layout.members.len()));
+    }
+    at.join(", ")
+}
+
+/// Partitions as a list of ranges: `0-5, 9, 11-12`.
+fn ranges(mut parts: Vec<u32>) -> String {
+    parts.sort_unstable();
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < parts.len() {
+        let mut j = i;
+        while j + 1 < parts.len() && parts[j + 1] == parts[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            parts[i].to_string()
+        } else {
+            format!("{}-{}", parts[i], parts[j])
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+/// The text of `flightdeck datasets`.
+pub fn datasets_text(infos: &[DatasetInfo]) -> String {
+    if infos.is_empty() {
+        return "no datasets\n".into();
+    }
+    let rows: Vec<Vec<String>> = infos
+        .iter()
+        .map(|i| {
+            vec![
+                i.dataset.clone(),
+                state(i).into(),
+                i.rows.to_string(),
+                i.partitions.len().to_string(),
+                show_size(i.bytes),
+                held(i),
+            ]
+        })
+        .collect();
+    table(
+        &["DATASET", "STATE", "ROWS", "PARTITIONS", "MEMORY", "HELD"],
+        &rows,
+    )
+}
+
+/// The schema's fields, one line each (`name: type`, `nullable` where so).
+fn schema_lines(schema: &[u8], out: &mut String) {
+    if schema.is_empty() {
+        out.push_str("schema      none yet (no attempt committed)\n");
+        return;
+    }
+    match try_schema_from_ipc_buffer(schema) {
+        Ok(schema) => {
+            out.push_str("schema\n");
+            for f in schema.fields() {
+                let nullable = if f.is_nullable() { ", nullable" } else { "" };
+                let _ = writeln!(out, "  {}: {}{nullable}", f.name(), f.data_type());
+            }
+        }
+        Err(e) => {
+            let _ = writeln!(out, "schema      cannot be decoded: {e}");
+        }
+    }
+}
+
+/// The members of a cluster dataset's layout.
+fn layout_lines(layout: &ClusterLayout, out: &mut String) {
+    let _ = writeln!(out, "layout      {:#018x}", layout.id);
+    let rows: Vec<Vec<String>> = layout
+        .members
+        .iter()
+        .map(|m| {
+            vec![
+                m.location.clone(),
+                m.rows.to_string(),
+                m.generation.to_string(),
+                ranges(m.partitions.iter().map(|p| p.partition).collect()),
+            ]
+        })
+        .collect();
+    for line in table(&["MEMBER", "ROWS", "GENERATION", "PARTITIONS"], &rows).lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+}
+
+/// The text of `flightdeck describe`: the dataset, its schema, a cluster
+/// dataset's members, and each partition's winning attempt (`WINNER`; while
+/// open, the one that would win) beside the attempts committed of it.
+pub fn describe_text(info: &DatasetInfo) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "dataset     {}", info.dataset);
+    let _ = writeln!(
+        out,
+        "state       {} (generation {})",
+        state(info),
+        info.generation
+    );
+    let _ = writeln!(out, "rows        {}", info.rows);
+    let _ = writeln!(
+        out,
+        "partitions  {} ({} with a committed attempt)",
+        info.partitions.len(),
+        info.committed_partitions
+    );
+    let _ = writeln!(out, "memory      {}", show_size(info.bytes));
+    let _ = writeln!(out, "held        {}", held(info));
+    if info.spilled {
+        out.push_str("            (in the spill store only: the next read brings it back)\n");
+    }
+    for p in &info.placements {
+        let _ = writeln!(
+            out,
+            "gpu {}       {} ({})",
+            p.device,
+            p.columns.join(", "),
+            show_size(p.bytes)
+        );
+    }
+    schema_lines(&info.schema, &mut out);
+    if let Some(layout) = &info.layout {
+        layout_lines(layout, &mut out);
+    }
+    if !info.partitions.is_empty() {
+        out.push_str("partitions\n");
+        let rows: Vec<Vec<String>> = info
+            .partitions
+            .iter()
+            .map(|p| {
+                vec![
+                    p.partition.to_string(),
+                    p.attempt.to_string(),
+                    p.rows.to_string(),
+                    show_size(p.bytes),
+                    p.committed_attempts.to_string(),
+                ]
+            })
+            .collect();
+        let header = ["PARTITION", "WINNER", "ROWS", "BYTES", "ATTEMPTS"];
+        for line in table(&header, &rows).lines() {
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    out
+}
+
+/// The line `flightdeck drop` prints.
+pub fn dropped_text(info: &DatasetInfo) -> String {
+    let everywhere = match &info.layout {
+        Some(layout) => format!(" on all {} members", layout.members.len()),
+        None => String::new(),
+    };
+    format!(
+        "dropped '{}'{everywhere}: {} rows, {} of memory freed here",
+        info.dataset,
+        info.rows,
+        show_size(info.bytes)
+    )
+}
+
+/// `yes` or `no`.
+fn yes(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+/// The text of `flightdeck stats`.
+pub fn stats_text(s: &ServerStats) -> String {
+    let resident = if s.resident_peak_bytes > 0 {
+        format!("; resident peak {}", show_size(s.resident_peak_bytes))
+    } else {
+        String::new()
+    };
+    let plural = |n: u64, one: &str| format!("{n} {one}{}", if n == 1 { "" } else { "s" });
+    let lines = [
+        ("location", s.location.clone()),
+        (
+            "memory",
+            format!(
+                "{} of {} in use (peak {}){resident}",
+                show_size(s.memory_used),
+                show_size(s.memory_limit),
+                show_size(s.memory_used_peak)
+            ),
+        ),
+        (
+            "host arena",
+            format!(
+                "{} held, {} live, {} idle; pinned {}",
+                show_size(s.host_held_bytes),
+                show_size(s.host_live_bytes),
+                show_size(s.host_idle_bytes),
+                yes(s.host_pinned)
+            ),
+        ),
+        ("packed rows", show_size(s.packed_bytes)),
+        (
+            "gpus",
+            format!(
+                "{}, {} placed",
+                plural(s.cuda_devices.into(), "device"),
+                show_size(s.device_bytes)
+            ),
+        ),
+        (
+            "datasets",
+            format!(
+                "{} ({} sealed, {} spilled): {} rows, {} in memory",
+                s.datasets,
+                s.sealed_datasets,
+                s.spilled_datasets,
+                s.rows,
+                show_size(s.bytes)
+            ),
+        ),
+        (
+            "spill store",
+            format!(
+                "{}; persist {}; {} and {} since start",
+                s.spill_url,
+                yes(s.persist),
+                plural(s.spills, "spill"),
+                plural(s.restores, "restore")
+            ),
+        ),
+        (
+            "to ranks",
+            format!("{} rows, {}", s.rows_served, show_size(s.bytes_served)),
+        ),
+        (
+            "to peers",
+            format!(
+                "{} rows, {}",
+                s.rows_served_to_peers,
+                show_size(s.bytes_served_to_peers)
+            ),
+        ),
+        (
+            "from peers",
+            format!(
+                "{} rows, {}",
+                s.rows_fetched_from_peers,
+                show_size(s.bytes_fetched_from_peers)
+            ),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, value) in lines {
+        let _ = writeln!(out, "{name:<12}{value}");
+    }
+    out
+}
+
+/// The text of `flightdeck jobs`.
+pub fn jobs_text(jobs: &[JobStatus]) -> String {
+    if jobs.is_empty() {
+        return "no jobs\n".into();
+    }
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            let mut note = j.error.clone();
+            if !j.checkpoint.is_empty() {
+                if !note.is_empty() {
+                    note.push_str("; ");
+                }
+                let _ = write!(note, "checkpoint {}", j.checkpoint);
+            }
+            vec![
+                j.job.to_string(),
+                j.dataset.clone(),
+                j.state.clone(),
+                format!("{}/{}", j.step, j.total_steps),
+                format!("{:.4}", j.loss),
+                j.accuracy.map_or("-".into(), |a| format!("{a:.4}")),
+                note,
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "JOB", "DATASET", "STATE", "STEP", "LOSS", "ACCURACY", "NOTE",
+        ],
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow::ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteOptions};
+    use flightdeck_protos::{ClusterMember, DevicePlacement, PartitionInfo};
+
+    fn schema_bytes(schema: &Schema) -> Vec<u8> {
+        let data = IpcDataGenerator::default().schema_to_bytes_with_dictionary_tracker(
+            schema,
+            &mut DictionaryTracker::new(false),
+            &IpcWriteOptions::default(),
+        );
+        let mut out = Vec::new();
+        arrow::ipc::writer::write_message(&mut out, data, &IpcWriteOptions::default())
+            .expect("schema message");
+        out
+    }
+
+    fn part(partition: u32, attempt: u32, rows: u64) -> PartitionInfo {
+        PartitionInfo {
+            partition,
+            attempt,
+            rows,
+            bytes: rows * 12,
+            committed_attempts: attempt + 1,
+        }
+    }
+
+    fn sealed(name: &str, rows: u64) -> DatasetInfo {
+        DatasetInfo {
+            dataset: name.into(),
+            state: DatasetState::Sealed.into(),
+            rows,
+            bytes: rows * 12,
+            committed_partitions: 2,
+            partitions: vec![part(0, 0, rows / 2), part(1, 1, rows - rows / 2)],
+            generation: 3,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_table_pads_every_column_but_the_last_to_its_widest_cell() {
+        let text = table(
+            &["A", "LONGER"],
+            &[
+                vec!["wide cell".into(), "x".into()],
+                vec!["b".into(), "y".into()],
+            ],
+        );
+        assert_eq!(text, "A          LONGER\nwide cell  x\nb          y\n");
+    }
+
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        #[derive(Debug, thiserror::Error)]
+        #[error("transport error")]
+        struct Outer(#[source] std::io::Error);
+        assert_eq!(with_causes(&Outer(io)), "transport error: refused");
+        let io = std::io::Error::other("x");
+        #[derive(Debug, thiserror::Error)]
+        #[error("said already: {0}")]
+        struct Says(#[source] std::io::Error);
+        assert_eq!(with_causes(&Says(io)), "said already: x");
+    }
+
+    #[test]
+    fn partitions_read_as_ranges() {
+        assert_eq!(ranges(vec![]), "");
+        assert_eq!(ranges(vec![4]), "4");
+        assert_eq!(ranges(vec![5, 0, 1, 2, 9, 11, 12]), "0-2, 5, 9, 11-12");
+    }
+
+    #[test]
+    fn the_listing_says_state_rows_partitions_memory_and_where_each_dataset_is() {
+        assert_eq!(datasets_text(&[]), "no datasets\n");
+        let mut spilled = sealed("clicks", 1000);
+        spilled.spilled = true;
+        spilled.persisted = true;
+        spilled.bytes = 0;
+        let mut open = sealed("events", 2048);
+        open.state = DatasetState::Open.into();
+        open.placements = vec![DevicePlacement {
+            device: 1,
+            columns: vec!["x".into()],
+            bytes: 64,
+        }];
+        open.layout = Some(ClusterLayout {
+            members: vec![ClusterMember::default(); 3],
+            ..Default::default()
+        });
+        let text = datasets_text(&[spilled, open]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let words = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            words(lines[0]),
+            ["DATASET", "STATE", "ROWS", "PARTITIONS", "MEMORY", "HELD"]
+        );
+        assert_eq!(
+            words(lines[1]),
+            [
+                "clicks",
+                "sealed",
+                "1000",
+                "2",
+                "0B",
+                "spilled,",
+                "persisted"
+            ]
+        );
+        assert_eq!(
+            words(lines[2]),
+            [
+                "events", "open", "2048", "2", "24.0KiB", "memory,", "gpu", "1,", "3", "members"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_description_shows_the_schema_partitions_and_layout() {
+        let mut info = sealed("events", 100);
+        info.schema = schema_bytes(&Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, true),
+        ]))
+        .into();
+        info.layout = Some(ClusterLayout {
+            id: 0xabc,
+            members: vec![
+                ClusterMember {
+                    location: "grpc://127.0.0.2:50051".into(),
+                    generation: 1,
+                    partitions: vec![part(0, 0, 50), part(1, 1, 50), part(3, 0, 0)],
+                    rows: 100,
+                },
+                ClusterMember {
+                    location: "grpc://127.0.0.3:50051".into(),
+                    generation: 7,
+                    partitions: vec![part(2, 0, 0)],
+                    rows: 0,
+                },
+            ],
+            ..Default::default()
+        });
+        let text = describe_text(&info);
+        for line in [
+            "dataset     events",
+            "state       sealed (generation 3)",
+            "rows        100",
+            "partitions  2 (2 with a committed attempt)",
+            "memory      1.2KiB",
+            "held        memory, 2 members",
+            "schema",
+            "  id: Int64",
+            "  name: Utf8, nullable",
+            "layout      0x0000000000000abc",
+            "  MEMBER                  ROWS  GENERATION  PARTITIONS",
+            "  grpc://127.0.0.2:50051  100   1           0-1, 3",
+            "  grpc://127.0.0.3:50051  0     7           2",
+            "  PARTITION  WINNER  ROWS  BYTES  ATTEMPTS",
+            "  0          0       50    600B   1",
+            "  1          1       50    600B   2",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "no line {line:?} in\n{text}"
+            );
+        }
+
+        let mut fresh = DatasetInfo {
+            dataset: "new".into(),
+            state: DatasetState::Open.into(),
+            ..Default::default()
+        };
+        assert!(describe_text(&fresh).contains("schema      none yet"));
+        fresh.schema = vec![1, 2, 3].into();
+        assert!(describe_text(&fresh).contains("schema      cannot be decoded"));
+        fresh.spilled = true;
+        assert!(describe_text(&fresh).contains("the next read brings it back"));
+    }
+
+    #[test]
+    fn a_drop_says_what_it_freed_and_where() {
+        assert_eq!(
+            dropped_text(&sealed("events", 1024)),
+            "dropped 'events': 1024 rows, 12.0KiB of memory freed here"
+        );
+        let mut cluster = sealed("c", 10);
+        cluster.layout = Some(ClusterLayout {
+            members: vec![ClusterMember::default(); 3],
+            ..Default::default()
+        });
+        assert!(dropped_text(&cluster).starts_with("dropped 'c' on all 3 members: 10 rows"));
+    }
+
+    #[test]
+    fn stats_name_every_tier_and_the_traffic() {
+        let stats = ServerStats {
+            memory_used: 3 << 20,
+            memory_limit: 1 << 30,
+            memory_used_peak: 5 << 20,
+            resident_peak_bytes: 0,
+            datasets: 2,
+            sealed_datasets: 1,
+            rows: 10,
+            spills: 1,
+            restores: 2,
+            spill_url: "memory://".into(),
+            location: "grpc://127.0.0.1:1".into(),
+            rows_served_to_peers: 7,
+            ..Default::default()
+        };
+        let text = stats_text(&stats);
+        for line in [
+            "location    grpc://127.0.0.1:1",
+            "memory      3.0MiB of 1.0GiB in use (peak 5.0MiB)",
+            "gpus        0 devices, 0B placed",
+            "datasets    2 (1 sealed, 0 spilled): 10 rows, 0B in memory",
+            "spill store memory://; persist no; 1 spill and 2 restores since start",
+            "to peers    7 rows, 0B",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "no line {line:?} in\n{text}"
+            );
+        }
+        let with_rss = stats_text(&ServerStats {
+            resident_peak_bytes: 2 << 30,
+            ..stats
+        });
+        assert!(with_rss.contains("(peak 5.0MiB); resident peak 2.0GiB"));
+    }
+
+    #[test]
+    fn jobs_show_progress_loss_and_what_went_wrong() {
+        assert_eq!(jobs_text(&[]), "no jobs\n");
+        let text = jobs_text(&[
+            JobStatus {
+                job: 1,
+                dataset: "d".into(),
+                state: "finished".into(),
+                step: 10,
+                total_steps: 10,
+                loss: 0.5,
+                accuracy: Some(0.9),
+                checkpoint: "file:///c/step-10".into(),
+                ..Default::default()
+            },
+            JobStatus {
+                job: 2,
+                dataset: "d".into(),
+                state: "failed".into(),
+                step: 3,
+                total_steps: 10,
+                loss: 1.25,
+                error: "rank 1 failed".into(),
+                ..Default::default()
+            },
+        ]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(
+            lines[1].starts_with("1    d        finished  10/10  0.5000  0.9000    checkpoint")
+        );
+        assert!(lines[2].ends_with("3/10   1.2500  -         rank 1 failed"));
+    }
+}
