@@ -4,9 +4,10 @@ doctests (their printed results checked), other blocks as scripts. A block
 that needs what this machine lacks (a Spark cluster, GPUs,
 torch.distributed) is marked `<!-- not run by the README test: why -->` on
 the line before it; any other block must run. Then the shell blocks that
-use the server (`flightdeck train …`) run against it, with the built binary
-on `PATH`; the others build, serve or benchmark, which the test command
-does itself."""
+use the server (`flightdeck train …`, `flightdeck datasets`, …) run against
+it, with the built binary on `PATH`, every command of a block required to
+succeed; the others build, serve or benchmark, which the test command does
+itself."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_every_python_block_of_the_readme_runs_as_written(tmp_path, monkeypatch)
         path = f"{server_binary().parent}{os.pathsep}{os.environ['PATH']}"
         for command in commands:
             run = subprocess.run(
-                ["bash", "-c", command], env={**os.environ, "PATH": path},
+                ["bash", "-e", "-c", command], env={**os.environ, "PATH": path},
                 capture_output=True, text=True, timeout=scaled(300),
             )
             assert run.returncode == 0, f"{command}\n{run.stderr}"
