@@ -12,8 +12,8 @@
 //!   it; restarted with `--persist`, the epoch completes from
 //!   `start_sample`, every remaining row once.
 //! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
-//!   `stats` and `drop` see and drop the cluster dataset whole, and are
-//!   refused without the right token.
+//!   `stats`, `place`, `evict` and `drop` see and drop the cluster dataset
+//!   whole, and are refused without the right token.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -814,8 +814,8 @@ async fn cli(args: &[&str], token: Option<&str>) -> (bool, String, String) {
 /// one every command is refused and says so; with the reader's token
 /// `datasets`, `describe` and `stats` on either member show the cluster
 /// dataset whole (every member's location and partitions), and `drop` is
-/// refused; with the writer's token `drop` through one member removes the
-/// dataset from both.
+/// refused; without a GPU `place` is refused saying why; with the writer's
+/// token `drop` through one member removes the dataset from both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_lists_describes_and_drops_a_cluster_dataset_from_the_command_line() {
     let ds = "clicks";
@@ -863,6 +863,24 @@ async fn an_operator_lists_describes_and_drops_a_cluster_dataset_from_the_comman
         out.contains("datasets    1 (1 sealed, 0 spilled): 1000 rows"),
         "{out}"
     );
+
+    // The device tier on members started with --no-cuda: `place` is
+    // refused saying so and what to do instead; nothing is on a GPU to evict.
+    let (ok, _, err) = cli(
+        &["place", ds, "--devices", "0,1", "--server", &servers[0]],
+        Some("w-secret"),
+    )
+    .await;
+    assert!(!ok, "placed without a GPU");
+    assert!(
+        err.contains("--no-cuda")
+            && err.contains("with the Python client's FlightDeckIterableDataset instead")
+            && err.ends_with("(FailedPrecondition)\n"),
+        "{err}"
+    );
+    let (ok, out, err) = cli(&["evict", ds, "--server", &servers[0]], Some("w-secret")).await;
+    assert!(ok, "{err}");
+    assert_eq!(out, "'clicks' has no columns on a GPU\n");
 
     let (ok, _, err) = cli(&["drop", ds, "--server", &servers[1]], Some("r-secret")).await;
     assert!(!ok && err.contains("(PermissionDenied)"), "{err}");

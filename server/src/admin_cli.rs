@@ -1,12 +1,14 @@
-//! `flightdeck datasets | describe | drop | stats | jobs`: what a running
-//! server holds and does, for the person operating it, without a Python
-//! client at hand.
+//! `flightdeck datasets | describe | drop | place | evict | stats | jobs`:
+//! what a running server holds and does, for the person operating it,
+//! without a Python client at hand.
 //!
 //! Each command is one call or a few (a listing describes every dataset it
 //! lists) through the Rust client, so it follows the same names, tokens
 //! (`FLIGHTDECK_TOKEN`) and TLS roots (`FLIGHTDECK_TLS_ROOT_CERTS`) as every
 //! client. The text is made by pure functions of the server's replies,
-//! tested apart from any server.
+//! tested apart from any server. The pieces every client command shares
+//! (`flightdeck train` too) are here: `--server` ([`ServerArg`]) and the
+//! server's advice in command-line words ([`CLI_TERMS`]).
 
 use std::fmt::Write as _;
 
@@ -14,7 +16,23 @@ use arrow::ipc::convert::try_schema_from_ipc_buffer;
 use flightdeck_client::{Client, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats};
 use flightdeck_server::config::show_size;
 
-use crate::train_cli::CLI_TERMS;
+/// The server's advice (in Flight's words, left) as a person at the command
+/// line acts on it: the command line writes and reads no rows itself.
+pub const CLI_TERMS: &[(&str, &str)] = &[
+    (
+        "write it with DoPut, or list datasets with ListFlights",
+        "write it first (Spark's flightdeck data source, or a client's put_partition); \
+         `flightdeck datasets` lists what the server holds",
+    ),
+    (
+        "read it with DoGet (FlightDeckIterableDataset)",
+        "read it with the Python client's FlightDeckIterableDataset",
+    ),
+    (
+        "read the dataset with DoGet instead",
+        "read the dataset with the Python client's FlightDeckIterableDataset instead",
+    ),
+];
 
 /// The server a command talks to.
 #[derive(Debug, clap::Args)]
@@ -71,6 +89,35 @@ pub struct DatasetArgs {
     dataset: String,
 }
 
+/// Flags of `flightdeck place`.
+#[derive(Debug, clap::Args)]
+pub struct PlaceArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The sealed dataset.
+    dataset: String,
+    /// Columns to copy (numeric or fixed_size_list of numbers, no nulls),
+    /// comma-separated; every such column when not given.
+    #[arg(long, value_delimiter = ',')]
+    columns: Vec<String>,
+    /// GPU ordinals to copy them to, comma-separated; device 0 when not
+    /// given.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<u32>,
+}
+
+/// Flags of `flightdeck evict`.
+#[derive(Debug, clap::Args)]
+pub struct EvictArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The dataset.
+    dataset: String,
+    /// GPU ordinals to free, comma-separated; every device when not given.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<u32>,
+}
+
 /// Flags of `flightdeck stats`.
 #[derive(Debug, clap::Args)]
 pub struct StatsArgs {
@@ -87,63 +134,79 @@ pub struct JobsArgs {
     job: Option<u64>,
 }
 
+/// `call` on a client of `server`, its error said in command-line words.
+async fn on_server<T>(
+    server: &ServerArg,
+    call: impl AsyncFnOnce(&mut Client) -> flightdeck_client::Result<T>,
+) -> Result<T, String> {
+    let mut client = server.connect().await?;
+    call(&mut client).await.map_err(|e| e.text_in(CLI_TERMS))
+}
+
 /// Runs `flightdeck datasets`: one line a dataset.
 pub async fn datasets(args: DatasetsArgs) -> Result<(), String> {
-    let mut client = args.server.connect().await?;
-    let names = client
-        .list_datasets_starting_with(&args.prefix)
-        .await
-        .map_err(|e| e.text_in(CLI_TERMS))?;
-    let mut infos = Vec::with_capacity(names.len());
-    for name in names {
-        match client.describe(&name).await {
-            Ok(info) => infos.push(info),
-            // Dropped since it was listed.
-            Err(e) if e.code() == flightdeck_client::Code::NotFound => {}
-            Err(e) => return Err(e.text_in(CLI_TERMS)),
+    let infos = on_server(&args.server, async |c| {
+        let mut infos = Vec::new();
+        for name in c.list_datasets_starting_with(&args.prefix).await? {
+            match c.describe(&name).await {
+                Ok(info) => infos.push(info),
+                // Dropped since it was listed.
+                Err(e) if e.code() == flightdeck_client::Code::NotFound => {}
+                Err(e) => return Err(e),
+            }
         }
-    }
+        Ok(infos)
+    })
+    .await?;
     print!("{}", datasets_text(&infos));
     Ok(())
 }
 
 /// Runs `flightdeck describe`.
 pub async fn describe(args: DatasetArgs) -> Result<(), String> {
-    let mut client = args.server.connect().await?;
-    let info = client
-        .describe(&args.dataset)
-        .await
-        .map_err(|e| e.text_in(CLI_TERMS))?;
+    let info = on_server(&args.server, async |c| c.describe(&args.dataset).await).await?;
     print!("{}", describe_text(&info));
     Ok(())
 }
 
 /// Runs `flightdeck drop`.
 pub async fn drop(args: DatasetArgs) -> Result<(), String> {
-    let mut client = args.server.connect().await?;
-    let info = client
-        .drop_dataset(&args.dataset)
-        .await
-        .map_err(|e| e.text_in(CLI_TERMS))?;
+    let info = on_server(&args.server, async |c| c.drop_dataset(&args.dataset).await).await?;
     println!("{}", dropped_text(&info));
+    Ok(())
+}
+
+/// Runs `flightdeck place`: prints where the dataset's columns are then.
+pub async fn place(args: PlaceArgs) -> Result<(), String> {
+    let columns: Vec<&str> = args.columns.iter().map(String::as_str).collect();
+    let info = on_server(&args.server, async |c| {
+        c.place(&args.dataset, &columns, &args.devices).await
+    })
+    .await?;
+    print!("{}", placements_text(&info));
+    Ok(())
+}
+
+/// Runs `flightdeck evict`: prints where the dataset's columns are left.
+pub async fn evict(args: EvictArgs) -> Result<(), String> {
+    let info = on_server(&args.server, async |c| {
+        c.evict(&args.dataset, &args.devices).await
+    })
+    .await?;
+    print!("{}", placements_text(&info));
     Ok(())
 }
 
 /// Runs `flightdeck stats`.
 pub async fn stats(args: StatsArgs) -> Result<(), String> {
-    let mut client = args.server.connect().await?;
-    let stats = client.stats().await.map_err(|e| e.text_in(CLI_TERMS))?;
+    let stats = on_server(&args.server, async |c| c.stats().await).await?;
     print!("{}", stats_text(&stats));
     Ok(())
 }
 
 /// Runs `flightdeck jobs`.
 pub async fn jobs(args: JobsArgs) -> Result<(), String> {
-    let mut client = args.server.connect().await?;
-    let list = client
-        .jobs(args.job.unwrap_or(0))
-        .await
-        .map_err(|e| e.text_in(CLI_TERMS))?;
+    let list = on_server(&args.server, async |c| c.jobs(args.job.unwrap_or(0)).await).await?;
     print!("{}", jobs_text(&list.jobs));
     Ok(())
 }
@@ -311,14 +374,8 @@ pub fn describe_text(info: &DatasetInfo) -> String {
     if info.spilled {
         out.push_str("            (in the spill store only: the next read brings it back)\n");
     }
-    for p in &info.placements {
-        let _ = writeln!(
-            out,
-            "gpu {}       {} ({})",
-            p.device,
-            p.columns.join(", "),
-            show_size(p.bytes)
-        );
+    for line in placement_lines(info) {
+        let _ = writeln!(out, "            {line}");
     }
     schema_lines(&info.schema, &mut out);
     if let Some(layout) = &info.layout {
@@ -345,6 +402,32 @@ pub fn describe_text(info: &DatasetInfo) -> String {
         }
     }
     out
+}
+
+/// The text of `flightdeck place` and `evict`: the GPUs holding the
+/// dataset's columns, one line each.
+pub fn placements_text(info: &DatasetInfo) -> String {
+    if info.placements.is_empty() {
+        return format!("'{}' has no columns on a GPU\n", info.dataset);
+    }
+    let mut out = String::new();
+    for line in placement_lines(info) {
+        let _ = writeln!(out, "'{}' {line}", info.dataset);
+    }
+    out
+}
+
+/// `on gpu N: columns (bytes)` for each device holding the dataset's
+/// columns.
+fn placement_lines(info: &DatasetInfo) -> impl Iterator<Item = String> + '_ {
+    info.placements.iter().map(|p| {
+        format!(
+            "on gpu {}: {} ({})",
+            p.device,
+            p.columns.join(", "),
+            show_size(p.bytes)
+        )
+    })
 }
 
 /// The line `flightdeck drop` prints.
@@ -672,6 +755,33 @@ mod tests {
     }
 
     #[test]
+    fn placements_name_each_gpu_its_columns_and_bytes() {
+        let mut info = sealed("events", 10);
+        assert_eq!(placements_text(&info), "'events' has no columns on a GPU\n");
+        info.placements = vec![
+            DevicePlacement {
+                device: 0,
+                columns: vec!["x".into(), "y".into()],
+                bytes: 2048,
+            },
+            DevicePlacement {
+                device: 3,
+                columns: vec!["x".into()],
+                bytes: 1024,
+            },
+        ];
+        assert_eq!(
+            placements_text(&info),
+            "'events' on gpu 0: x, y (2.0KiB)\n'events' on gpu 3: x (1.0KiB)\n"
+        );
+        let text = describe_text(&info);
+        assert!(
+            text.contains("held        memory, gpu 0,3\n            on gpu 0: x, y (2.0KiB)\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_drop_says_what_it_freed_and_where() {
         assert_eq!(
             dropped_text(&sealed("events", 1024)),
@@ -755,5 +865,59 @@ mod tests {
             lines[1].starts_with("1    d        finished  10/10  0.5000  0.9000    checkpoint")
         );
         assert!(lines[2].ends_with("3/10   1.2500  -         rank 1 failed"));
+    }
+
+    /// The server's messages as one text: every `.rs` file under `src`,
+    /// with string line continuations (`\` then a newline and indentation)
+    /// joined as the compiler joins them.
+    fn server_messages() -> String {
+        fn walk(dir: &std::path::Path, out: &mut String) {
+            for entry in std::fs::read_dir(dir).expect("src is readable") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).expect("source");
+                    let mut lines = text.lines().peekable();
+                    while let Some(line) = lines.next() {
+                        out.push_str(line.strip_suffix('\\').unwrap_or(line));
+                        if line.ends_with('\\') {
+                            if let Some(next) = lines.peek_mut() {
+                                *next = next.trim_start();
+                            }
+                        } else {
+                            out.push('\n');
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = String::new();
+        walk(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut out,
+        );
+        out
+    }
+
+    /// Each client's table of advice follows the server's wording: a phrase
+    /// the server no longer says would leave its advice untranslated.
+    #[test]
+    fn every_translated_phrase_is_one_the_server_says() {
+        let said = server_messages();
+        for (table, terms) in [
+            ("CLI_TERMS", CLI_TERMS),
+            ("RUST_TERMS", flightdeck_client::RUST_TERMS),
+        ] {
+            for (flight, ours) in terms {
+                assert!(
+                    said.matches(flight).count() > usize::from(table == "CLI_TERMS"),
+                    "{table}: the server never says {flight:?}"
+                );
+                for word in ["DoPut", "DoGet", "ListFlights", "GetFlightInfo"] {
+                    assert!(!ours.contains(word), "{table}: {ours:?} says {word}");
+                }
+            }
+        }
     }
 }

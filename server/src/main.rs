@@ -1,8 +1,8 @@
 //! The `flightdeck` binary: `serve` parses flags into a [`ServerConfig`],
 //! binds the listener and serves until SIGINT or SIGTERM; `train` submits a
 //! training job to a running server and shows its progress; `datasets`,
-//! `describe`, `drop`, `stats` and `jobs` show (or drop) what a running
-//! server holds.
+//! `describe`, `drop`, `place`, `evict`, `stats` and `jobs` show (or
+//! change) what a running server holds.
 
 mod admin_cli;
 mod train_cli;
@@ -40,6 +40,11 @@ enum Command {
     /// Drop a dataset from a running server (from every member, for a
     /// cluster dataset) and free its memory.
     Drop(admin_cli::DatasetArgs),
+    /// Copy numeric columns of a sealed dataset to GPUs of a running server
+    /// (the device tier).
+    Place(admin_cli::PlaceArgs),
+    /// Free a dataset's GPU copies on a running server.
+    Evict(admin_cli::EvictArgs),
     /// Show a running server's memory per tier, datasets and traffic.
     Stats(admin_cli::StatsArgs),
     /// Show the training jobs a running server has run since it started.
@@ -277,6 +282,8 @@ async fn main() -> ExitCode {
         Command::Datasets(args) => admin_cli::datasets(args).await,
         Command::Describe(args) => admin_cli::describe(args).await,
         Command::Drop(args) => admin_cli::drop(args).await,
+        Command::Place(args) => admin_cli::place(args).await,
+        Command::Evict(args) => admin_cli::evict(args).await,
         Command::Stats(args) => admin_cli::stats(args).await,
         Command::Jobs(args) => admin_cli::jobs(args).await,
     };

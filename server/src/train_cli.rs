@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use flightdeck_client::{OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
 use futures::StreamExt;
 
-use crate::admin_cli::ServerArg;
+use crate::admin_cli::{CLI_TERMS, ServerArg};
 
 /// Flags of `flightdeck train`.
 #[derive(Debug, clap::Args)]
@@ -178,20 +178,6 @@ fn line(p: &TrainProgress) -> String {
     )
 }
 
-/// The server's advice (in Flight's words, left) as a person at the command
-/// line acts on it: the command line writes nothing itself.
-pub const CLI_TERMS: &[(&str, &str)] = &[
-    (
-        "write it with DoPut, or list datasets with ListFlights",
-        "write it first (Spark's flightdeck data source, or a client's put_partition); \
-         `flightdeck datasets` lists what the server holds",
-    ),
-    (
-        "read it with DoGet (FlightDeckIterableDataset)",
-        "read it with the Python client's FlightDeckIterableDataset",
-    ),
-];
-
 /// Runs `flightdeck train`.
 pub async fn run(args: TrainArgs) -> Result<(), String> {
     let job = args.job()?;
@@ -232,63 +218,4 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
         }
     }
     Err("the server ended the job's stream without a final report".into())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The server's messages as one text: every `.rs` file under `src`,
-    /// with string line continuations (`\` then a newline and indentation)
-    /// joined as the compiler joins them.
-    fn server_messages() -> String {
-        fn walk(dir: &std::path::Path, out: &mut String) {
-            for entry in std::fs::read_dir(dir).expect("src is readable") {
-                let path = entry.expect("entry").path();
-                if path.is_dir() {
-                    walk(&path, out);
-                } else if path.extension().is_some_and(|e| e == "rs") {
-                    let text = std::fs::read_to_string(&path).expect("source");
-                    let mut lines = text.lines().peekable();
-                    while let Some(line) = lines.next() {
-                        out.push_str(line.strip_suffix('\\').unwrap_or(line));
-                        if line.ends_with('\\') {
-                            if let Some(next) = lines.peek_mut() {
-                                *next = next.trim_start();
-                            }
-                        } else {
-                            out.push('\n');
-                        }
-                    }
-                }
-            }
-        }
-        let mut out = String::new();
-        walk(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-            &mut out,
-        );
-        out
-    }
-
-    /// Each client's table of advice follows the server's wording: a phrase
-    /// the server no longer says would leave its advice untranslated.
-    #[test]
-    fn every_translated_phrase_is_one_the_server_says() {
-        let said = server_messages();
-        for (table, terms) in [
-            ("CLI_TERMS", CLI_TERMS),
-            ("RUST_TERMS", flightdeck_client::RUST_TERMS),
-        ] {
-            for (flight, ours) in terms {
-                assert!(
-                    said.matches(flight).count() > usize::from(table == "CLI_TERMS"),
-                    "{table}: the server never says {flight:?}"
-                );
-                for word in ["DoPut", "DoGet", "ListFlights", "GetFlightInfo"] {
-                    assert!(!ours.contains(word), "{table}: {ours:?} says {word}");
-                }
-            }
-        }
-    }
 }
