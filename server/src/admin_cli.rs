@@ -236,6 +236,29 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// Width of the names before the values in `describe` and `stats`.
+const NAME_WIDTH: usize = 12;
+
+/// `name` padded to [`NAME_WIDTH`], then `value`, as one line of `out` (a
+/// continuation line with `name` empty).
+fn field(out: &mut String, name: &str, value: impl std::fmt::Display) {
+    let _ = writeln!(out, "{name:<NAME_WIDTH$}{value}");
+}
+
+/// Each `(name, value)` of `lines` as a [`field`].
+fn fields<'a>(out: &mut String, lines: impl IntoIterator<Item = (&'a str, String)>) {
+    for (name, value) in lines {
+        field(out, name, value);
+    }
+}
+
+/// `text` (a [`table`]) into `out`, each line indented two spaces.
+fn indented(out: &mut String, text: &str) {
+    for line in text.lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+}
+
 /// A dataset's state as a word.
 fn state(info: &DatasetInfo) -> &'static str {
     match info.state() {
@@ -313,7 +336,7 @@ pub fn datasets_text(infos: &[DatasetInfo]) -> String {
 /// The schema's fields, one line each (`name: type`, `nullable` where so).
 fn schema_lines(schema: &[u8], out: &mut String) {
     if schema.is_empty() {
-        out.push_str("schema      none yet (no attempt committed)\n");
+        field(out, "schema", "none yet (no attempt committed)");
         return;
     }
     match try_schema_from_ipc_buffer(schema) {
@@ -324,15 +347,13 @@ fn schema_lines(schema: &[u8], out: &mut String) {
                 let _ = writeln!(out, "  {}: {}{nullable}", f.name(), f.data_type());
             }
         }
-        Err(e) => {
-            let _ = writeln!(out, "schema      cannot be decoded: {e}");
-        }
+        Err(e) => field(out, "schema", format_args!("cannot be decoded: {e}")),
     }
 }
 
 /// The members of a cluster dataset's layout.
 fn layout_lines(layout: &ClusterLayout, out: &mut String) {
-    let _ = writeln!(out, "layout      {:#018x}", layout.id);
+    field(out, "layout", format_args!("{:#018x}", layout.id));
     let rows: Vec<Vec<String>> = layout
         .members
         .iter()
@@ -345,9 +366,10 @@ fn layout_lines(layout: &ClusterLayout, out: &mut String) {
             ]
         })
         .collect();
-    for line in table(&["MEMBER", "ROWS", "GENERATION", "PARTITIONS"], &rows).lines() {
-        let _ = writeln!(out, "  {line}");
-    }
+    indented(
+        out,
+        &table(&["MEMBER", "ROWS", "GENERATION", "PARTITIONS"], &rows),
+    );
 }
 
 /// The text of `flightdeck describe`: the dataset, its schema, a cluster
@@ -355,28 +377,26 @@ fn layout_lines(layout: &ClusterLayout, out: &mut String) {
 /// open, the one that would win) beside the attempts committed of it.
 pub fn describe_text(info: &DatasetInfo) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "dataset     {}", info.dataset);
-    let _ = writeln!(
-        out,
-        "state       {} (generation {})",
-        state(info),
-        info.generation
-    );
-    let _ = writeln!(out, "rows        {}", info.rows);
-    let _ = writeln!(
-        out,
-        "partitions  {} ({} with a committed attempt)",
+    let state = format!("{} (generation {})", state(info), info.generation);
+    let partitions = format!(
+        "{} ({} with a committed attempt)",
         info.partitions.len(),
         info.committed_partitions
     );
-    let _ = writeln!(out, "memory      {}", show_size(info.bytes));
-    let _ = writeln!(out, "held        {}", held(info));
+    let mut lines = vec![
+        ("dataset", info.dataset.clone()),
+        ("state", state),
+        ("rows", info.rows.to_string()),
+        ("partitions", partitions),
+        ("memory", show_size(info.bytes)),
+        ("held", held(info)),
+    ];
     if info.spilled {
-        out.push_str("            (in the spill store only: the next read brings it back)\n");
+        let note = "(in the spill store only: the next read brings it back)";
+        lines.push(("", note.into()));
     }
-    for line in placement_lines(info) {
-        let _ = writeln!(out, "            {line}");
-    }
+    lines.extend(placement_lines(info).map(|line| ("", line)));
+    fields(&mut out, lines);
     schema_lines(&info.schema, &mut out);
     if let Some(layout) = &info.layout {
         layout_lines(layout, &mut out);
@@ -397,9 +417,7 @@ pub fn describe_text(info: &DatasetInfo) -> String {
             })
             .collect();
         let header = ["PARTITION", "WINNER", "ROWS", "BYTES", "ATTEMPTS"];
-        for line in table(&header, &rows).lines() {
-            let _ = writeln!(out, "  {line}");
-        }
+        indented(&mut out, &table(&header, &rows));
     }
     out
 }
@@ -457,6 +475,7 @@ pub fn stats_text(s: &ServerStats) -> String {
         String::new()
     };
     let plural = |n: u64, one: &str| format!("{n} {one}{}", if n == 1 { "" } else { "s" });
+    let traffic = |rows: u64, bytes: u64| format!("{rows} rows, {}", show_size(bytes));
     let lines = [
         ("location", s.location.clone()),
         (
@@ -508,31 +527,18 @@ pub fn stats_text(s: &ServerStats) -> String {
                 plural(s.restores, "restore")
             ),
         ),
-        (
-            "to ranks",
-            format!("{} rows, {}", s.rows_served, show_size(s.bytes_served)),
-        ),
+        ("to ranks", traffic(s.rows_served, s.bytes_served)),
         (
             "to peers",
-            format!(
-                "{} rows, {}",
-                s.rows_served_to_peers,
-                show_size(s.bytes_served_to_peers)
-            ),
+            traffic(s.rows_served_to_peers, s.bytes_served_to_peers),
         ),
         (
             "from peers",
-            format!(
-                "{} rows, {}",
-                s.rows_fetched_from_peers,
-                show_size(s.bytes_fetched_from_peers)
-            ),
+            traffic(s.rows_fetched_from_peers, s.bytes_fetched_from_peers),
         ),
     ];
     let mut out = String::new();
-    for (name, value) in lines {
-        let _ = writeln!(out, "{name:<12}{value}");
-    }
+    fields(&mut out, lines);
     out
 }
 
@@ -587,6 +593,13 @@ mod tests {
         arrow::ipc::writer::write_message(&mut out, data, &IpcWriteOptions::default())
             .expect("schema message");
         out
+    }
+
+    fn assert_has_line(text: &str, line: &str) {
+        assert!(
+            text.lines().any(|l| l == line),
+            "no line {line:?} in\n{text}"
+        );
     }
 
     fn part(partition: u32, attempt: u32, rows: u64) -> PartitionInfo {
@@ -736,10 +749,7 @@ mod tests {
             "  0          0       50    600B   1",
             "  1          1       50    600B   2",
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "no line {line:?} in\n{text}"
-            );
+            assert_has_line(&text, line);
         }
 
         let mut fresh = DatasetInfo {
@@ -821,10 +831,7 @@ mod tests {
             "spill store memory://; persist no; 1 spill and 2 restores since start",
             "to peers    7 rows, 0B",
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "no line {line:?} in\n{text}"
-            );
+            assert_has_line(&text, line);
         }
         let with_rss = stats_text(&ServerStats {
             resident_peak_bytes: 2 << 30,
