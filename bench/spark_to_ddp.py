@@ -12,6 +12,9 @@ Compares, on one Spark `local[N]` session and one flightdeck server:
   connection each), globally shuffled; `flightdeck read none` unshuffled.
 - `parquet write` + `parquet read`: the path users take today,
   `df.write.parquet` then `--ranks` readers each reading their files.
+- `spark read` (`spark read jvm`): Spark reads the sealed dataset back
+  through the Python data source (the JVM connector) into Spark's no-op
+  sink; `parquet spark read`: Spark reads the Parquet files the same way.
 
 The DataFrame is cached first so generating it is not measured. Every
 phase first runs `--warmup` times unmeasured (the first run of each pays
@@ -116,9 +119,11 @@ def main() -> None:
     client = flightdeck.connect(uri)
     tmp = Path(tempfile.mkdtemp(prefix="flightdeck-bench-"))
     names = {"flightdeck_py": "flightdeck_write", "flightdeck": "flightdeck_write_jvm"}
+    read_names = {"flightdeck_py": "spark_read", "flightdeck": "spark_read_jvm"}
     results: dict[str, list[float]] = {k: [] for k in (
         "floor", *(names[w] for w in writers), "flightdeck_read", "flightdeck_read_none",
-        "parquet_write", "parquet_read")}
+        *(read_names[w] for w in writers), "parquet_write", "parquet_read",
+        "parquet_spark_read")}
 
     def noop(batches):
         for _ in batches:
@@ -138,6 +143,13 @@ def main() -> None:
         with ThreadPoolExecutor(args.ranks) as pool:
             rows = sum(pool.map(rank, range(args.ranks)))
         assert rows >= args.rows
+
+    def spark_read(fmt):
+        back = spark.read.format(fmt).option("uri", uri).option("dataset", "bench").load()
+        back.write.format("noop").mode("overwrite").save()
+
+    def pq_spark_read():
+        spark.read.parquet(str(tmp / "pq")).write.format("noop").mode("overwrite").save()
 
     def pq_write():
         shutil.rmtree(tmp / "pq", ignore_errors=True)
@@ -159,16 +171,22 @@ def main() -> None:
                 fd_write(w)
             fd_read()
             fd_read("none")
+            for w in writers:
+                spark_read(w)
             pq_write()
             pq_read()
+            pq_spark_read()
         for rep in range(args.reps):
             results["floor"].append(timed(lambda: df.mapInArrow(noop, "id long").count()))
             for w in writers:
                 results[names[w]].append(timed(lambda: fd_write(w)))
             results["flightdeck_read"].append(timed(fd_read))
             results["flightdeck_read_none"].append(timed(lambda: fd_read("none")))
+            for w in writers:
+                results[read_names[w]].append(timed(lambda: spark_read(w)))
             results["parquet_write"].append(timed(pq_write))
             results["parquet_read"].append(timed(pq_read))
+            results["parquet_spark_read"].append(timed(pq_spark_read))
             print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
                 f"{k} {v[-1]:.2f}s" for k, v in results.items()), file=sys.stderr, flush=True)
     finally:

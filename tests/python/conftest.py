@@ -208,6 +208,29 @@ def pb(tmp_path_factory):
         sys.path.remove(str(out))
 
 
+#: A Spark column of every type the connectors carry, as `selectExpr`
+#: expressions over `spark.range`'s `id` (the first).
+TYPES = [
+    "id",
+    "cast(id % 100 as tinyint) as i8",
+    "cast(id % 30000 as smallint) as i16",
+    "cast(id as int) as i32",
+    "id * 3 as i64",
+    "cast(id / 3 as float) as f32",
+    "id / 7 as f64",
+    "id % 2 = 0 as flag",
+    "case when id % 10 = 0 then null else concat('row-', id) end as name",
+    "cast(concat('b', id) as binary) as bin",
+    "date_add(date'2024-01-01', cast(id % 1000 as int)) as day",
+    "timestamp_micros(1700000000000000 + id) as ts",
+    "cast(id / 100 as decimal(12, 2)) as dec",
+    "array(cast(id as float), cast(-id as float), 1.0f) as vec",
+    "case when id % 7 = 0 then null else array(cast(id as int), null) end as tags",
+    "named_struct('a', id, 'b', concat('s', id)) as st",
+    "map('k', cast(id as int), 'j', 0) as m",
+]
+
+
 #: The JVM Spark connector, as `mvn -f connectors/spark package` builds it
 #: (scripts/test.sh does, before the Python tests).
 SPARK_JAR = REPO / "connectors" / "spark" / "target" / "flightdeck-spark-0.1.0.jar"
@@ -233,6 +256,8 @@ def spark():
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "8")
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+        # Spark's filters reach the Python data source's reader too.
+        .config("spark.sql.python.filterPushdown.enabled", "true")
         .config("spark.jars", str(SPARK_JAR) if SPARK_JAR.exists() else "")
         .getOrCreate()
     )

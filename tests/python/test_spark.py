@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
-from conftest import strided_order  # noqa: E402
+from conftest import TYPES, strided_order  # noqa: E402
 from flightdeck import ShardedDataset  # noqa: E402
 from flightdeck.spark import register, vectors_to_arrays, write_dataframe  # noqa: E402
 
@@ -186,3 +186,215 @@ def test_a_failed_job_drops_what_it_wrote(flightdeck_server, spark):
     stats = client.stats()
     # (Idle slabs stay pooled for the next writer; no live byte is left.)
     assert (stats.datasets, stats.rows, stats.host_live_bytes) == (0, 0, 0), stats
+
+
+def test_read_parts_follow_the_stored_partitions_or_split_the_selection():
+    from flightdeck.spark import read_parts
+
+    assert read_parts([3, 0, 5]) == [(0, 3), (3, 0), (3, 5)]
+    assert read_parts([]) == []
+    # A filter's selected rows: as many equal parts as stored partitions,
+    # in order, none empty.
+    assert read_parts([3, 4, 5], 7) == [(0, 2), (2, 2), (4, 3)]
+    assert read_parts([3, 4, 5], 1) == [(0, 1)]
+    assert read_parts([3, 4, 5], 0) == []
+    assert read_parts([], 4) == [(0, 4)]
+    for stored, selected in [([5] * 7, 100), ([1, 2], 3), ([9] * 4, 3)]:
+        parts = read_parts(stored, selected)
+        assert [a for a, _ in parts] == [sum(n for _, n in parts[:i]) for i in range(len(parts))]
+        assert sum(n for _, n in parts) == selected and all(n > 0 for _, n in parts)
+
+
+def test_spark_filters_translate_only_where_they_mean_the_same():
+    datasource = pytest.importorskip("pyspark.sql.datasource")
+    if not hasattr(datasource, "EqualTo"):
+        pytest.skip("this Spark pushes no filters to Python data sources (4.1+ does)")
+    from pyspark.sql.datasource import (
+        EqualNullSafe,
+        EqualTo,
+        GreaterThan,
+        GreaterThanOrEqual,
+        In,
+        IsNotNull,
+        IsNull,
+        LessThan,
+        LessThanOrEqual,
+        Not,
+        StringStartsWith,
+    )
+    from pyspark.sql.types import (
+        BooleanType,
+        DoubleType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    from flightdeck.spark import column_kinds, filter_sql
+
+    kinds = column_kinds(
+        StructType(
+            [
+                StructField("id", LongType()),
+                StructField("k", IntegerType()),
+                StructField("name", StringType()),
+                StructField("ok", BooleanType()),
+                StructField("x", DoubleType()),
+                StructField('odd "name"', LongType()),
+            ]
+        )
+    )
+    cases = [
+        (EqualTo(("id",), 3), '("id" = 3)'),
+        (GreaterThan(("k",), -2), '("k" > -2)'),
+        (GreaterThanOrEqual(("name",), "n'2"), "(\"name\" >= 'n''2')"),
+        (LessThan(("id",), 2**63 - 1), f'("id" < {2**63 - 1})'),
+        (LessThanOrEqual(("k",), 0), '("k" <= 0)'),
+        (EqualTo(("ok",), True), '("ok" = TRUE)'),
+        (Not(EqualTo(("ok",), False)), '(NOT ("ok" = FALSE))'),
+        (In(("k",), (1, 2, 3)), '("k" IN (1, 2, 3))'),
+        (IsNull(("x",)), '("x" IS NULL)'),
+        (Not(IsNotNull(("name",))), '(NOT ("name" IS NOT NULL))'),
+        (EqualTo(('odd "name"',), 1), '("odd ""name""" = 1)'),
+        # Left to Spark: floating point, a bool against a number (Python's
+        # bool is an int), a string against a number, the one integer whose
+        # digits overflow, nested fields, unknown columns, other filters.
+        (EqualTo(("x",), 1.5), None),
+        (EqualTo(("k",), True), None),
+        (EqualTo(("id",), "3"), None),
+        (EqualTo(("id",), -(2**63)), None),
+        (In(("k",), (1, "2")), None),
+        (In(("k",), ()), None),
+        (EqualTo(("st", "a"), 1), None),
+        (EqualTo(("missing",), 1), None),
+        (Not(EqualTo(("x",), 0.0)), None),
+        (EqualNullSafe(("id",), 1), None),
+        (StringStartsWith(("name",), "n"), None),
+    ]
+    for f, want in cases:
+        assert filter_sql(f, kinds) == want, f
+
+
+def test_spark_reads_a_dataset_back(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    df = source(spark)
+    df.write.format("flightdeck_py").option("uri", uri).option("dataset", "back").mode(
+        "overwrite"
+    ).save()
+    client = flightdeck.connect(uri)
+    order = ids(client.read_shard(client.plan("back").shards[0]))
+
+    def read(**options):
+        r = spark.read.format("flightdeck_py").option("uri", uri).option("dataset", "back")
+        for k, v in options.items():
+            r = r.option(k, v)
+        return r
+
+    # One Spark partition per stored partition, the same schema and rows,
+    # in the dataset's order.
+    back = read(batch_rows=3000).load()
+    assert back.rdd.getNumPartitions() == 8
+    assert back.schema == df.schema
+    assert [r.id for r in back.select("id").collect()] == order
+    assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)
+
+    # The filter option: only the selected rows, in order, split evenly
+    # over as many partitions, none empty.
+    chosen = read(filter="id % 3 = 0 AND name IS NOT NULL").load()
+    assert chosen.rdd.getNumPartitions() == 8
+    assert [r.id for r in chosen.select("id").collect()] == [
+        i for i in order if i % 3 == 0 and i % 10
+    ]
+    assert read(filter="id = 5").load().rdd.getNumPartitions() == 1
+    assert read(filter="id < 0").load().count() == 0
+
+    # Spark's own filters on integer and string columns are pushed down; the
+    # one on a float stays in Spark (and Spark checks every one again).
+    served = client.stats().rows_served
+    where = "id >= 1000 AND id < 1100 AND name <> 'row-1050' AND x > 520.0"
+    got = [r.id for r in read(batch_rows=100).load().where(where).select("id").collect()]
+    want = [i for i in order if 1040 < i < 1100 and i % 10 and i != 1050]
+    assert got == want
+    sent = client.stats().rows_served - served
+    assert len(want) <= sent < 1_000, sent
+
+    # Where the session does not let Spark push filters to Python data
+    # sources, the read still works: Spark filters what the server sends.
+    key = "spark.sql.python.filterPushdown.enabled"
+    spark.conf.set(key, "false")
+    try:
+        register(spark, "flightdeck_py")
+        served = client.stats().rows_served
+        assert [r.id for r in read().load().where(where).select("id").collect()] == want
+        assert client.stats().rows_served - served >= ROWS
+    finally:
+        spark.conf.set(key, "true")
+        register(spark, "flightdeck_py")
+
+    # A schema given to the read names the columns the server sends.
+    named = spark.read.schema("name string, id long").format("flightdeck_py")
+    named = named.option("uri", uri).option("dataset", "back").load()
+    assert named.columns == ["name", "id"]
+    rows = named.collect()
+    assert [r.id for r in rows] == order
+    assert rows[order.index(7)].name == "row-7"
+
+    with pytest.raises(Exception, match="the read's schema names \\['nope'\\]"):
+        spark.read.schema("nope long").format("flightdeck_py").option("uri", uri).option(
+            "dataset", "back"
+        ).load().collect()
+    with pytest.raises(Exception, match="dataset 'missing' does not exist on"):
+        spark.read.format("flightdeck_py").option("uri", uri).option("dataset", "missing").load()
+    with pytest.raises(Exception, match=r"set the dataset to read: \.option\('dataset', NAME\)"):
+        spark.read.format("flightdeck_py").option("uri", uri).load()
+    with pytest.raises(Exception, match="option batch_rows must be a whole number"):
+        read(batch_rows="ten").load().collect()
+
+
+def test_spark_reads_refuse_an_unsealed_dataset_and_columns_spark_cannot_hold(
+    flightdeck_server, spark
+):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    import pyarrow as pa
+
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    batch = pa.record_batch(
+        {"id": pa.array([1, 2, 3], pa.int64()), "u": pa.array([7, 8, 9], pa.uint32())}
+    )
+    client.put_partition("raw", 0, [batch])
+
+    def read(schema=None):
+        r = spark.read.format("flightdeck_py").option("uri", uri).option("dataset", "raw")
+        return (r.schema(schema) if schema else r).load()
+
+    with pytest.raises(Exception, match="'raw' is still being written; read it once"):
+        read("id long").collect()
+    client.seal("raw", partitions=1)
+    with pytest.raises(Exception, match="column 'u' of dataset 'raw' .* is uint32, which Spark"):
+        read()
+    # Without it, or with a type it converts to, the dataset reads.
+    assert [r.id for r in read("id long").collect()] == [1, 2, 3]
+    assert [(r.id, r.u) for r in read("id long, u long").collect()] == [(1, 7), (2, 8), (3, 9)]
+
+
+def test_every_type_round_trips_through_the_python_source(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    df = spark.range(2_000, numPartitions=3).selectExpr(*TYPES)
+    df.write.format("flightdeck_py").option("uri", uri).option("dataset", "types").mode(
+        "overwrite"
+    ).save()
+    back = spark.read.format("flightdeck_py").option("uri", uri).option("dataset", "types").load()
+    assert back.rdd.getNumPartitions() == 3
+    assert back.schema == df.schema
+    assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
-from conftest import SPARK_JAR, server_name_cases  # noqa: E402
+from conftest import SPARK_JAR, TYPES, server_name_cases  # noqa: E402
 from test_spark import always_fail, fail_first_attempt, source  # noqa: E402
 
 ROWS = 200_000
@@ -79,27 +79,6 @@ def test_modes_and_a_failed_job(flightdeck_server, spark):
     log = "".join(flightdeck_server.stderr_lines)
     assert "committed attempt dataset=failed " in log, "partitions had been committed"
     assert "dropped dataset dataset=failed " in log
-
-
-TYPES = [
-    "id",
-    "cast(id % 100 as tinyint) as i8",
-    "cast(id % 30000 as smallint) as i16",
-    "cast(id as int) as i32",
-    "id * 3 as i64",
-    "cast(id / 3 as float) as f32",
-    "id / 7 as f64",
-    "id % 2 = 0 as flag",
-    "case when id % 10 = 0 then null else concat('row-', id) end as name",
-    "cast(concat('b', id) as binary) as bin",
-    "date_add(date'2024-01-01', cast(id % 1000 as int)) as day",
-    "timestamp_micros(1700000000000000 + id) as ts",
-    "cast(id / 100 as decimal(12, 2)) as dec",
-    "array(cast(id as float), cast(-id as float), 1.0f) as vec",
-    "case when id % 7 = 0 then null else array(cast(id as int), null) end as tags",
-    "named_struct('a', id, 'b', concat('s', id)) as st",
-    "map('k', cast(id as int), 'j', 0) as m",
-]
 
 
 def test_every_type_round_trips(flightdeck_server, spark):

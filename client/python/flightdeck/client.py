@@ -686,14 +686,24 @@ class Client:
 
     def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
         """Streams a shard's record batches in order (`ShardedDataset` reads
-        ahead of its loop with `Prefetched`)."""
+        ahead of its loop with `Prefetched`). Closing the iterator before
+        its end cancels the call, so the server stops sending."""
         reader = self._do_get(shard)
-        while True:
-            try:
-                chunk = translate(reader.read_chunk)
-            except StopIteration:
-                return
-            yield chunk.data
+        ended = False
+        try:
+            while True:
+                try:
+                    chunk = translate(reader.read_chunk)
+                except StopIteration:
+                    ended = True
+                    return
+                yield chunk.data
+        finally:
+            if not ended:
+                try:
+                    reader.cancel()
+                except Exception:  # already failed or ended
+                    pass
 
     def read_table(self, shard: Shard) -> pa.Table:
         """A whole shard as one table."""

@@ -1,5 +1,6 @@
-"""Spark connector: `df.write.format("flightdeck")` (Spark 4) and
-`write_dataframe` (Spark 3.4/3.5, `mapInArrow`).
+"""Spark connector: `df.write.format("flightdeck")` and
+`spark.read.format("flightdeck")` (Spark 4), and `write_dataframe` (Spark
+3.4/3.5, `mapInArrow`).
 
     from flightdeck.spark import register
     register(spark)
@@ -26,6 +27,20 @@ server beside every executor. When the partitions landed on several servers,
 the driver seals them as one dataset (`Client.seal_cluster`) through the
 first of them.
 
+Reads give a sealed dataset back as a DataFrame: one Spark partition per
+stored partition, rows in the dataset's own order (partition order, then
+row order), on a cluster dataset through any member. A `filter` option (a
+SQL condition, as in a read plan) has the server send only the rows it
+selects, split evenly over as many Spark partitions. Where the session lets
+Spark (4.1+) push its filters to Python data sources
+(`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
+called), its comparisons, `IN` and null tests on integer, string and boolean
+columns join that condition, and Spark still evaluates them on what arrives. Spark's Python data
+sources cannot prune columns: a schema given to the read
+(`spark.read.schema("id long, x float")`) names the columns the server
+sends, and reads a dataset with a column Spark cannot hold (unsigned
+integers, half floats) without it.
+
 Spark ML vectors (`VectorUDT`) are structs on the wire: convert them first
 with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
 `flightdeck.to_numpy` / `to_torch` turn into `(rows, D)` arrays.
@@ -35,14 +50,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
-from .client import connect
-from .errors import FlightDeckError, InvalidArgument, NotFound
+from .client import Client, connect, dataset_schema
+from .errors import FailedPrecondition, FlightDeckError, InvalidArgument, NotFound
 
 
 def parse_uris(value: str | list[str] | None) -> list[str]:
@@ -156,8 +171,148 @@ def _arrow_schema(schema) -> pa.Schema | None:
         return None
 
 
+def read_parts(partition_rows: list[int], selected: int | None = None) -> list[tuple[int, int]]:
+    """How a read splits a dataset into Spark partitions, as `(start, rows)`
+    in the dataset's row order: one per stored partition (`partition_rows`,
+    in partition order), or, when a filter selects `selected` rows, those
+    rows in as many equal parts as there are stored partitions, none empty."""
+    if selected is None:
+        parts, start = [], 0
+        for rows in partition_rows:
+            parts.append((start, rows))
+            start += rows
+        return parts
+    n = max(1, len(partition_rows))
+    bounds = [selected * i // n for i in range(n + 1)]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _kind(data_type) -> str:
+    """How a Spark column's comparisons translate: `integral`, `string`,
+    `boolean`, or `other` (left to Spark)."""
+    from pyspark.sql import types as T
+
+    if isinstance(data_type, (T.ByteType, T.ShortType, T.IntegerType, T.LongType)):
+        return "integral"
+    if isinstance(data_type, T.StringType):
+        return "string"
+    if isinstance(data_type, T.BooleanType):
+        return "boolean"
+    return "other"
+
+
+def column_kinds(schema) -> dict[str, str]:
+    """Each top-level column of a Spark schema by its :func:`_kind`."""
+    return {f.name: _kind(f.dataType) for f in schema.fields}
+
+
+def _literal(value, kind: str) -> str | None:
+    if kind == "string":
+        return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else None
+    if kind == "boolean":
+        return ("TRUE" if value else "FALSE") if isinstance(value, bool) else None
+    integral = isinstance(value, int) and not isinstance(value, bool)
+    # (-2**63's digits overflow before its minus applies.)
+    return str(value) if kind == "integral" and integral and value != -(2**63) else None
+
+
+def quote(name: str) -> str:
+    """A column name as a SQL identifier (case kept, quotes doubled)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+_COMPARISONS = {
+    "EqualTo": "=",
+    "GreaterThan": ">",
+    "GreaterThanOrEqual": ">=",
+    "LessThan": "<",
+    "LessThanOrEqual": "<=",
+}
+
+
+def filter_sql(f, kinds: Mapping[str, str]) -> str | None:
+    """Spark's pushed filter `f` as a read plan's SQL condition selecting the
+    same rows, or None where its meaning could differ on the server: only
+    comparisons, `IN` and null tests on top-level integer, string and
+    boolean columns (`kinds`, from :func:`column_kinds`), and `NOT` of them,
+    translate. Floating-point and temporal columns stay with Spark (NaN,
+    signed zero and literal formats differ)."""
+    kind = type(f).__name__
+    if kind == "Not":
+        inner = filter_sql(f.child, kinds)
+        return None if inner is None else f"(NOT {inner})"
+    path = getattr(f, "attribute", ())
+    if len(path) != 1 or path[0] not in kinds:
+        return None  # a nested field
+    column, type_kind = quote(path[0]), kinds[path[0]]
+    if kind in ("IsNull", "IsNotNull"):
+        return f"({column} IS {'NOT ' if kind == 'IsNotNull' else ''}NULL)"
+    if kind in _COMPARISONS:
+        literal = _literal(f.value, type_kind)
+        return None if literal is None else f"({column} {_COMPARISONS[kind]} {literal})"
+    if kind == "In" and f.value:
+        values = [_literal(v, type_kind) for v in f.value]
+        return None if None in values else f"({column} IN ({', '.join(values)}))"
+    return None
+
+
+def _read_schema(info, dataset: str, location: str):
+    """The Spark schema of a sealed dataset, from its description."""
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import StructField, StructType
+
+    schema = dataset_schema(info)
+    fields = []
+    for field in schema or []:
+        try:
+            fields.append(StructField(field.name, from_arrow_type(field.type), field.nullable))
+        except Exception:  # Spark has no type for it
+            raise InvalidArgument(
+                f"column '{field.name}' of dataset '{dataset}' on {location} is {field.type}, "
+                "which Spark cannot hold; give the read a schema naming the columns to read "
+                "without it, e.g. spark.read.schema(\"id long\")"
+            ) from None
+    return StructType(fields)
+
+
+def _sealed(client: Client, dataset: str):
+    """`dataset`'s description, refusing one that is missing or unsealed."""
+    try:
+        info = client.describe(dataset)
+    except NotFound:
+        raise NotFound(
+            f"dataset '{dataset}' does not exist on {client.uri}; write it first "
+            "(df.write.format(\"flightdeck\"))"
+        ) from None
+    if info.state != 2:
+        raise FailedPrecondition(
+            f"dataset '{dataset}' is still being written; read it once its write has been sealed"
+        )
+    return info
+
+
+def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
+    """A read's `uri`, `dataset`, `batch_rows` and `filter` options."""
+    dataset = options.get("dataset")
+    if not dataset:
+        raise InvalidArgument("set the dataset to read: .option('dataset', NAME)")
+    rows = (options.get("batch_rows") or "").strip()
+    if rows and not (rows.isdigit() and int(rows) > 0):
+        raise InvalidArgument(
+            f"option batch_rows must be a whole number of rows, 1 or more, not {rows!r}"
+        )
+    filter = (options.get("filter") or "").strip()
+    return options.get("uri", "local"), dataset, int(rows or 0), filter
+
+
 try:  # Spark 4: Python data sources
-    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+    from pyspark.sql.datasource import (
+        DataSource,
+        DataSourceArrowWriter,
+        DataSourceReader,
+        InputPartition,
+        WriterCommitMessage,
+    )
 
     @dataclass
     class FlightDeckCommitMessage(WriterCommitMessage):
@@ -197,13 +352,124 @@ try:  # Spark 4: Python data sources
             written = [m.location for m in messages if m is not None and m.location]
             drop_quietly([*written, *self.uris] or [self.uri], self.dataset, self.write_id)
 
+    class FlightDeckReadPartition(InputPartition):
+        """`rows` rows of a read from row `start` of the dataset's order (of
+        the rows its filter selects, where it has one)."""
+
+        def __init__(self, start: int, rows: int) -> None:
+            super().__init__((start, rows))
+            self.start, self.rows = start, rows
+
+    class FlightDeckReader(DataSourceReader):
+        """Reads a sealed dataset as the module's overview says: one Spark
+        partition per stored partition, each an unshuffled read plan from
+        its first row, stopped after its last."""
+
+        def __init__(self, options: Mapping[str, str], schema) -> None:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            self.uri, self.dataset, self.batch_rows, self.filter = _read_options(options)
+            self.spark_schema = schema
+            self.columns = list(schema.fieldNames())
+            self.kinds = column_kinds(schema)
+            # Exactly the batches' schema Spark takes back.
+            self.arrow = to_arrow_schema(schema, timezone="UTC")
+
+        def partitions(self) -> list:
+            with connect(self.uri) as client:
+                info = _sealed(client, self.dataset)
+                stored = dataset_schema(info)
+                missing = [c for c in self.columns if c not in stored.names]
+                if missing:
+                    raise InvalidArgument(
+                        f"the read's schema names {missing}, which dataset '{self.dataset}' "
+                        f"does not have; its columns are {stored.names}"
+                    )
+                selected = None
+                if self.filter:
+                    plan = client.plan(self.dataset, columns=self.columns, filter=self.filter)
+                    selected = plan.total_rows
+            rows = [p.rows for p in sorted(info.partitions, key=lambda p: p.partition)]
+            parts = [FlightDeckReadPartition(a, n) for a, n in read_parts(rows, selected)]
+            return parts or [FlightDeckReadPartition(0, 0)]
+
+        def read(self, partition: FlightDeckReadPartition) -> Iterator[pa.RecordBatch]:
+            remaining = partition.rows
+            if not remaining:
+                return
+            with connect(self.uri) as client:
+                plan = client.plan(
+                    self.dataset,
+                    start_sample=partition.start,
+                    batch_rows=self.batch_rows,
+                    columns=self.columns,
+                    filter=self.filter,
+                )
+                stream = client.read_shard(plan.shards[0])
+                try:
+                    for batch in stream:
+                        batch = batch.slice(0, remaining)
+                        remaining -= batch.num_rows
+                        yield self._for_spark(batch)
+                        if remaining == 0:
+                            break  # the rest of the order is the next partitions'
+                finally:
+                    stream.close()
+            if remaining:
+                # Never a partition cut short as if complete.
+                raise FlightDeckError(
+                    f"the stream of dataset '{self.dataset}' from row {partition.start} ended "
+                    f"{remaining} rows short of its partition; read the dataset again",
+                    "INTERNAL",
+                )
+
+        def _for_spark(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+            """`batch` with the Arrow types Spark expects of the read's schema."""
+            if batch.schema.equals(self.arrow):
+                return batch
+            try:
+                return batch.cast(self.arrow)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise InvalidArgument(
+                    f"dataset '{self.dataset}' cannot be read as {self.spark_schema.simpleString()}"
+                    f": {e}; give the read a schema with types its columns convert to"
+                ) from None
+
+    class FlightDeckFilteringReader(FlightDeckReader):
+        """A :class:`FlightDeckReader` that takes Spark's filters too. Spark
+        offers them only where `spark.sql.python.filterPushdown.enabled` is
+        true, and refuses a reader that has `pushFilters` where it is not, so
+        the data source returns this one only where it was."""
+
+        def pushFilters(self, filters: list) -> Iterable:
+            pushed = [sql for sql in (filter_sql(f, self.kinds) for f in filters) if sql]
+            if pushed:
+                given = [f"({self.filter})"] if self.filter else []
+                self.filter = " AND ".join(given + pushed)
+            # Spark evaluates every filter again on what arrives.
+            return filters
+
     class FlightDeckDataSource(DataSource):
         """`format("flightdeck")`: options `uri` (default `local`), `uris`
-        (comma-separated; partition p goes to the (p mod n)-th) and `dataset`."""
+        (comma-separated; partition p goes to the (p mod n)-th) and `dataset`;
+        for reads, `filter` and `batch_rows` too."""
+
+        #: Whether reads take Spark's filters (:func:`register` sets it from
+        #: the session's `spark.sql.python.filterPushdown.enabled`).
+        push_filters = False
 
         @classmethod
         def name(cls) -> str:
             return "flightdeck"
+
+        def schema(self):
+            uri, dataset, _, _ = _read_options(self.options)
+            with connect(uri) as client:
+                return _read_schema(_sealed(client, dataset), dataset, client.uri)
+
+        def reader(self, schema) -> FlightDeckReader:
+            kind = FlightDeckFilteringReader if self.push_filters else FlightDeckReader
+            return kind(self.options, schema)
 
         def writer(self, schema, overwrite: bool) -> FlightDeckWriter:
             return FlightDeckWriter(self.options, schema, overwrite)
@@ -213,26 +479,32 @@ except ImportError:  # Spark 3.4/3.5: use write_dataframe
     HAVE_DATA_SOURCES = False
 
 
+#: The session setting under which Spark offers its filters to Python data sources.
+PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+
+
 def register(spark: SparkSession, name: str = "flightdeck") -> None:
     """Registers this Python data source with a Spark 4 session as
     `format(name)`. Where the JVM connector's jar is on `spark.jars` too,
     `format("flightdeck")` finds the JVM one (Spark looks for JVM sources
     first); register this one under another name to use it beside it, e.g.
-    `register(spark, "flightdeck_py")` and `format("flightdeck_py")`."""
+    `register(spark, "flightdeck_py")` and `format("flightdeck_py")`.
+
+    Reads take Spark's own filters where `spark.sql.python.filterPushdown.enabled`
+    is true when this is called (Spark refuses a reader that takes them
+    while it is false): set it first, or register again after changing it."""
     if not HAVE_DATA_SOURCES:
         raise RuntimeError(
             "this Spark has no Python data sources (Spark 4 needed); use "
             "flightdeck.spark.write_dataframe"
         )
-    if name == FlightDeckDataSource.name():
-        spark.dataSource.register(FlightDeckDataSource)
-        return
-    named = type(
+    push = str(spark.conf.get(PUSHDOWN_CONF, "false")).strip().lower() == "true"
+    registered = type(
         "FlightDeckDataSource_" + "".join(c if c.isalnum() else "_" for c in name),
         (FlightDeckDataSource,),
-        {"name": classmethod(lambda cls: name)},
+        {"name": classmethod(lambda cls: name), "push_filters": push},
     )
-    spark.dataSource.register(named)
+    spark.dataSource.register(registered)
 
 
 def write_dataframe(
