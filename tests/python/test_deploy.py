@@ -127,7 +127,8 @@ def test_the_daemonset_runs_the_server_it_describes(tmp_path):
     starts_with(args, tmp_path)
 
 
-def test_executors_and_ranks_get_their_nodes_server():
+def test_the_spark_driver_executors_and_ranks_get_their_nodes_server():
+    spark_containers = set()
     for name, doc in manifests():
         if doc["kind"] not in ("Pod", "Job"):
             continue
@@ -136,6 +137,10 @@ def test_executors_and_ranks_get_their_nodes_server():
             env = {e["name"]: e for e in container["env"]}
             assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP", name
             assert env["FLIGHTDECK_URI"]["value"] == "grpc://$(HOST_IP):50051", name
+            if doc["kind"] == "Pod":
+                spark_containers.add(container["name"])
+    # The names Spark gives its pods' main containers.
+    assert spark_containers == {"spark-kubernetes-driver", "spark-kubernetes-executor"}
 
 
 def test_the_dockerfile_copies_what_exists_and_starts_with_its_flags(tmp_path):
