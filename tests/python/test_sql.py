@@ -6,13 +6,15 @@ budget, and action `derive` keeping a hash split as two datasets."""
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
 import flightdeck
 from conftest import RunningServer
-from test_query import hash_bucket, table, write
+from test_query import ROWS, hash_bucket, table, write
 
 adbc = pytest.importorskip("adbc_driver_flightsql.dbapi")
 
@@ -231,3 +233,30 @@ def test_a_query_past_its_memory_is_resource_exhausted_and_the_server_keeps_serv
         assert c.plan("wide").total_rows == rows
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+#: DataFusion panics on this one while typing it (an overflow in its
+#: decimal coercion, in builds with overflow checks): the server answers
+#: INVALID_ARGUMENT naming it, wherever a client sends it. (Should the
+#: engine learn to refuse it itself, the answer stays INVALID_ARGUMENT.)
+ENGINE_FAILS = "arrow_cast(id, 'Decimal256(76, -100)') > 1"
+
+
+def test_an_expression_the_query_engine_fails_on_is_invalid_argument(server):
+    client = flightdeck.connect(server.uri)
+    write(client, "events")
+    with pytest.raises(flightdeck.InvalidArgument, match=re.escape(ENGINE_FAILS)):
+        client.plan("events", filter=ENGINE_FAILS)
+    with pytest.raises(flightdeck.InvalidArgument, match=re.escape(ENGINE_FAILS)):
+        client.plan("events", select=["id", f"{ENGINE_FAILS} AS odd"])
+    query = f"SELECT count(*) FROM events WHERE {ENGINE_FAILS}"
+    with pytest.raises(flightdeck.InvalidArgument, match=re.escape(query)):
+        client.derive("never", query)
+    with pytest.raises(flightdeck.NotFound):
+        client.describe("never")
+    with adbc.connect(server.uri, autocommit=True) as conn:
+        with pytest.raises(Exception, match="INVALID_ARGUMENT.*" + re.escape(query)):
+            fetch(conn, query)
+        # The same session and server go on answering.
+        assert fetch(conn, "SELECT count(*) AS n FROM events")["n"].to_pylist() == [ROWS]
+    assert client.plan("events", filter="id < 10").total_rows == 10

@@ -12,13 +12,15 @@
 //! Expressions are SQL in DataFusion's dialect over the dataset's columns.
 //! Bad SQL, unknown columns, a filter that is not boolean and type errors
 //! are [`Error::InvalidArgument`] carrying DataFusion's message and the
-//! expression.
+//! expression; so is an expression DataFusion panics on (some extreme
+//! literals overflow inside its type coercion): the engine runs under
+//! [`guarded`], and the caller gets an answer rather than a reset stream.
 
 mod hash_bucket;
 
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{Array, ArrayRef, BooleanArray, RecordBatch, RecordBatchOptions};
+use arrow::array::{Array, BooleanArray, RecordBatch, RecordBatchOptions};
 use arrow::buffer::ScalarBuffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::DFSchema;
@@ -27,7 +29,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::prelude::SessionContext;
 
 use crate::catalog::{SealedData, describe_fields};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, panic_message};
 use crate::memory::arena::Arena;
 
 pub use hash_bucket::{HashBucket, bucket_of_bytes, bucket_of_int};
@@ -52,6 +54,27 @@ fn refused(what: &str, sql: &str, dataset: &str, e: impl std::fmt::Display) -> E
     Error::invalid(format!(
         "the {what} `{sql}` cannot be evaluated over dataset '{dataset}': {e}"
     ))
+}
+
+/// Runs `f`, DataFusion's work on the {what} `sql` a client wrote; a panic
+/// inside it becomes `INVALID_ARGUMENT` naming the expression.
+pub fn guarded<T>(
+    what: &str,
+    sql: &str,
+    dataset: &str,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        Err(refused(
+            what,
+            sql,
+            dataset,
+            format!(
+                "the query engine failed on it ({}); write it another way",
+                panic_message(&*panic)
+            ),
+        ))
+    })
 }
 
 /// A parsed expression over `schema`, and its type (type errors surface
@@ -82,6 +105,12 @@ pub struct Filter {
 impl Filter {
     /// Compiles `sql`, a boolean SQL expression over `schema`'s columns.
     pub fn compile(schema: &Schema, sql: &str, dataset: &str) -> Result<Self> {
+        guarded("filter", sql, dataset, || {
+            Self::compile_unguarded(schema, sql, dataset)
+        })
+    }
+
+    fn compile_unguarded(schema: &Schema, sql: &str, dataset: &str) -> Result<Self> {
         let ctx = session();
         let df = DFSchema::try_from(schema.clone())
             .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
@@ -109,11 +138,12 @@ impl Filter {
     /// The rows of `batch` the filter keeps (true; false and null are left
     /// out), as offsets into the batch.
     pub fn matches(&self, batch: &RecordBatch, dataset: &str) -> Result<Vec<u32>> {
-        let value = self
-            .expr
-            .evaluate(batch)
-            .and_then(|v| v.into_array(batch.num_rows()))
-            .map_err(|e| refused("filter", &self.sql, dataset, e))?;
+        let value = guarded("filter", &self.sql, dataset, || {
+            self.expr
+                .evaluate(batch)
+                .and_then(|v| v.into_array(batch.num_rows()))
+                .map_err(|e| refused("filter", &self.sql, dataset, e))
+        })?;
         let keep: Vec<u32> = match value.as_any().downcast_ref::<BooleanArray>() {
             Some(b) => (0..b.len())
                 .filter(|&i| b.is_valid(i) && b.value(i))
@@ -281,6 +311,12 @@ impl Derive {
     /// Compiles `select` over `schema`; fails on an empty list entry, bad
     /// SQL, unknown columns, type errors and duplicate output names.
     pub fn compile(schema: &Schema, select: &[String], dataset: &str) -> Result<Self> {
+        guarded("select list", &select.join(", "), dataset, || {
+            Self::compile_unguarded(schema, select, dataset)
+        })
+    }
+
+    fn compile_unguarded(schema: &Schema, select: &[String], dataset: &str) -> Result<Self> {
         let ctx = session();
         let full = DFSchema::try_from(schema.clone())
             .map_err(|e| Error::Internal(format!("schema of '{dataset}' is not usable: {e}")))?;
@@ -365,15 +401,14 @@ impl Derive {
             .iter()
             .zip(self.schema.fields())
             .map(|(e, f)| {
-                let array: ArrayRef = e.evaluate(input).and_then(|v| v.into_array(n)).map_err(
-                    |e| {
+                guarded("select expression for", f.name(), dataset, || {
+                    e.evaluate(input).and_then(|v| v.into_array(n)).map_err(|e| {
                         Error::invalid(format!(
                             "the select expression for '{}' failed over dataset '{dataset}': {e}",
                             f.name()
                         ))
-                    },
-                )?;
-                Ok(array)
+                    })
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         RecordBatch::try_new_with_options(
@@ -442,6 +477,19 @@ mod tests {
                 Err(Error::InvalidArgument(_))
             ));
         }
+    }
+
+    #[test]
+    fn a_panic_in_the_engine_is_invalid_argument_naming_the_expression() {
+        let r: Result<()> = guarded("filter", "x > 1", "d", || panic!("overflowed"));
+        match r {
+            Err(Error::InvalidArgument(m)) => {
+                assert!(m.contains("`x > 1`") && m.contains("overflowed"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // What does not panic passes through as it is.
+        assert_eq!(guarded("filter", "x", "d", || Ok(7)).expect("ok"), 7);
     }
 
     #[test]

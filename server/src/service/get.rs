@@ -23,7 +23,7 @@ use crate::catalog::{ClusterState, DatasetState, DatasetSummary, SealedData};
 use crate::cluster::peer::{PeerBatch, batches_tag};
 use crate::cluster::{self, Layout, Nodes, RankRows};
 use crate::convert::{self, ShardTicket};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, panic_message};
 use crate::order::{Locality, ReadPlan, Shuffle};
 use crate::query::Selection;
 use crate::read::{self, Gather, Picks, Shard};
@@ -660,15 +660,6 @@ fn packing(plan: &ReadPlan, data: &SealedData, ranks: u64) -> bool {
 trait Batches: Send + 'static {
     /// The messages of the stream's next batch; `None` at its end.
     fn next_messages(&mut self) -> Option<Result<Vec<IpcMessage>>>;
-}
-
-/// The message of a caught panic.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_default()
 }
 
 /// How a stream is run: its allowance account, idle timeout and dataset.

@@ -11,6 +11,8 @@
 //! Flight SQL one ([`is_sql_command`], [`is_sql_action`]); everything else
 //! is flightdeck's own protocol.
 
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -50,13 +52,13 @@ use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 use flightdeck_protos as pb;
-use futures::{Stream, StreamExt, TryStreamExt};
+use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::catalog::{ClusterState, DatasetState, SealRequest};
 use crate::convert::{self, ShardTicket};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, panic_message};
 use crate::memory::query_pool::{BUDGET_FULL, QueryPool};
 use crate::state::State;
 
@@ -175,6 +177,15 @@ impl SqlService {
         sql: &str,
         params: Option<ParamValues>,
     ) -> Result<LogicalPlan> {
+        unwound(sql, self.plan_unguarded(ctx, sql, params)).await
+    }
+
+    async fn plan_unguarded(
+        &self,
+        ctx: &SessionContext,
+        sql: &str,
+        params: Option<ParamValues>,
+    ) -> Result<LogicalPlan> {
         let refused = |e: DataFusionError| query_error(sql, e);
         let plan = ctx
             .state()
@@ -205,15 +216,23 @@ impl SqlService {
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
         let frame = DataFrame::new(ctx.state(), plan);
         let sql_text = sql.to_string();
-        let stream = frame
-            .execute_stream()
-            .await
-            .map_err(|e| query_error(sql, e))?;
+        let stream = unwound(sql, async {
+            frame
+                .execute_stream()
+                .await
+                .map_err(|e| query_error(sql, e))
+        })
+        .await?;
         let declared = schema.clone();
-        let batches = stream.map(move |item| {
-            item.map(|b| conform(&declared, b))
-                .map_err(|e| FlightError::Tonic(Box::new(Status::from(query_error(&sql_text, e)))))
-        });
+        let flight_error = |e: Error| FlightError::Tonic(Box::new(Status::from(e)));
+        let batches = AssertUnwindSafe(stream)
+            .catch_unwind()
+            .map(move |item| match item {
+                Ok(item) => item
+                    .map(|b| conform(&declared, b))
+                    .map_err(|e| flight_error(query_error(&sql_text, e))),
+                Err(panic) => Err(flight_error(engine_failed(&sql_text, &*panic))),
+            });
         Ok(FlightDataEncoderBuilder::new()
             .with_schema(schema)
             .build(batches)
@@ -271,13 +290,19 @@ impl SqlService {
         let ctx = self.session(source)?;
         let plan = self.plan(&ctx, &req.sql, None).await?;
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
-        let mut stream = DataFrame::new(ctx.state(), plan)
-            .execute_stream()
-            .await
-            .map_err(|e| query_error(&req.sql, e))?;
+        let frame = DataFrame::new(ctx.state(), plan);
+        let stream = unwound(&req.sql, async {
+            frame
+                .execute_stream()
+                .await
+                .map_err(|e| query_error(&req.sql, e))
+        })
+        .await?;
+        let mut stream = AssertUnwindSafe(stream).catch_unwind();
         let what = || format!("dataset '{target}' derived by `{}`", req.sql);
         let (mut batches, mut rows, mut bytes) = (Vec::new(), 0u64, 0u64);
         while let Some(batch) = stream.next().await {
+            let batch = batch.map_err(|panic| engine_failed(&req.sql, &*panic))?;
             let batch = conform(&schema, batch.map_err(|e| query_error(&req.sql, e))?);
             if batch.num_rows() == 0 {
                 continue;
@@ -325,6 +350,24 @@ pub fn query_memory(budget: u64) -> usize {
     usize::try_from(budget / 4)
         .unwrap_or(usize::MAX)
         .max(16 << 20)
+}
+
+/// Runs `work`, DataFusion planning or starting the query `sql` a client
+/// sent; a panic inside it (some extreme literals overflow inside the
+/// engine's type coercion) becomes `INVALID_ARGUMENT` naming the query.
+async fn unwound<T>(sql: &str, work: impl Future<Output = Result<T>>) -> Result<T> {
+    AssertUnwindSafe(work)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| Err(engine_failed(sql, &*panic)))
+}
+
+/// `INVALID_ARGUMENT` for a query DataFusion panicked on.
+fn engine_failed(sql: &str, panic: &(dyn std::any::Any + Send)) -> Error {
+    Error::invalid(format!(
+        "the query `{sql}` cannot run: the query engine failed on it ({}); write it another way",
+        panic_message(panic)
+    ))
 }
 
 /// `INVALID_ARGUMENT` with DataFusion's message and the query; a query
