@@ -14,7 +14,7 @@ import pytest
 
 import flightdeck
 from conftest import RunningServer
-from test_query import ROWS, hash_bucket, table, write
+from test_query import ROWS, hash_bucket, read_all, table, write
 
 adbc = pytest.importorskip("adbc_driver_flightsql.dbapi")
 
@@ -260,3 +260,46 @@ def test_an_expression_the_query_engine_fails_on_is_invalid_argument(server):
         # The same session and server go on answering.
         assert fetch(conn, "SELECT count(*) AS n FROM events")["n"].to_pylist() == [ROWS]
     assert client.plan("events", filter="id < 10").total_rows == 10
+
+
+def test_queries_that_compute_for_ever_leave_reads_and_shutdown_alone():
+    """DataFusion cannot stop a cross join's count of 10^12 rows, not even
+    once its client has gone: it runs on the threads queries run on, and
+    reads, plans and a graceful stop are served as before."""
+    import threading
+
+    s = RunningServer("--memory-limit", "256MiB")
+    try:
+        client = flightdeck.connect(s.uri)
+        write(client, "events")
+        # One partition of one batch: the join runs in the call's own task.
+        client.put_partition("one", 0, table(range(1000)))
+        client.seal("one", partitions=1)
+        endless = "SELECT count(*) FROM one a, one b, one c, one d"
+        gave_up = []
+
+        def query():
+            # The client gives up after 2 s; the query does not.
+            options = {
+                "adbc.flight.sql.rpc.timeout_seconds.query": "2",
+                "adbc.flight.sql.rpc.timeout_seconds.fetch": "2",
+            }
+            with adbc.connect(s.uri, autocommit=True, db_kwargs=options) as conn:
+                try:
+                    fetch(conn, endless)
+                except Exception as e:  # noqa: BLE001 - the client's deadline
+                    gave_up.append(str(e))
+
+        threads = [threading.Thread(target=query, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(gave_up) == 3 and all("TIMEOUT" in e for e in gave_up), gave_up
+        # More queries than the query threads are running for ever; the
+        # data path answers at once.
+        patient = flightdeck.connect(s.uri, timeout=10)
+        assert patient.plan("events", filter="id < 10").total_rows == 10
+        assert read_all(patient, "events").num_rows == ROWS
+    finally:
+        assert s.stop() == 0, "".join(s.stderr_lines)

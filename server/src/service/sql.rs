@@ -6,6 +6,8 @@
 //! and table-type listings are answered, so ADBC's and JDBC's Flight SQL
 //! drivers work. Queries are read-only: DDL, DML and statements are
 //! refused. Action `derive` keeps a query's result as a new sealed dataset.
+//! Queries run on a runtime of their own (`query_runtime`), so that one
+//! DataFusion cannot interrupt never holds a thread that serves reads.
 //!
 //! The edge sends a call here when its command, ticket or action is a
 //! Flight SQL one ([`is_sql_command`], [`is_sql_action`]); everything else
@@ -214,25 +216,12 @@ impl SqlService {
         let ctx = self.session(None)?;
         let plan = self.plan(&ctx, sql, params).await?;
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
-        let frame = DataFrame::new(ctx.state(), plan);
-        let sql_text = sql.to_string();
-        let stream = unwound(sql, async {
-            frame
-                .execute_stream()
-                .await
-                .map_err(|e| query_error(sql, e))
-        })
-        .await?;
+        let results = start(sql, DataFrame::new(ctx.state(), plan))?;
         let declared = schema.clone();
-        let flight_error = |e: Error| FlightError::Tonic(Box::new(Status::from(e)));
-        let batches = AssertUnwindSafe(stream)
-            .catch_unwind()
-            .map(move |item| match item {
-                Ok(item) => item
-                    .map(|b| conform(&declared, b))
-                    .map_err(|e| flight_error(query_error(&sql_text, e))),
-                Err(panic) => Err(flight_error(engine_failed(&sql_text, &*panic))),
-            });
+        let batches = tokio_stream::wrappers::ReceiverStream::new(results).map(move |item| {
+            item.map(|b| conform(&declared, b))
+                .map_err(|e| FlightError::Tonic(Box::new(Status::from(e))))
+        });
         Ok(FlightDataEncoderBuilder::new()
             .with_schema(schema)
             .build(batches)
@@ -290,20 +279,11 @@ impl SqlService {
         let ctx = self.session(source)?;
         let plan = self.plan(&ctx, &req.sql, None).await?;
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
-        let frame = DataFrame::new(ctx.state(), plan);
-        let stream = unwound(&req.sql, async {
-            frame
-                .execute_stream()
-                .await
-                .map_err(|e| query_error(&req.sql, e))
-        })
-        .await?;
-        let mut stream = AssertUnwindSafe(stream).catch_unwind();
+        let mut results = start(&req.sql, DataFrame::new(ctx.state(), plan))?;
         let what = || format!("dataset '{target}' derived by `{}`", req.sql);
         let (mut batches, mut rows, mut bytes) = (Vec::new(), 0u64, 0u64);
-        while let Some(batch) = stream.next().await {
-            let batch = batch.map_err(|panic| engine_failed(&req.sql, &*panic))?;
-            let batch = conform(&schema, batch.map_err(|e| query_error(&req.sql, e))?);
+        while let Some(batch) = results.recv().await {
+            let batch = conform(&schema, batch?);
             if batch.num_rows() == 0 {
                 continue;
             }
@@ -350,6 +330,65 @@ pub fn query_memory(budget: u64) -> usize {
     usize::try_from(budget / 4)
         .unwrap_or(usize::MAX)
         .max(16 << 20)
+}
+
+/// Threads of the runtime queries run on (see [`query_runtime`]).
+fn query_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().max(2))
+}
+
+/// The runtime SQL queries (statements and `derive`) run on, apart from the
+/// one serving every call. DataFusion's operators can compute for a long
+/// time without yielding (a cross join's count over 10^12 rows does not
+/// yield until it is done): such a query cannot be stopped, not even when
+/// its client has gone, and it holds one of these threads while it runs —
+/// never one of the threads that serve reads, writes and health checks.
+fn query_runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RUNTIME: std::sync::OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
+        std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(query_threads())
+                .thread_name("flightdeck-query")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Internal(format!("cannot start the threads queries run on: {e}")))
+}
+
+/// Runs `frame`, the plan of the query `sql`, on the query runtime; its
+/// batches (then its error, if any, naming `sql`) arrive on the returned
+/// channel, two at most waiting. The query stops at its next yield once
+/// the receiver is dropped (its client gone).
+fn start(sql: &str, frame: DataFrame) -> Result<tokio::sync::mpsc::Receiver<Result<RecordBatch>>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    let sql = sql.to_string();
+    query_runtime()?.spawn(async move {
+        let run = async {
+            let mut stream = frame
+                .execute_stream()
+                .await
+                .map_err(|e| query_error(&sql, e))?;
+            loop {
+                let item = tokio::select! {
+                    () = tx.closed() => return Ok(()),
+                    item = stream.next() => item,
+                };
+                let Some(item) = item else { return Ok(()) };
+                let batch = item.map_err(|e| query_error(&sql, e))?;
+                if tx.send(Ok(batch)).await.is_err() {
+                    return Ok(());
+                }
+            }
+        };
+        if let Err(e) = unwound(&sql, run).await {
+            let _ = tx.send(Err(e)).await;
+        }
+    });
+    Ok(rx)
 }
 
 /// Runs `work`, DataFusion planning or starting the query `sql` a client
