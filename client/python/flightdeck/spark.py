@@ -35,8 +35,9 @@ selects, split evenly over as many Spark partitions. Where the session lets
 Spark (4.1+) push its filters to Python data sources
 (`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
 called), its comparisons, `IN` and null tests on integer, string and boolean
-columns join that condition, and Spark still evaluates them on what arrives. Spark's Python data
-sources cannot prune columns: a schema given to the read
+columns join that condition, and Spark still evaluates them on what
+arrives. Spark's Python data sources cannot prune columns: a schema given
+to the read
 (`spark.read.schema("id long, x float")`) names the columns the server
 sends, and reads a dataset with a column Spark cannot hold (unsigned
 integers, half floats) without it.
@@ -56,6 +57,7 @@ import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
+from . import _wire as wire
 from .client import Client, connect, dataset_schema
 from .errors import FailedPrecondition, FlightDeckError, InvalidArgument, NotFound
 
@@ -87,7 +89,7 @@ def _prepare_one(uri: str, dataset: str, overwrite: bool) -> None:
         except NotFound:  # dropped by another member's cascade meanwhile
             pass
         return
-    state = "sealed" if info.state == 2 else "being written"
+    state = "sealed" if info.state == wire.DATASET_STATE_SEALED else "being written"
     raise FlightDeckError(
         f"cannot append to dataset '{dataset}': it already exists ({state}, {info.rows} rows) "
         "and a flightdeck dataset is immutable once sealed; use mode('overwrite') to replace "
@@ -243,7 +245,7 @@ def filter_sql(f, kinds: Mapping[str, str]) -> str | None:
         return None if inner is None else f"(NOT {inner})"
     path = getattr(f, "attribute", ())
     if len(path) != 1 or path[0] not in kinds:
-        return None  # a nested field
+        return None  # a nested field, or no column of the read's schema
     column, type_kind = quote(path[0]), kinds[path[0]]
     if kind in ("IsNull", "IsNotNull"):
         return f"({column} IS {'NOT ' if kind == 'IsNotNull' else ''}NULL)"
@@ -284,7 +286,7 @@ def _sealed(client: Client, dataset: str):
             f"dataset '{dataset}' does not exist on {client.uri}; write it first "
             "(df.write.format(\"flightdeck\"))"
         ) from None
-    if info.state != 2:
+    if info.state != wire.DATASET_STATE_SEALED:
         raise FailedPrecondition(
             f"dataset '{dataset}' is still being written; read it once its write has been sealed"
         )
@@ -352,13 +354,13 @@ try:  # Spark 4: Python data sources
             written = [m.location for m in messages if m is not None and m.location]
             drop_quietly([*written, *self.uris] or [self.uri], self.dataset, self.write_id)
 
+    @dataclass
     class FlightDeckReadPartition(InputPartition):
         """`rows` rows of a read from row `start` of the dataset's order (of
         the rows its filter selects, where it has one)."""
 
-        def __init__(self, start: int, rows: int) -> None:
-            super().__init__((start, rows))
-            self.start, self.rows = start, rows
+        start: int
+        rows: int
 
     class FlightDeckReader(DataSourceReader):
         """Reads a sealed dataset as the module's overview says: one Spark
