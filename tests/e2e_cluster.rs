@@ -413,6 +413,22 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
     assert_eq!(all.iter().copied().collect::<HashSet<_>>().len(), 600);
     let (e1, _) = node_epoch(&mut c, "balanced", 1).await;
     assert_ne!(e0, e1, "epochs differ");
+    // A plan expecting the dataset as sealed (its layout id, as `describe`
+    // on any member gives it) is served by every member.
+    let sealed_as = c
+        .describe("balanced")
+        .await
+        .expect("describe")
+        .layout
+        .expect("a cluster layout")
+        .id;
+    for m in &members {
+        let pinned = ReadPlan {
+            sealed_as,
+            ..plan("balanced", 2, Shuffle::Global, 0)
+        };
+        m.client().await.plan(pinned).await.expect("as sealed");
+    }
 
     // Uneven 6/4/2 (300/200/100 rows): node 0 has 100 rows too many, node 2
     // 100 too few; exactly those cross.
@@ -518,6 +534,17 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
             .expect_err("gone");
         assert_eq!(err.code(), Code::NotFound);
     }
+    // Written again, it is another seal: a read begun on the first is refused.
+    write_node_dataset(&members, "balanced", &|p| sorted[p % 3], 12).await;
+    let err = c
+        .plan(ReadPlan {
+            sealed_as,
+            ..plan("balanced", 2, Shuffle::Global, 0)
+        })
+        .await
+        .expect_err("written again");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("since this read began"), "{err}");
 }
 
 /// Floats in a row of [`wide`]: 4 KiB a row.

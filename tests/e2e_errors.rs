@@ -336,6 +336,11 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
     let garbage = c.do_get(Ticket::new(vec![0xde, 0xad])).await;
     assert_code(garbage.map(|_| ()), Code::InvalidArgument, &["ticket"]);
     let old = c.plan(plan("d")).await.expect("plan");
+    let first = c.describe("d").await.expect("describe").generation;
+    assert_ne!(
+        first, 0,
+        "0 is no generation: a plan's sealed_as 0 means any"
+    );
     c.drop_dataset("d").await.expect("drop");
     put(&mut c, "d", 0, 0, 0..10).await.expect("write again");
     c.seal(SealDataset {
@@ -350,6 +355,32 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
         Code::FailedPrecondition,
         &["plan again (Client::plan)"],
     );
+    // A plan expecting the dataset as first sealed is refused; one expecting
+    // its new seal is served.
+    let pinned = c
+        .plan(ReadPlan {
+            sealed_as: first,
+            ..plan("d")
+        })
+        .await;
+    assert_code(
+        pinned.map(|_| ()),
+        Code::FailedPrecondition,
+        &[
+            "dataset 'd' was dropped or written again since this read began",
+            &format!("sealed_as {first}"),
+        ],
+    );
+    let now = c.describe("d").await.expect("describe").generation;
+    assert_ne!(now, first);
+    let current = c
+        .plan(ReadPlan {
+            sealed_as: now,
+            ..plan("d")
+        })
+        .await
+        .expect("a plan of the dataset as it is sealed now");
+    assert_eq!(current.shards.len(), 2);
 
     // Action errors.
     let bad_body = c

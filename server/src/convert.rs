@@ -126,10 +126,19 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
 /// The read plan of a `GetFlightInfo` / `GetSchema` descriptor: a `ReadPlan`
 /// command, or the path `[dataset]` (one rank, unshuffled, everything).
 pub fn read_plan(descriptor: &FlightDescriptor, config: &ServerConfig) -> Result<ReadPlan> {
+    plan_request(descriptor, config).map(|(plan, _)| plan)
+}
+
+/// [`read_plan`] and the plan's `sealed_as`: the generation (on a cluster,
+/// the layout id) the reader expects the dataset at; 0 = any.
+pub fn plan_request(
+    descriptor: &FlightDescriptor,
+    config: &ServerConfig,
+) -> Result<(ReadPlan, u64)> {
     match descriptor.r#type() {
         DescriptorType::Cmd => {
             let plan: pb::ReadPlan = decode(&descriptor.cmd, "descriptor command", "ReadPlan")?;
-            read_plan_from_proto(&plan, config)
+            Ok((read_plan_from_proto(&plan, config)?, plan.sealed_as))
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
             [dataset] => read_plan_from_proto(
@@ -139,7 +148,8 @@ pub fn read_plan(descriptor: &FlightDescriptor, config: &ServerConfig) -> Result
                     ..Default::default()
                 },
                 config,
-            ),
+            )
+            .map(|plan| (plan, 0)),
             other => Err(Error::invalid(format!(
                 "path descriptor must be [dataset], got {other:?}"
             ))),
@@ -274,6 +284,8 @@ pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
         resume_world_size: plan.resume_world_size,
         filter: plan.filter.clone(),
         select: plan.select.clone(),
+        // Tickets pin the generation (or layout) themselves.
+        sealed_as: 0,
     }
 }
 

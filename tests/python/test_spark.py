@@ -1,16 +1,20 @@
 """A real PySpark job writes into flightdeck: a task fails mid-partition and
 is retried, the dataset holds every row exactly once, and ranks read
 balanced, disjoint shards with exact resume; a job that fails for good
-leaves nothing behind."""
+leaves nothing behind. Reads give a dataset back (filters pushed down),
+never mixing two writes of it; a server that needs tokens takes them as the
+`token` option."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
 pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
-from conftest import TYPES, strided_order  # noqa: E402
+from conftest import TYPES, RunningServer, strided_order  # noqa: E402
 from flightdeck import ShardedDataset  # noqa: E402
 from flightdeck.spark import register, vectors_to_arrays, write_dataframe  # noqa: E402
 
@@ -354,6 +358,91 @@ def test_spark_reads_a_dataset_back(flightdeck_server, spark):
         spark.read.format("flightdeck_py").option("uri", uri).load()
     with pytest.raises(Exception, match="option batch_rows must be a whole number"):
         read(batch_rows="ten").load().collect()
+
+
+def check_a_read_never_mixes_two_writes(spark, uri, fmt):
+    """A read whose partitions Spark planned (`.rdd` plans them) before the
+    dataset was written again fails its tasks, naming why, rather than
+    reading the new write in some partitions and the old in others; read
+    again, it gives the new rows."""
+
+    def write(first):
+        df = spark.range(first, first + 1_000, numPartitions=4)
+        w = df.write.format(fmt).option("uri", uri).option("dataset", "twice")
+        w.mode("overwrite").save()
+
+    def read():
+        return spark.read.format(fmt).option("uri", uri).option("dataset", "twice").load()
+
+    write(0)
+    planned = read().rdd
+    filtered = read().where("id % 2 = 0").rdd
+    write(1_000)
+    for rdd in (planned, filtered):
+        with pytest.raises(Exception, match="written again since this read began"):
+            rdd.count()
+    assert sorted(r.id for r in read().collect()) == list(range(1_000, 2_000))
+
+
+@contextlib.contextmanager
+def guarded_server(tmp_path):
+    """A server that takes writer token `w-spark` and reader token `r-spark`."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer w-spark\nreader r-spark\n")
+    server = RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def check_the_token_option(spark, fmt, tmp_path):
+    """On a server that needs tokens, the `token` option writes with a
+    writer's token and reads with a reader's; a reader's token cannot
+    replace the dataset (which stays whole), and without a token the server
+    refuses, saying one is needed."""
+    with guarded_server(tmp_path) as server:
+
+        def write(**options):
+            df = spark.range(0, 500, numPartitions=2)
+            w = df.write.format(fmt).option("uri", server.uri).option("dataset", "guarded")
+            w.options(**options).mode("overwrite").save()
+
+        def read(**options):
+            r = spark.read.format(fmt).option("uri", server.uri).option("dataset", "guarded")
+            return sorted(row.id for row in r.options(**options).load().collect())
+
+        write(token="w-spark")
+        assert read(token="r-spark") == list(range(500))
+        with pytest.raises(Exception, match="a reader token may not"):
+            write(token="r-spark")
+        with pytest.raises(Exception, match="needs a token"):
+            write()
+        with pytest.raises(Exception, match="needs a token"):
+            read()
+        assert read(token="r-spark", filter="id < 10") == list(range(10))
+
+
+def test_the_python_source_takes_a_token_option(spark, tmp_path):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    check_the_token_option(spark, "flightdeck_py", tmp_path)
+    # write_dataframe takes it as an argument.
+    with guarded_server(tmp_path) as server:
+        df = spark.range(0, 300, numPartitions=3)
+        with pytest.raises(Exception, match="needs a token"):
+            write_dataframe(df, server.uri, "mapped")
+        assert write_dataframe(df, server.uri, "mapped", token="w-spark") == 300
+        with flightdeck.connect(server.uri, token="r-spark") as c:
+            assert c.describe("mapped").rows == 300
+
+
+def test_a_python_source_read_never_mixes_two_writes(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    check_a_read_never_mixes_two_writes(spark, flightdeck_server.uri, "flightdeck_py")
 
 
 def test_spark_reads_refuse_an_unsealed_dataset_and_columns_spark_cannot_hold(

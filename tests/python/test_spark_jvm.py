@@ -5,7 +5,8 @@ named; overwrite, append refused, a failed job leaving nothing; every type
 Arrow carries round-trips (read back with the Python client and with
 `spark.read.format("flightdeck")`); a type Arrow cannot carry is refused
 before any byte is sent; a read sends only the rows its filter selects (the
-`filter` option, and Spark's filters pushed down)."""
+`filter` option, and Spark's filters pushed down); a read never mixes two
+writes; the `token` option."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ pytest.importorskip("pyspark")
 
 import flightdeck  # noqa: E402
 from conftest import SPARK_JAR, TYPES, server_name_cases  # noqa: E402
-from test_spark import always_fail, fail_first_attempt, source  # noqa: E402
+from test_spark import (  # noqa: E402
+    always_fail,
+    check_a_read_never_mixes_two_writes,
+    check_the_token_option,
+    fail_first_attempt,
+    source,
+)
 
 ROWS = 200_000
 
@@ -133,6 +140,14 @@ def test_server_names_read_as_the_shared_table_says(spark):
                 names.normalize(name, local or "")
         else:
             assert names.normalize(name, local or "") == want, name
+
+
+def test_the_token_option(spark, tmp_path):
+    check_the_token_option(spark, "flightdeck", tmp_path)
+
+
+def test_a_read_never_mixes_two_writes(flightdeck_server, spark):
+    check_a_read_never_mixes_two_writes(spark, flightdeck_server.uri, "flightdeck")
 
 
 def test_reads_send_only_the_rows_a_filter_selects(flightdeck_server, spark):

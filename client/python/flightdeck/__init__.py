@@ -13,7 +13,7 @@ Server errors raise :class:`FlightDeckError` subclasses carrying the gRPC code.
 """
 
 from . import _wire as messages
-from .client import DEFAULT_PORT, Client, Plan, Shard, connect, dataset_schema
+from .client import DEFAULT_PORT, Client, Plan, Shard, connect, dataset_schema, sealed_as
 from .dataset import ShardedDataset
 from .errors import (
     Aborted,
@@ -52,6 +52,7 @@ __all__ = [
     "connect",
     "dataset_schema",
     "messages",
+    "sealed_as",
     "to_numpy",
     "to_torch",
 ]

@@ -266,6 +266,7 @@ ReadPlan = _message(
     Field("resume_world_size", 16, "uint32"),
     Field("filter", 17, "string"),
     Field("select", 18, "string", repeated=True),
+    Field("sealed_as", 19, "uint64"),
 )
 ShardInfo = _message(
     "ShardInfo",

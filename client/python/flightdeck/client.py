@@ -190,6 +190,15 @@ def dataset_schema(info: wire.Message) -> pa.Schema | None:
     return pa.ipc.read_schema(pa.py_buffer(info.schema))
 
 
+def sealed_as(info: wire.Message) -> int:
+    """What identifies this seal of a dataset, from its `DatasetInfo`: the
+    layout id of a dataset sealed across servers (the same on every
+    member), else its generation. Give it to :meth:`Client.plan` to read
+    the dataset only as it was then."""
+    layout = info.layout
+    return layout.id if layout is not None and layout.id else info.generation
+
+
 def _describe_dataset(info: wire.Message) -> str:
     """`print(info)` of a `DatasetInfo`: one summary line, then the schema as
     Arrow prints it."""
@@ -606,6 +615,7 @@ class Client:
         resume_world_size: int = 0,
         filter: str = "",
         select: Sequence[str] = (),
+        sealed_as: int = 0,
     ) -> Plan:
         """Plans one epoch of a sealed dataset for `world_size` ranks.
 
@@ -622,7 +632,13 @@ class Client:
         `start_sample`, `drop_last`) applies to them as to a dataset of
         that many rows. `select` lists SQL expressions with aliases
         (`"CAST(price AS FLOAT) / 100 AS price_eur"`) read instead of the
-        stored columns; it cannot be given with `columns`."""
+        stored columns; it cannot be given with `columns`.
+
+        `sealed_as` (see :func:`sealed_as`; 0: any) plans the dataset only
+        as it was sealed when the reader first looked at it: once it is
+        dropped or written again the plan raises
+        :class:`FailedPrecondition`, so the parts of one read planned at
+        different times never mix two writes."""
         cmd = wire.ReadPlan(
             dataset=dataset,
             world_size=world_size,
@@ -642,6 +658,7 @@ class Client:
             resume_world_size=resume_world_size,
             filter=filter,
             select=list(select),
+            sealed_as=sealed_as,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))

@@ -18,7 +18,10 @@ retried and speculative tasks never duplicate rows. `abort` drops what the
 job wrote, naming the job's write id (made on the driver, sent with every
 attempt), so that a task still running when the job failed is refused
 rather than bringing the dataset back. `overwrite` replaces an existing dataset; `append` to an existing
-dataset fails, since a sealed dataset is immutable.
+dataset fails, since a sealed dataset is immutable. A server started with
+`--auth-token-file` takes the `token` option (default: `FLIGHTDECK_TOKEN`
+in the environment of the driver and of each executor) on every call: a
+writer's token to write, a reader's to read.
 
 Many nodes: with `uri` `local` (the default) each executor writes to its own
 node's server (`FLIGHTDECK_URI`, else loopback); `uris` (comma-separated)
@@ -29,7 +32,10 @@ first of them.
 
 Reads give a sealed dataset back as a DataFrame: one Spark partition per
 stored partition, rows in the dataset's own order (partition order, then
-row order), on a cluster dataset through any member. A `filter` option (a
+row order), on a cluster dataset through any member. Every task reads the
+dataset as it was sealed when the driver planned the read: one dropped or
+written again meanwhile fails the task (`FailedPrecondition`) rather than
+mixing two writes in one DataFrame. A `filter` option (a
 SQL condition, as in a read plan) has the server send only the rows it
 selects, split evenly over as many Spark partitions. Where the session lets
 Spark (4.1+) push its filters to Python data sources
@@ -58,7 +64,7 @@ from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from . import _wire as wire
-from .client import Client, connect, dataset_schema
+from .client import Client, connect, dataset_schema, sealed_as
 from .errors import FailedPrecondition, FlightDeckError, InvalidArgument, NotFound
 
 
@@ -70,25 +76,27 @@ def parse_uris(value: str | list[str] | None) -> list[str]:
     return [u.strip() for u in items if u.strip()]
 
 
-def prepare_dataset(uri: str, dataset: str, overwrite: bool, uris: list[str] = ()) -> None:
+def prepare_dataset(
+    uri: str, dataset: str, overwrite: bool, uris: list[str] = (), token: str | None = None
+) -> None:
     """Driver-side check before a write, on `uri` and every one of `uris`:
     drop for overwrite, refuse append to an existing dataset."""
     for target in list(dict.fromkeys(uris)) or [uri]:
-        _prepare_one(target, dataset, overwrite)
+        _prepare_one(target, dataset, overwrite, token)
 
 
-def _prepare_one(uri: str, dataset: str, overwrite: bool) -> None:
-    client = connect(uri)
-    try:
-        info = client.describe(dataset)
-    except NotFound:
-        return
-    if overwrite:
+def _prepare_one(uri: str, dataset: str, overwrite: bool, token: str | None) -> None:
+    with connect(uri, token=token) as client:
         try:
-            client.drop(dataset)
-        except NotFound:  # dropped by another member's cascade meanwhile
-            pass
-        return
+            info = client.describe(dataset)
+        except NotFound:
+            return
+        if overwrite:
+            try:
+                client.drop(dataset)
+            except NotFound:  # dropped by another member's cascade meanwhile
+                pass
+            return
     state = "sealed" if info.state == wire.DATASET_STATE_SEALED else "being written"
     raise FlightDeckError(
         f"cannot append to dataset '{dataset}': it already exists ({state}, {info.rows} rows) "
@@ -111,13 +119,14 @@ def _put_task_partition(
     schema: pa.Schema | None,
     uris: list[str] = (),
     write_id: str = "",
+    token: str | None = None,
 ) -> tuple[int, int, int, str]:
     ctx = TaskContext.get()
     if ctx is None:
         raise RuntimeError("flightdeck's Spark writer must run inside a Spark task")
     partition, attempt = ctx.partitionId(), ctx.attemptNumber()
     target = target_uri(uri, list(uris), partition)
-    with connect(target) as client:
+    with connect(target, token=token) as client:
         ack = client.put_partition(
             dataset, partition, batches, attempt, schema=schema, write_id=write_id
         )
@@ -127,7 +136,11 @@ def _put_task_partition(
 
 
 def seal_winners(
-    uri: str, dataset: str, partitions: int, winners: dict[int, tuple[int, str]]
+    uri: str,
+    dataset: str,
+    partitions: int,
+    winners: dict[int, tuple[int, str]],
+    token: str | None = None,
 ) -> None:
     """Seals `dataset` naming the winning attempt of every partition and the
     server that holds it: one server's seal when all are on one, else a
@@ -141,7 +154,7 @@ def seal_winners(
     for p, (attempt, location) in sorted(winners.items()):
         members.setdefault(location or uri, {})[p] = attempt
     first = next(iter(members))
-    with connect(first) as client:
+    with connect(first, token=token) as client:
         if len(members) == 1:
             client.seal(dataset, partitions=partitions, attempts=members[first])
         else:
@@ -153,12 +166,14 @@ def new_write_id() -> str:
     return uuid.uuid4().hex
 
 
-def drop_quietly(uris: list[str], dataset: str, write_id: str = "") -> None:
+def drop_quietly(
+    uris: list[str], dataset: str, write_id: str = "", token: str | None = None
+) -> None:
     """Drops what a failed job wrote, if anything, on every server named,
     and has each refuse the job's attempts from now on."""
     for uri in dict.fromkeys(uris):
         try:
-            with connect(uri) as client:
+            with connect(uri, token=token) as client:
                 client.drop(dataset, abort_write=write_id)
         except FlightDeckError:
             pass
@@ -293,6 +308,12 @@ def _sealed(client: Client, dataset: str):
     return info
 
 
+def _token(options: Mapping[str, str]) -> str | None:
+    """The `token` option; None (unset or empty): `FLIGHTDECK_TOKEN` where the
+    connection is made."""
+    return options.get("token") or None
+
+
 def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
     """A read's `uri`, `dataset`, `batch_rows` and `filter` options."""
     dataset = options.get("dataset")
@@ -332,27 +353,29 @@ try:  # Spark 4: Python data sources
         def __init__(self, options: dict, schema, overwrite: bool) -> None:
             self.uri = options.get("uri", "local")
             self.uris = parse_uris(options.get("uris"))
+            self.token = _token(options)
             self.dataset = options.get("dataset")
             if not self.dataset:
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.schema = _arrow_schema(schema)
             self.write_id = new_write_id()
             # Runs on the driver, before any task.
-            prepare_dataset(self.uri, self.dataset, overwrite, self.uris)
+            prepare_dataset(self.uri, self.dataset, overwrite, self.uris, self.token)
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
             partition, attempt, rows, location = _put_task_partition(
-                self.uri, self.dataset, iterator, self.schema, self.uris, self.write_id
+                self.uri, self.dataset, iterator, self.schema, self.uris, self.write_id, self.token
             )
             return FlightDeckCommitMessage(partition, attempt, rows, location)
 
         def commit(self, messages) -> None:
             winners = {m.partition: (m.attempt, m.location) for m in messages}
-            seal_winners(self.uri, self.dataset, len(messages), winners)
+            seal_winners(self.uri, self.dataset, len(messages), winners, self.token)
 
         def abort(self, messages) -> None:
             written = [m.location for m in messages if m is not None and m.location]
-            drop_quietly([*written, *self.uris] or [self.uri], self.dataset, self.write_id)
+            targets = [*written, *self.uris] or [self.uri]
+            drop_quietly(targets, self.dataset, self.write_id, self.token)
 
     @dataclass
     class FlightDeckReadPartition(InputPartition):
@@ -361,6 +384,8 @@ try:  # Spark 4: Python data sources
 
         start: int
         rows: int
+        #: The dataset's seal the read was planned on (see `sealed_as`).
+        sealed_as: int = 0
 
     class FlightDeckReader(DataSourceReader):
         """Reads a sealed dataset as the module's overview says: one Spark
@@ -371,6 +396,7 @@ try:  # Spark 4: Python data sources
             from pyspark.sql.pandas.types import to_arrow_schema
 
             self.uri, self.dataset, self.batch_rows, self.filter = _read_options(options)
+            self.token = _token(options)
             self.spark_schema = schema
             self.columns = list(schema.fieldNames())
             self.kinds = column_kinds(schema)
@@ -378,7 +404,7 @@ try:  # Spark 4: Python data sources
             self.arrow = to_arrow_schema(schema, timezone="UTC")
 
         def partitions(self) -> list:
-            with connect(self.uri) as client:
+            with connect(self.uri, token=self.token) as client:
                 info = _sealed(client, self.dataset)
                 stored = dataset_schema(info)
                 missing = [c for c in self.columns if c not in stored.names]
@@ -387,25 +413,30 @@ try:  # Spark 4: Python data sources
                         f"the read's schema names {missing}, which dataset '{self.dataset}' "
                         f"does not have; its columns are {stored.names}"
                     )
+                seal = sealed_as(info)
                 selected = None
                 if self.filter:
-                    plan = client.plan(self.dataset, columns=self.columns, filter=self.filter)
+                    plan = client.plan(
+                        self.dataset, columns=self.columns, filter=self.filter, sealed_as=seal
+                    )
                     selected = plan.total_rows
             rows = [p.rows for p in sorted(info.partitions, key=lambda p: p.partition)]
-            parts = [FlightDeckReadPartition(a, n) for a, n in read_parts(rows, selected)]
-            return parts or [FlightDeckReadPartition(0, 0)]
+            parts = [FlightDeckReadPartition(a, n, seal) for a, n in read_parts(rows, selected)]
+            return parts or [FlightDeckReadPartition(0, 0, seal)]
 
         def read(self, partition: FlightDeckReadPartition) -> Iterator[pa.RecordBatch]:
             remaining = partition.rows
             if not remaining:
                 return
-            with connect(self.uri) as client:
+            with connect(self.uri, token=self.token) as client:
                 plan = client.plan(
                     self.dataset,
                     start_sample=partition.start,
                     batch_rows=self.batch_rows,
                     columns=self.columns,
                     filter=self.filter,
+                    # Every partition reads the write the driver planned on.
+                    sealed_as=partition.sealed_as,
                 )
                 stream = client.read_shard(plan.shards[0])
                 try:
@@ -453,7 +484,8 @@ try:  # Spark 4: Python data sources
 
     class FlightDeckDataSource(DataSource):
         """`format("flightdeck")`: options `uri` (default `local`), `uris`
-        (comma-separated; partition p goes to the (p mod n)-th) and `dataset`;
+        (comma-separated; partition p goes to the (p mod n)-th), `dataset`
+        and `token` (default: `FLIGHTDECK_TOKEN` where each call is made);
         for reads, `filter` and `batch_rows` too."""
 
         #: Whether reads take Spark's filters (:func:`register` sets it from
@@ -466,7 +498,7 @@ try:  # Spark 4: Python data sources
 
         def schema(self):
             uri, dataset, _, _ = _read_options(self.options)
-            with connect(uri) as client:
+            with connect(uri, token=_token(self.options)) as client:
                 return _read_schema(_sealed(client, dataset), dataset, client.uri)
 
         def reader(self, schema) -> FlightDeckReader:
@@ -516,20 +548,22 @@ def write_dataframe(
     *,
     mode: str = "overwrite",
     uris: list[str] | str | None = None,
+    token: str | None = None,
 ) -> int:
     """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+), with the same
     commit rule and `uri`/`uris` routing as the data source; returns the
-    rows written."""
+    rows written. `token` (default: `FLIGHTDECK_TOKEN`, on the driver and on
+    each executor) is sent as the bearer token."""
     if mode not in ("overwrite", "append"):
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
     targets = parse_uris(uris)
-    prepare_dataset(uri, dataset, mode == "overwrite", targets)
+    prepare_dataset(uri, dataset, mode == "overwrite", targets, token)
     schema = _arrow_schema(df.schema)
     write_id = new_write_id()
 
     def put(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         partition, attempt, rows, location = _put_task_partition(
-            uri, dataset, batches, schema, targets, write_id
+            uri, dataset, batches, schema, targets, write_id, token
         )
         yield pa.RecordBatch.from_pydict(
             {"partition": [partition], "attempt": [attempt], "rows": [rows], "location": [location]},
@@ -549,10 +583,10 @@ def write_dataframe(
             put, "partition int, attempt int, rows long, location string"
         ).collect()
     except BaseException:
-        drop_quietly(targets or [uri], dataset, write_id)
+        drop_quietly(targets or [uri], dataset, write_id, token)
         raise
     winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
-    seal_winners(uri, dataset, partitions, winners)
+    seal_winners(uri, dataset, partitions, winners, token)
     return sum(r["rows"] for r in results)
 
 

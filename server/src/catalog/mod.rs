@@ -448,8 +448,9 @@ impl Catalog {
         let seq = self.next_seq;
         self.next_seq += 1;
         if !self.datasets.contains_key(dataset) {
-            let generation = self.next_generation;
-            self.next_generation += 1;
+            // From 1: a plan's `sealed_as` 0 means "any generation".
+            let generation = self.next_generation.max(1);
+            self.next_generation = generation + 1;
             self.datasets.insert(
                 dataset.to_string(),
                 Dataset {

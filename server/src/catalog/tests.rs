@@ -154,6 +154,7 @@ fn drop_then_write_gets_a_new_generation() {
     c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
         .expect("commit");
     let g0 = c.describe("d").expect("exists").generation;
+    assert_ne!(g0, 0, "0 is no generation: a plan's sealed_as 0 means any");
     let (_, freed) = c.drop_dataset("d").expect("drop");
     assert_eq!(freed, 24);
     c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))

@@ -43,6 +43,9 @@ struct Source {
     index: usize,
     /// Sealed across members (tickets carry the layout id).
     cluster: bool,
+    /// What identifies this seal of the dataset: the layout id of a cluster,
+    /// else the generation (`DatasetInfo`'s `layout.id` and `generation`).
+    sealed_as: u64,
 }
 
 impl Source {
@@ -52,6 +55,7 @@ impl Source {
                 layout: layout.clone(),
                 index: *index,
                 cluster: true,
+                sealed_as: layout.id,
             }),
             Some(ClusterState::Pending) => Err(unfinished_seal(&s.name)),
             None => Ok(Self {
@@ -62,8 +66,22 @@ impl Source {
                 )),
                 index: 0,
                 cluster: false,
+                sealed_as: s.generation,
             }),
         }
+    }
+
+    /// Refuses a plan that expects the dataset as sealed another time
+    /// (`expected` 0: any).
+    fn check_sealed_as(&self, dataset: &str, expected: u64) -> Result<()> {
+        if expected == 0 || expected == self.sealed_as {
+            return Ok(());
+        }
+        Err(Error::FailedPrecondition(format!(
+            "dataset '{dataset}' was dropped or written again since this read began (the read \
+             expects it as sealed_as {expected}, it is now {}); start the read again",
+            self.sealed_as
+        )))
     }
 
     /// Rows `selection` takes from each of this member's partitions.
@@ -297,10 +315,11 @@ fn plan_info(
 /// one ticket per rank; on a cluster, only once every member holds the
 /// same layout.
 pub(super) async fn flight_info(state: &State, descriptor: FlightDescriptor) -> Result<FlightInfo> {
-    let plan = convert::read_plan(&descriptor, &state.config)?;
+    let (plan, sealed_as) = convert::plan_request(&descriptor, &state.config)?;
     let summary = sealed_summary(state, &plan.dataset)?;
     check_batch_bytes(&plan, &summary, state.config.max_message_bytes)?;
     let source = Source::of(state, &summary)?;
+    source.check_sealed_as(&plan.dataset, sealed_as)?;
     if plan.filter.is_empty() {
         if source.cluster {
             state

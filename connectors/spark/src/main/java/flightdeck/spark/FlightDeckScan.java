@@ -102,9 +102,12 @@ final class FlightDeckScan {
 
   /**
    * A stored partition's rows: {@code rows} from global row {@code start}
-   * (with a filter: of the selected rows, in order).
+   * (with a filter: of the selected rows, in order), of the dataset as
+   * sealed when the read was planned ({@code sealedAs}, see {@link
+   * Wire.DatasetInfo}): one written again meanwhile fails the task rather
+   * than mixing two writes in one read.
    */
-  record Part(Options options, List<String> columns, long start, long rows)
+  record Part(Options options, List<String> columns, long start, long rows, long sealedAs)
       implements InputPartition, Serializable {}
 
   /** Plans one Spark partition per stored partition, from the dataset's description. */
@@ -122,7 +125,7 @@ final class FlightDeckScan {
               + "' is still being written; read it once its write has been sealed");
         }
         if (!options.filter().isEmpty()) {
-          selected = selectedRows(server);
+          selected = selectedRows(server, info.sealedAs());
         }
       }
       List<String> columns = Arrays.asList(schema.fieldNames());
@@ -135,23 +138,23 @@ final class FlightDeckScan {
           long start = selected * i / n;
           long end = selected * (i + 1) / n;
           if (end > start) {
-            out.add(new Part(options, columns, start, end - start));
+            out.add(new Part(options, columns, start, end - start, info.sealedAs()));
           }
         }
         return out.toArray(new InputPartition[0]);
       }
       long start = 0;
       for (Wire.Partition p : parts) {
-        out.add(new Part(options, columns, start, p.rows()));
+        out.add(new Part(options, columns, start, p.rows(), info.sealedAs()));
         start += p.rows();
       }
       return out.toArray(new InputPartition[0]);
     }
 
     /** How many rows the filter selects: the plan's row count, from {@code server}. */
-    private long selectedRows(Server server) {
+    private long selectedRows(Server server, long sealedAs) {
       byte[] plan = Wire.readFrom(options.dataset(), 0, options.batchRows(), List.of(),
-          options.filter());
+          options.filter(), sealedAs);
       try {
         return server.client.getInfo(FlightDescriptor.command(plan), server.options).getRecords();
       } catch (FlightRuntimeException e) {
@@ -207,8 +210,8 @@ final class FlightDeckScan {
       try {
         FlightInfo info = server.client.getInfo(
             FlightDescriptor.command(
-                Wire.readFrom(
-                    o.dataset(), part.start(), o.batchRows(), part.columns(), o.filter())),
+                Wire.readFrom(o.dataset(), part.start(), o.batchRows(), part.columns(),
+                    o.filter(), part.sealedAs())),
             server.options);
         FlightEndpoint endpoint = info.getEndpoints().get(0);
         Server serving = server;

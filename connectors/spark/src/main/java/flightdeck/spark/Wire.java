@@ -152,10 +152,16 @@ final class Wire {
   /**
    * {@code ReadPlan} for one rank reading unshuffled from
    * {@code startSample}, projected to {@code columns} (none: all), over the
-   * rows {@code filter} selects (empty: every row).
+   * rows {@code filter} selects (empty: every row), of the dataset as sealed
+   * when {@code sealedAs} was described (0: as it is now).
    */
   static byte[] readFrom(
-      String dataset, long startSample, int batchRows, List<String> columns, String filter) {
+      String dataset,
+      long startSample,
+      int batchRows,
+      List<String> columns,
+      String filter,
+      long sealedAs) {
     return new Out()
         .string(1, dataset)
         .uint32(2, 1)
@@ -163,6 +169,7 @@ final class Wire {
         .repeatedString(8, columns)
         .uint64(9, startSample)
         .string(17, filter)
+        .uint64(19, sealedAs)
         .bytes();
   }
 
@@ -199,9 +206,11 @@ final class Wire {
   /**
    * {@code DatasetInfo}, the parts the connector reads; {@code partitions}
    * are every member's on a dataset sealed across servers (from its
-   * layout), this server's otherwise.
+   * layout), this server's otherwise; {@code sealedAs} identifies this seal
+   * of it (the layout id on a cluster, else the generation), for read plans
+   * that must not mix two writes.
    */
-  record DatasetInfo(int state, long rows, List<Partition> partitions) {
+  record DatasetInfo(int state, long rows, List<Partition> partitions, long sealedAs) {
     static final int SEALED = 2;
 
     String stateName() {
@@ -212,6 +221,8 @@ final class Wire {
   static DatasetInfo datasetInfo(byte[] body) {
     int state = 0;
     long rows = 0;
+    long generation = 0;
+    long layout = 0;
     List<Partition> partitions = new ArrayList<>();
     List<Partition> everyMember = new ArrayList<>();
     try {
@@ -221,7 +232,8 @@ final class Wire {
           case 2 -> state = in.readEnum();
           case 3 -> rows = in.readUInt64();
           case 7 -> partitions.add(partition(in.readByteArray()));
-          case 12 -> layoutPartitions(in.readByteArray(), everyMember);
+          case 8 -> generation = in.readUInt64();
+          case 12 -> layout = layoutPartitions(in.readByteArray(), everyMember);
           default -> in.skipField(tag);
         }
       }
@@ -229,13 +241,19 @@ final class Wire {
       throw new IllegalStateException(
           "the server's DatasetInfo does not decode: " + e.getMessage(), e);
     }
-    return new DatasetInfo(state, rows, everyMember.isEmpty() ? partitions : everyMember);
+    return new DatasetInfo(state, rows, everyMember.isEmpty() ? partitions : everyMember,
+        layout != 0 ? layout : generation);
   }
 
-  /** The partitions of every member of a {@code ClusterLayout}. */
-  private static void layoutPartitions(byte[] layout, List<Partition> out) throws IOException {
+  /** The partitions of every member of a {@code ClusterLayout}; returns its id. */
+  private static long layoutPartitions(byte[] layout, List<Partition> out) throws IOException {
+    long id = 0;
     CodedInputStream in = CodedInputStream.newInstance(layout);
     for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+      if (tag >>> 3 == 1) {
+        id = in.readUInt64();
+        continue;
+      }
       if (tag >>> 3 != 2) {
         in.skipField(tag);
         continue;
@@ -249,6 +267,7 @@ final class Wire {
         }
       }
     }
+    return id;
   }
 
   private static Partition partition(byte[] body) throws IOException {
