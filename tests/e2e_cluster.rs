@@ -259,6 +259,16 @@ async fn global_shards_are_byte_identical_to_one_server() {
             start_sample: 3,
             ..plan("g", 4, Shuffle::None, 4)
         },
+        // Streams cut short: the same bytes as one server cuts them.
+        ReadPlan {
+            max_rows: 100,
+            ..plan("g", 4, Shuffle::Global, 1)
+        },
+        ReadPlan {
+            max_rows: 2 * 37 + 5,
+            start_sample: 5 * 37 * 6 + 3,
+            ..plan("g", 6, Shuffle::None, 0)
+        },
     ];
     for p in variants {
         let cluster = ranks_bytes(&mut c, p.clone()).await;
@@ -286,6 +296,63 @@ async fn global_shards_are_byte_identical_to_one_server() {
     let total: i64 = sizes().iter().sum();
     let unique: HashSet<i64> = ids.iter().copied().collect();
     assert_eq!(unique.len() as i64, total);
+
+    // `max_rows` cuts every rank's stream to a prefix of its share.
+    let whole = read_all(&mut c, &p).await;
+    let cut_plan = ReadPlan {
+        max_rows: 100,
+        ..plan("g", 4, Shuffle::Global, 0)
+    };
+    let cut = timed("plan", c.plan(cut_plan)).await.expect("plan");
+    let cut_rows = read_all(&mut c, &cut).await;
+    let parts = layout(&sizes());
+    let speculative = parts[SPECULATIVE as usize].clone();
+    let attempt_of = |id: i64| u32::from(speculative.contains(&id));
+    let ids_of = |batches: &[RecordBatch]| -> Vec<i64> {
+        batches
+            .iter()
+            .flat_map(|b| check_batch(b, &attempt_of))
+            .collect()
+    };
+    for (r, (a, b)) in whole.iter().zip(&cut_rows).enumerate() {
+        let (a, b) = (ids_of(a), ids_of(b));
+        assert_eq!(b.len(), 100, "rank {r}");
+        assert_eq!(cut.shards[r].rows, 100);
+        assert_eq!(b, a[..100], "rank {r}: the start of its share");
+    }
+
+    // One stored partition read where it is held (the node map naming its
+    // member, the stream ending with it): its rows, and nothing fetched
+    // from the other members.
+    for p in [0usize, 4, 5, 11] {
+        let holder = members[owner(p)].location();
+        let before = stats(&members).await;
+        let one = ReadPlan {
+            start_sample: parts[p].start as u64,
+            max_rows: (parts[p].end - parts[p].start) as u64,
+            ranks_per_node: 1,
+            nodes: vec![holder.clone()],
+            ..plan("g", 1, Shuffle::None, 0)
+        };
+        let planned = timed("plan", c.plan(one)).await.expect("plan");
+        assert_eq!(planned.shards[0].location.as_deref(), Some(holder.as_str()));
+        let got = ids_of(&read_all(&mut c, &planned).await[0]);
+        assert_eq!(got, parts[p].clone().collect::<Vec<_>>(), "partition {p}");
+        assert_eq!(
+            fetched(&before, &stats(&members).await),
+            (0, 0),
+            "partition {p}"
+        );
+    }
+    // Not with a NODE plan, which is read whole.
+    let node = ReadPlan {
+        max_rows: 10,
+        locality: Locality::Node.into(),
+        ..plan("g", 3, Shuffle::Global, 0)
+    };
+    let err = c.plan(node).await.expect_err("max_rows with NODE");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(err.message().contains("max_rows"), "{err}");
 }
 
 /// Rows of each member in a balanced or 6/4/2 layout of 50-row partitions;

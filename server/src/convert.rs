@@ -213,6 +213,12 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
              {MAX_LOCATION} bytes"
         )));
     }
+    if p.max_rows > 0 && locality == Locality::Node {
+        return Err(Error::invalid(format!(
+            "the plan for dataset '{dataset}' sets max_rows with LOCALITY_NODE; a NODE epoch is \
+             read whole: drop max_rows, or read with LOCALITY_GLOBAL"
+        )));
+    }
     if !p.select.is_empty() && !p.columns.is_empty() {
         return Err(Error::invalid(format!(
             "the plan for dataset '{dataset}' names both columns and a select list; put the \
@@ -247,6 +253,7 @@ pub fn read_plan_from_proto(p: &pb::ReadPlan, config: &ServerConfig) -> Result<R
         resume_world_size: p.resume_world_size,
         filter: p.filter.trim().to_string(),
         select: p.select.clone(),
+        max_rows: p.max_rows,
     })
 }
 
@@ -286,6 +293,7 @@ pub fn read_plan_to_proto(plan: &ReadPlan) -> pb::ReadPlan {
         select: plan.select.clone(),
         // Tickets pin the generation (or layout) themselves.
         sealed_as: 0,
+        max_rows: plan.max_rows,
     }
 }
 

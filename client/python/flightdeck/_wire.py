@@ -267,6 +267,7 @@ ReadPlan = _message(
     Field("filter", 17, "string"),
     Field("select", 18, "string", repeated=True),
     Field("sealed_as", 19, "uint64"),
+    Field("max_rows", 20, "uint64"),
 )
 ShardInfo = _message(
     "ShardInfo",

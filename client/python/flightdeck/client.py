@@ -616,6 +616,7 @@ class Client:
         filter: str = "",
         select: Sequence[str] = (),
         sealed_as: int = 0,
+        max_rows: int = 0,
     ) -> Plan:
         """Plans one epoch of a sealed dataset for `world_size` ranks.
 
@@ -638,7 +639,9 @@ class Client:
         as it was sealed when the reader first looked at it: once it is
         dropped or written again the plan raises
         :class:`FailedPrecondition`, so the parts of one read planned at
-        different times never mix two writes."""
+        different times never mix two writes. `max_rows` (0: none) ends
+        each rank's stream after that many rows, the order unchanged: a
+        reader of one slice of the order is sent no more (`"global"` only)."""
         cmd = wire.ReadPlan(
             dataset=dataset,
             world_size=world_size,
@@ -659,6 +662,7 @@ class Client:
             filter=filter,
             select=list(select),
             sealed_as=sealed_as,
+            max_rows=max_rows,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))

@@ -32,10 +32,11 @@ first of them.
 
 Reads give a sealed dataset back as a DataFrame: one Spark partition per
 stored partition, rows in the dataset's own order (partition order, then
-row order), on a cluster dataset through any member. Every task reads the
-dataset as it was sealed when the driver planned the read: one dropped or
-written again meanwhile fails the task (`FailedPrecondition`) rather than
-mixing two writes in one DataFrame. A `filter` option (a
+row order), on a cluster dataset through any member (`uri`, else the first
+of `uris`), each stored partition served by the member holding it. Every
+task reads the dataset as it was sealed when the driver planned the read:
+one dropped or written again meanwhile fails the task (`FailedPrecondition`)
+rather than mixing two writes in one DataFrame. A `filter` option (a
 SQL condition, as in a read plan) has the server send only the rows it
 selects, split evenly over as many Spark partitions. Where the session lets
 Spark (4.1+) push its filters to Python data sources
@@ -325,7 +326,18 @@ def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
             f"option batch_rows must be a whole number of rows, 1 or more, not {rows!r}"
         )
     filter = (options.get("filter") or "").strip()
-    return options.get("uri", "local"), dataset, int(rows or 0), filter
+    # As a write takes it: `uri`, else the first of `uris`, else this node's.
+    uri = options.get("uri") or next(iter(parse_uris(options.get("uris"))), "local")
+    return uri, dataset, int(rows or 0), filter
+
+
+def holders(info) -> dict[int, str]:
+    """The member holding each partition of a dataset sealed across servers
+    (from its `DatasetInfo`); empty for a dataset on one server."""
+    layout = info.layout
+    if layout is None:
+        return {}
+    return {p.partition: m.location for m in layout.members for p in m.partitions}
 
 
 try:  # Spark 4: Python data sources
@@ -386,6 +398,9 @@ try:  # Spark 4: Python data sources
         rows: int
         #: The dataset's seal the read was planned on (see `sealed_as`).
         sealed_as: int = 0
+        #: The member holding these rows, which serves them (a stored
+        #: partition of a dataset sealed across servers); "": any.
+        holder: str = ""
 
     class FlightDeckReader(DataSourceReader):
         """Reads a sealed dataset as the module's overview says: one Spark
@@ -420,8 +435,13 @@ try:  # Spark 4: Python data sources
                         self.dataset, columns=self.columns, filter=self.filter, sealed_as=seal
                     )
                     selected = plan.total_rows
-            rows = [p.rows for p in sorted(info.partitions, key=lambda p: p.partition)]
-            parts = [FlightDeckReadPartition(a, n, seal) for a, n in read_parts(rows, selected)]
+            stored = sorted(info.partitions, key=lambda p: p.partition)
+            spans = read_parts([p.rows for p in stored], selected)
+            # Unfiltered, Spark partition i is stored partition i: its member
+            # serves it, with nothing fetched from the others.
+            held = holders(info) if selected is None else {}
+            at = [held.get(p.partition, "") for p in stored] if held else [""] * len(spans)
+            parts = [FlightDeckReadPartition(a, n, seal, h) for (a, n), h in zip(spans, at)]
             return parts or [FlightDeckReadPartition(0, 0, seal)]
 
         def read(self, partition: FlightDeckReadPartition) -> Iterator[pa.RecordBatch]:
@@ -429,14 +449,18 @@ try:  # Spark 4: Python data sources
             if not remaining:
                 return
             with connect(self.uri, token=self.token) as client:
+                where = {"nodes": [partition.holder], "ranks_per_node": 1}
                 plan = client.plan(
                     self.dataset,
                     start_sample=partition.start,
+                    # The stream ends with the partition.
+                    max_rows=partition.rows,
                     batch_rows=self.batch_rows,
                     columns=self.columns,
                     filter=self.filter,
                     # Every partition reads the write the driver planned on.
                     sealed_as=partition.sealed_as,
+                    **(where if partition.holder else {}),
                 )
                 stream = client.read_shard(plan.shards[0])
                 try:

@@ -283,6 +283,7 @@ proptest! {
                 resume_world_size: 0,
                 filter: String::new(),
                 select: Vec::new(),
+                max_rows: 0,
             };
             for r in 0..world {
                 let Ok(rows) = RankRows::new(&plan, layout.clone(), &nodes, r) else { continue };
@@ -384,6 +385,7 @@ fn node_resume_needs_the_same_world_size_and_whole_steps() {
         resume_world_size: 0,
         filter: String::new(),
         select: Vec::new(),
+        max_rows: 0,
     };
     let nodes = || Nodes::new(6, 2, vec![], 3).expect("nodes");
     let rows = RankRows::new(&plan, Arc::new(l.clone()), &nodes(), 0).expect("same W");

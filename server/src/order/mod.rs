@@ -203,6 +203,15 @@ impl Shares {
         self.per_rank
     }
 
+    /// These shares cut to at most `max` samples a rank (0: as they are):
+    /// the same positions, fewer of them.
+    pub fn at_most(mut self, max: u64) -> Self {
+        if max > 0 {
+            self.per_rank = self.per_rank.min(max);
+        }
+        self
+    }
+
     /// Number of ranks.
     pub fn world_size(&self) -> u64 {
         self.world_size
@@ -303,6 +312,10 @@ pub struct ReadPlan {
     /// SQL expressions (with `AS` aliases) to read instead of `columns`;
     /// empty = the columns as stored.
     pub select: Vec<String>,
+    /// Each rank's stream ends after at most this many samples (0 = its
+    /// whole share); the order and every position stay the plan's without
+    /// it, only the end moves.
+    pub max_rows: u64,
 }
 
 /// Where a rank's rows come from on a dataset spread over several members.
@@ -338,7 +351,10 @@ impl ReadPlan {
 
     /// The equal shares of this plan over `n` rows.
     pub fn shares(&self, n: u64) -> Result<Shares> {
-        Shares::new(n, self.world_size, self.start_sample, self.drop_last)
+        Ok(
+            Shares::new(n, self.world_size, self.start_sample, self.drop_last)?
+                .at_most(self.max_rows),
+        )
     }
 
     /// The sample ranges (of a rank's `rows` samples) of the batches this
@@ -473,6 +489,7 @@ mod tests {
             resume_world_size: 0,
             filter: String::new(),
             select: Vec::new(),
+            max_rows: 0,
         }
     }
 
@@ -527,6 +544,25 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// `max_rows` ends every rank's stream early and moves nothing else:
+        /// the same positions, at most that many of them.
+        #[test]
+        fn max_rows_moves_only_the_end(
+            n in 0u64..2_000, w in 1u32..9, start in 0u64..2_000, drop_last: bool,
+            max in 0u64..400,
+        ) {
+            let start = start.min(n);
+            let whole = Shares::new(n, w, start, drop_last).expect("shares");
+            let cut = whole.at_most(max);
+            let expected = if max == 0 { whole.per_rank() } else { whole.per_rank().min(max) };
+            prop_assert_eq!(cut.per_rank(), expected);
+            for rank in 0..u64::from(w) {
+                for k in 0..cut.per_rank() {
+                    prop_assert_eq!(cut.position(rank, k), whole.position(rank, k));
+                }
+            }
+        }
 
         /// The computed stream size is the size of the batches streamed.
         #[test]

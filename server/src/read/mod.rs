@@ -1870,6 +1870,7 @@ mod tests {
             resume_world_size: 0,
             filter: String::new(),
             select: Vec::new(),
+            max_rows: 0,
         }
     }
 }

@@ -105,9 +105,12 @@ final class FlightDeckScan {
    * (with a filter: of the selected rows, in order), of the dataset as
    * sealed when the read was planned ({@code sealedAs}, see {@link
    * Wire.DatasetInfo}): one written again meanwhile fails the task rather
-   * than mixing two writes in one read.
+   * than mixing two writes in one read. The stream ends with the rows; a
+   * stored partition of a dataset sealed across servers is served by the
+   * member holding it ({@code holder}; "": the plan's default).
    */
-  record Part(Options options, List<String> columns, long start, long rows, long sealedAs)
+  record Part(
+      Options options, List<String> columns, long start, long rows, long sealedAs, String holder)
       implements InputPartition, Serializable {}
 
   /** Plans one Spark partition per stored partition, from the dataset's description. */
@@ -138,14 +141,15 @@ final class FlightDeckScan {
           long start = selected * i / n;
           long end = selected * (i + 1) / n;
           if (end > start) {
-            out.add(new Part(options, columns, start, end - start, info.sealedAs()));
+            out.add(new Part(options, columns, start, end - start, info.sealedAs(), ""));
           }
         }
         return out.toArray(new InputPartition[0]);
       }
       long start = 0;
       for (Wire.Partition p : parts) {
-        out.add(new Part(options, columns, start, p.rows(), info.sealedAs()));
+        // Served by the member holding it, nothing fetched from the others.
+        out.add(new Part(options, columns, start, p.rows(), info.sealedAs(), p.holder()));
         start += p.rows();
       }
       return out.toArray(new InputPartition[0]);
@@ -153,8 +157,8 @@ final class FlightDeckScan {
 
     /** How many rows the filter selects: the plan's row count, from {@code server}. */
     private long selectedRows(Server server, long sealedAs) {
-      byte[] plan = Wire.readFrom(options.dataset(), 0, options.batchRows(), List.of(),
-          options.filter(), sealedAs);
+      byte[] plan = Wire.readFrom(options.dataset(), 0, 0, options.batchRows(), List.of(),
+          options.filter(), sealedAs, "");
       try {
         return server.client.getInfo(FlightDescriptor.command(plan), server.options).getRecords();
       } catch (FlightRuntimeException e) {
@@ -210,8 +214,8 @@ final class FlightDeckScan {
       try {
         FlightInfo info = server.client.getInfo(
             FlightDescriptor.command(
-                Wire.readFrom(o.dataset(), part.start(), o.batchRows(), part.columns(),
-                    o.filter(), part.sealedAs())),
+                Wire.readFrom(o.dataset(), part.start(), part.rows(), o.batchRows(),
+                    part.columns(), o.filter(), part.sealedAs(), part.holder())),
             server.options);
         FlightEndpoint endpoint = info.getEndpoints().get(0);
         Server serving = server;

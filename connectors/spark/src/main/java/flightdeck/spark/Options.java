@@ -7,7 +7,8 @@ import java.util.Map;
 
 /**
  * The connector's options: {@code uri} (default {@code local}: the server on
- * each executor's own node), {@code uris} (comma-separated: partition
+ * each executor's own node; reads given only {@code uris} go through the
+ * first), {@code uris} (comma-separated: partition
  * {@code p} goes to the ({@code p} mod n)-th), {@code dataset} (required),
  * {@code batch_rows} (rows per record batch sent or read; default: Spark's
  * {@code spark.sql.execution.arrow.maxRecordsPerBatch} for writes, the
@@ -45,7 +46,10 @@ record Options(
       throw new IllegalArgumentException(
           "option batch_rows must be a whole number of rows, 1 or more, not '" + rows + "'");
     }
-    return new Options(get(options, "uri", "local"), List.copyOf(uris), dataset, batchRows,
+    // Reads go through uri, else the first of uris (as the write sent its
+    // partitions), else this node's server.
+    String uri = get(options, "uri", uris.isEmpty() ? "local" : uris.get(0));
+    return new Options(uri, List.copyOf(uris), dataset, batchRows,
         get(options, "token", ""), get(options, "filter", "").strip());
   }
 

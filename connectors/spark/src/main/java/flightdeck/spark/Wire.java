@@ -150,19 +150,23 @@ final class Wire {
   }
 
   /**
-   * {@code ReadPlan} for one rank reading unshuffled from
-   * {@code startSample}, projected to {@code columns} (none: all), over the
-   * rows {@code filter} selects (empty: every row), of the dataset as sealed
-   * when {@code sealedAs} was described (0: as it is now).
+   * {@code ReadPlan} for one rank reading unshuffled {@code rows} rows from
+   * {@code startSample} (0: to the end), projected to {@code columns} (none:
+   * all), over the rows {@code filter} selects (empty: every row), of the
+   * dataset as sealed when {@code sealedAs} was described (0: as it is now),
+   * served by member {@code holder} of a dataset sealed across servers
+   * ("": the plan's default).
    */
   static byte[] readFrom(
       String dataset,
       long startSample,
+      long rows,
       int batchRows,
       List<String> columns,
       String filter,
-      long sealedAs) {
-    return new Out()
+      long sealedAs,
+      String holder) {
+    Out plan = new Out()
         .string(1, dataset)
         .uint32(2, 1)
         .uint32(6, batchRows)
@@ -170,7 +174,11 @@ final class Wire {
         .uint64(9, startSample)
         .string(17, filter)
         .uint64(19, sealedAs)
-        .bytes();
+        .uint64(20, rows);
+    if (!holder.isEmpty()) {
+      plan.uint32(14, 1).repeatedString(15, List.of(holder));
+    }
+    return plan.bytes();
   }
 
   /** {@code PutAck}: what the server stored of an attempt. */
@@ -200,8 +208,11 @@ final class Wire {
     return new PutAck(partition, attempt, rows, bytes, location);
   }
 
-  /** A partition of a described dataset: its winning attempt's rows. */
-  record Partition(int partition, int attempt, long rows) {}
+  /**
+   * A partition of a described dataset: its winning attempt's rows, and the
+   * member holding it on a dataset sealed across servers ("" otherwise).
+   */
+  record Partition(int partition, int attempt, long rows, String holder) {}
 
   /**
    * {@code DatasetInfo}, the parts the connector reads; {@code partitions}
@@ -259,12 +270,17 @@ final class Wire {
         continue;
       }
       CodedInputStream member = CodedInputStream.newInstance(in.readByteArray());
+      String location = "";
+      List<Partition> held = new ArrayList<>();
       for (int t = member.readTag(); t != 0; t = member.readTag()) {
-        if (t >>> 3 == 3) {
-          out.add(partition(member.readByteArray()));
-        } else {
-          member.skipField(t);
+        switch (t >>> 3) {
+          case 1 -> location = member.readString();
+          case 3 -> held.add(partition(member.readByteArray()));
+          default -> member.skipField(t);
         }
+      }
+      for (Partition p : held) {
+        out.add(new Partition(p.partition(), p.attempt(), p.rows(), location));
       }
     }
     return id;
@@ -283,6 +299,6 @@ final class Wire {
         default -> in.skipField(tag);
       }
     }
-    return new Partition(partition, attempt, rows);
+    return new Partition(partition, attempt, rows, "");
   }
 }
