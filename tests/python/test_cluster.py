@@ -101,6 +101,12 @@ def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
     assert back.rdd.getNumPartitions() == 12
     assert [r.id for r in back.select("id").collect()] == order
     assert fetched() == before
+    if writer == "flightdeck":
+        # The JVM connector asks Spark to run each task on its holder's host.
+        scan = back._jdf.queryExecution().executedPlan().collectLeaves().head()
+        rdd = scan.inputRDD()
+        where = [rdd.preferredLocations(p).mkString(",") for p in rdd.partitions()]
+        assert where == ["127.0.0.1"] * 12
     # Given the write's `uris` instead of a `uri`, the read goes through them.
     routed = (spark.read.format(writer).option("uris", ",".join(routes(members)))
               .option("dataset", "events").load())

@@ -140,6 +140,13 @@ def test_server_names_read_as_the_shared_table_says(spark):
                 names.normalize(name, local or "")
         else:
             assert names.normalize(name, local or "") == want, name
+    # The host Spark is asked to run a partition's task on: its holder's.
+    assert names.host("grpc://10.0.0.3:50051") == "10.0.0.3"
+    assert names.host("grpc+tls://gpu-3.cluster:50051") == "gpu-3.cluster"
+    assert names.host("gpu-4") == "gpu-4"
+    assert names.host("grpc://[::1]:50051") == "::1"
+    assert names.host("grpc+unix:///run/flightdeck.sock") == ""
+    assert names.host("not a name") == ""
 
 
 def test_the_token_option(spark, tmp_path):

@@ -111,7 +111,14 @@ final class FlightDeckScan {
    */
   record Part(
       Options options, List<String> columns, long start, long rows, long sealedAs, String holder)
-      implements InputPartition, Serializable {}
+      implements InputPartition, Serializable {
+    /** The holder's host: Spark prefers an executor there, where the rows are. */
+    @Override
+    public String[] preferredLocations() {
+      String host = holder.isEmpty() ? "" : ServerNames.host(holder);
+      return host.isEmpty() ? new String[0] : new String[] {host};
+    }
+  }
 
   /** Plans one Spark partition per stored partition, from the dataset's description. */
   record Partitions(Options options, StructType schema) implements Batch {

@@ -28,6 +28,29 @@ public final class ServerNames {
     return normalize(name, System.getenv("FLIGHTDECK_URI"));
   }
 
+  /**
+   * The host of a member's location ({@code grpc://HOST:PORT}, IPv6 without
+   * brackets), for Spark to run the task reading its rows there; "" for a
+   * Unix socket or a name that is not a location.
+   */
+  public static String host(String location) {
+    try {
+      String at = normalize(location, "");
+      if (at.startsWith("grpc+unix://")) {
+        return "";
+      }
+      String host = java.net.URI.create(at).getHost();
+      if (host == null) {
+        return "";
+      }
+      return host.startsWith("[") && host.endsWith("]")
+          ? host.substring(1, host.length() - 1)
+          : host;
+    } catch (IllegalArgumentException e) {
+      return "";
+    }
+  }
+
   /** {@link #normalize(String)} with {@code local} given (null: unset). */
   public static String normalize(String name, String local) {
     String n = name == null ? "" : name.strip();
