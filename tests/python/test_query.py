@@ -111,6 +111,10 @@ FILTERS = {
     ),
     "id < 0": lambda t: pc.less(t["id"], 0),
     "id >= 0": lambda t: pc.greater_equal(t["id"], 0),
+    # Functions the query engine runs only as rewrites of its simplifier.
+    "coalesce(label, 0) = 0": lambda t: pc.equal(pc.coalesce(t["label"], 0), 0),
+    "nvl2(country, 1, 0) = 0": lambda t: pc.is_null(t["country"]),
+    "arrow_cast(id, 'Float32') < 100.5": lambda t: pc.less(t["id"], 101),
 }
 
 
@@ -142,10 +146,12 @@ def test_select_derives_columns_as_pyarrow_computes_them(server):
         "label + 1 AS l1",
         "array_length(tags) AS n_tags",
         "date_part('hour', ts) AS hour",
+        "coalesce(country, 'none') AS country_or_none",
     ]
     got = read_all(client, "d", select=select, filter="label IS NOT NULL")
     src = source.filter(pc.is_valid(source["label"]))
-    assert got.column_names == ["id", "price_eur", "c", "l1", "n_tags", "hour"]
+    assert got.column_names == ["id", "price_eur", "c", "l1", "n_tags", "hour", "country_or_none"]
+    assert got["country_or_none"].to_pylist() == pc.coalesce(src["country"], "none").to_pylist()
     assert got["id"].to_pylist() == src["id"].to_pylist()
     want_price = pc.divide(pc.cast(src["price"], pa.float64()), 100.0).to_pylist()
     assert got["price_eur"].to_pylist() == pytest.approx(want_price, nan_ok=True) or all(

@@ -24,7 +24,9 @@ use arrow::array::{Array, BooleanArray, RecordBatch, RecordBatchOptions};
 use arrow::buffer::ScalarBuffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::DFSchema;
+use datafusion::logical_expr::simplify::SimplifyContext;
 use datafusion::logical_expr::{Expr, ExprSchemable};
+use datafusion::optimizer::simplify_expressions::ExprSimplifier;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::prelude::SessionContext;
 
@@ -77,6 +79,26 @@ pub fn guarded<T>(
     })
 }
 
+/// `expr` as DataFusion runs it over `schema`: types coerced, then
+/// simplified as a query's plan is. `create_physical_expr` alone does not
+/// simplify, and some functions exist only as the simplifier's rewrites
+/// (`coalesce` and `nvl2` become CASE, `arrow_cast` CAST): without it they
+/// fail as "should have been simplified". Constant parts are evaluated here,
+/// once, and `now()` is the time the expression is compiled.
+fn physical(
+    ctx: &SessionContext,
+    expr: Expr,
+    schema: &DFSchema,
+) -> datafusion::error::Result<Arc<dyn PhysicalExpr>> {
+    let info = SimplifyContext::builder()
+        .with_schema(Arc::new(schema.clone()))
+        .with_current_time()
+        .build();
+    let simplifier = ExprSimplifier::new(info);
+    let expr = simplifier.simplify(simplifier.coerce(expr, schema)?)?;
+    ctx.create_physical_expr(expr, schema)
+}
+
 /// A parsed expression over `schema`, and its type (type errors surface
 /// when the expression is typed, not when it is parsed).
 fn parse(
@@ -121,9 +143,7 @@ impl Filter {
                  condition such as `label >= 0`"
             )));
         }
-        let expr = ctx
-            .create_physical_expr(expr, &df)
-            .map_err(|e| refused("filter", sql, dataset, e))?;
+        let expr = physical(ctx, expr, &df).map_err(|e| refused("filter", sql, dataset, e))?;
         Ok(Self {
             sql: sql.to_string(),
             expr,
@@ -372,7 +392,7 @@ impl Derive {
                 field.is_nullable(),
             ));
             exprs.push(
-                ctx.create_physical_expr(expr, &df)
+                physical(ctx, expr, &df)
                     .map_err(|e| refused("select expression", sql, dataset, e))?,
             );
         }
@@ -423,7 +443,7 @@ impl Derive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{Int32Array, StringArray};
+    use arrow::array::{Int32Array, Int64Array, StringArray};
     use proptest::prelude::*;
 
     fn batch() -> RecordBatch {
@@ -509,6 +529,37 @@ mod tests {
         // Only `country` read: gathered alone, the expressions still apply.
         let one = Derive::compile(&b.schema(), &["lower(country) AS c".into()], "d").expect("one");
         assert_eq!(one.inputs(), ["country"]);
+    }
+
+    /// Functions DataFusion only runs once its simplifier has rewritten them
+    /// (`coalesce` and `nvl2` into CASE, `arrow_cast` into CAST) work in
+    /// filters and select lists, as in SQL over the cache.
+    #[test]
+    fn functions_that_exist_as_rewrites_work() {
+        let b = batch();
+        let f = Filter::compile(&b.schema(), "coalesce(label, 0) >= 0", "d").expect("coalesce");
+        assert_eq!(f.matches(&b, "d").expect("matches"), vec![0, 1, 3]);
+        let f = Filter::compile(&b.schema(), "nvl2(country, 1, 0) = 0", "d").expect("nvl2");
+        assert_eq!(f.matches(&b, "d").expect("matches"), vec![2]);
+        let f = Filter::compile(&b.schema(), "arrow_cast(label, 'Float64') > 0.5", "d")
+            .expect("arrow_cast");
+        assert_eq!(f.matches(&b, "d").expect("matches"), vec![0, 3]);
+        let select = [
+            "coalesce(label, -9) AS label",
+            "arrow_cast(label, 'Float32') AS f",
+            "coalesce(country, 'none') AS c",
+        ]
+        .map(String::from);
+        let d = Derive::compile(&b.schema(), &select, "d").expect("derive");
+        let out = d.apply(&b, "d").expect("apply");
+        assert_eq!(out.schema().field(1).data_type(), &DataType::Float32);
+        // The literal is an Int64, so is the result (coerced as in SQL).
+        let label = out.column(0).as_any().downcast_ref::<Int64Array>();
+        let label: Vec<Option<i64>> = label.expect("int64").iter().collect();
+        assert_eq!(label, vec![Some(1), Some(-9), Some(-1), Some(3)]);
+        let c = out.column(2).as_any().downcast_ref::<StringArray>();
+        let c: Vec<Option<&str>> = c.expect("utf8").iter().collect();
+        assert_eq!(c, vec![Some("DE"), Some("DE"), Some("none"), Some("FR")]);
     }
 
     proptest! {
