@@ -24,6 +24,7 @@ use arrow::array::{Array, BooleanArray, RecordBatch, RecordBatchOptions};
 use arrow::buffer::ScalarBuffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::DFSchema;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::logical_expr::simplify::SimplifyContext;
 use datafusion::logical_expr::{Expr, ExprSchemable};
 use datafusion::optimizer::simplify_expressions::ExprSimplifier;
@@ -99,6 +100,31 @@ fn physical(
     ctx.create_physical_expr(expr, schema)
 }
 
+/// What in `expr` needs more than its own row (DataFusion would refuse it
+/// as "not implemented"), named for the person who wrote it.
+fn not_row_by_row(expr: &Expr) -> Option<&'static str> {
+    let mut found = None;
+    // The closure never fails.
+    let _ = expr.apply(|e| {
+        found = match e {
+            Expr::AggregateFunction(_) | Expr::GroupingSet(_) => Some("an aggregate"),
+            Expr::WindowFunction(_) => Some("a window function"),
+            Expr::ScalarSubquery(_)
+            | Expr::Exists(_)
+            | Expr::InSubquery(_)
+            | Expr::SetComparison(_) => Some("a subquery"),
+            Expr::Unnest(_) => Some("unnest"),
+            _ => None,
+        };
+        Ok(if found.is_some() {
+            TreeNodeRecursion::Stop
+        } else {
+            TreeNodeRecursion::Continue
+        })
+    });
+    found
+}
+
 /// A parsed expression over `schema`, and its type (type errors surface
 /// when the expression is typed, not when it is parsed).
 fn parse(
@@ -111,6 +137,13 @@ fn parse(
     let expr = ctx
         .parse_sql_expr(sql, schema)
         .map_err(|e| refused(what, sql, dataset, e))?;
+    if let Some(kind) = not_row_by_row(&expr) {
+        return Err(Error::invalid(format!(
+            "the {what} `{sql}` over dataset '{dataset}' has {kind}; a read plan's expressions are \
+             evaluated row by row: run such a query with SQL over the cache (Flight SQL), or \
+             derive a dataset from it"
+        )));
+    }
     let ty = expr
         .get_type(schema)
         .map_err(|e| refused(what, sql, dataset, e))?;
@@ -484,13 +517,20 @@ mod tests {
             ("nope = 1", "nope"),
             ("label + 1", "not boolean"),
             ("country * 2 > 1", "country * 2"),
+            ("sum(label) > 1", "has an aggregate"),
+            ("row_number() OVER () > 1", "has a window function"),
+            ("label IN (SELECT 1)", "has a subquery"),
+            ("label > (SELECT 1)", "has a subquery"),
+            ("EXISTS (SELECT 1)", "has a subquery"),
+            ("unnest(make_array(label)) > 1", "has unnest"),
         ] {
             match Filter::compile(&schema, sql, "d") {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains(words), "{sql}: {m}"),
                 other => panic!("{sql}: {other:?}"),
             }
         }
-        for select in [vec!["label", "label"], vec!["nope AS x"], vec![""]] {
+        let sums = vec!["sum(label) AS s"];
+        for select in [vec!["label", "label"], vec!["nope AS x"], vec![""], sums] {
             let select: Vec<String> = select.into_iter().map(String::from).collect();
             assert!(matches!(
                 Derive::compile(&schema, &select, "d"),
