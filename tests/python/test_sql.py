@@ -262,6 +262,22 @@ def test_an_expression_the_query_engine_fails_on_is_invalid_argument(server):
     assert client.plan("events", filter="id < 10").total_rows == 10
 
 
+def test_a_dataset_still_being_written_is_not_a_table_yet_and_says_so(server):
+    client = flightdeck.connect(server.uri)
+    client.put_partition("arriving", 0, [pa.record_batch({"id": pa.array([1, 2], pa.int64())})])
+    with adbc.connect(server.uri, autocommit=True) as conn:
+        with pytest.raises(Exception, match="dataset 'arriving', which is not readable yet: it is "
+                                            "still being written; query it once it is sealed"):
+            fetch(conn, "SELECT count(*) FROM arriving")
+        with pytest.raises(flightdeck.FailedPrecondition, match="still being written"):
+            client.derive("copy", "SELECT * FROM arriving")
+        # A name that is no dataset at all is still "not found".
+        with pytest.raises(Exception, match="'flightdeck.public.missing' not found"):
+            fetch(conn, "SELECT * FROM missing")
+        client.seal("arriving", partitions=1)
+        assert fetch(conn, "SELECT count(*) AS n FROM arriving")["n"].to_pylist() == [2]
+
+
 def test_queries_that_compute_for_ever_leave_reads_and_shutdown_alone():
     """DataFusion cannot stop a cross join's count of 10^12 rows, not even
     once its client has gone: it runs on the threads queries run on, and

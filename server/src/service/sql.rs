@@ -172,6 +172,28 @@ impl SqlService {
             .collect()
     }
 
+    /// For a query naming a dataset that exists but is not a table yet
+    /// (still being written, or its cluster seal unfinished — DataFusion says
+    /// "not found"): `FAILED_PRECONDITION` saying so.
+    fn unreadable(&self, sql: &str, e: &DataFusionError) -> Option<Error> {
+        let DataFusionError::Plan(m) = e.find_root() else {
+            return None;
+        };
+        let summary =
+            self.state.catalog().list().into_iter().find(|s| {
+                m.contains(&format!("table '{CATALOG}.{SCHEMA}.{}' not found", s.name))
+            })?;
+        let why = if summary.state == DatasetState::Sealed {
+            "its cluster seal is unfinished; seal it again"
+        } else {
+            "it is still being written; query it once it is sealed"
+        };
+        Some(Error::FailedPrecondition(format!(
+            "the query `{sql}` reads dataset '{}', which is not readable yet: {why}",
+            summary.name
+        )))
+    }
+
     /// The logical plan of `sql`, read-only, with `params` bound.
     async fn plan(
         &self,
@@ -193,7 +215,7 @@ impl SqlService {
             .state()
             .create_logical_plan(sql)
             .await
-            .map_err(refused)?;
+            .map_err(|e| self.unreadable(sql, &e).unwrap_or_else(|| refused(e)))?;
         SQLOptions::new()
             .with_allow_ddl(false)
             .with_allow_dml(false)
