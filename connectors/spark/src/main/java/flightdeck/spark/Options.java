@@ -48,7 +48,10 @@ record Options(
     }
     // Reads go through uri, else the first of uris (as the write sent its
     // partitions), else this node's server.
-    String uri = get(options, "uri", uris.isEmpty() ? "local" : uris.get(0));
+    String uri = get(options, "uri", "").strip();
+    if (uri.isEmpty()) {
+      uri = uris.isEmpty() ? "local" : uris.get(0);
+    }
     return new Options(uri, List.copyOf(uris), dataset, batchRows,
         get(options, "token", ""), get(options, "filter", "").strip());
   }
