@@ -449,7 +449,6 @@ try:  # Spark 4: Python data sources
             if not remaining:
                 return
             with connect(self.uri, token=self.token) as client:
-                where = {"nodes": [partition.holder], "ranks_per_node": 1}
                 plan = client.plan(
                     self.dataset,
                     start_sample=partition.start,
@@ -460,7 +459,9 @@ try:  # Spark 4: Python data sources
                     filter=self.filter,
                     # Every partition reads the write the driver planned on.
                     sealed_as=partition.sealed_as,
-                    **(where if partition.holder else {}),
+                    # Served by the member holding the rows, where known.
+                    nodes=[partition.holder] if partition.holder else (),
+                    ranks_per_node=1 if partition.holder else 0,
                 )
                 stream = client.read_shard(plan.shards[0])
                 try:

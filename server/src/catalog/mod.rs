@@ -377,7 +377,11 @@ pub fn describe_fields(schema: &Schema) -> String {
 impl Catalog {
     /// An empty catalog.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            // From 1: a plan's `sealed_as` 0 means "any generation".
+            next_generation: 1,
+            ..Self::default()
+        }
     }
 
     /// Checks, before any data is received, that an attempt with `schema`
@@ -448,9 +452,8 @@ impl Catalog {
         let seq = self.next_seq;
         self.next_seq += 1;
         if !self.datasets.contains_key(dataset) {
-            // From 1: a plan's `sealed_as` 0 means "any generation".
-            let generation = self.next_generation.max(1);
-            self.next_generation = generation + 1;
+            let generation = self.next_generation;
+            self.next_generation += 1;
             self.datasets.insert(
                 dataset.to_string(),
                 Dataset {

@@ -44,7 +44,9 @@ struct Source {
     /// Sealed across members (tickets carry the layout id).
     cluster: bool,
     /// What identifies this seal of the dataset: the layout id of a cluster,
-    /// else the generation (`DatasetInfo`'s `layout.id` and `generation`).
+    /// else the generation (`DatasetInfo`'s `layout.id` and `generation`);
+    /// held, since a one-server layout of no partitions has no member to
+    /// carry the generation.
     sealed_as: u64,
 }
 
