@@ -177,6 +177,48 @@ def test_sharded_epochs_balance_and_resume(flightdeck_server):
     assert set(rest) | seen == set(range(n))
 
 
+def test_a_sharded_dataset_keeps_to_the_write_it_first_read(flightdeck_server):
+    """Written again between epochs, a dataset is not read under the old
+    write's epochs and positions: the next epoch refuses, naming what to do;
+    a new reader (or one told `sealed_as=0`) reads the new write."""
+    client = flightdeck.connect(flightdeck_server.uri)
+    write(client, "again", [300])
+    first = client.describe("again")
+    ds = ShardedDataset(flightdeck_server.uri, "again", rank=0, world_size=2, batch_rows=50)
+    any_seal = ShardedDataset(
+        flightdeck_server.uri, "again", rank=0, world_size=2, batch_rows=50, sealed_as=0
+    )
+    assert ds.sealed_as is None
+    assert len(ids_of(ds)) == len(ids_of(any_seal)) == 150
+    assert ds.sealed_as == ds.pin() == flightdeck.sealed_as(first) != 0
+    assert any_seal.sealed_as == 0
+
+    client.drop("again")
+    write(client, "again", [500])
+    assert flightdeck.sealed_as(client.describe("again")) != ds.sealed_as
+    ds.set_epoch(1)
+    with pytest.raises(flightdeck.FailedPrecondition, match="build a new reader") as e:
+        ids_of(ds)
+    assert f"sealed_as {flightdeck.sealed_as(first)}" in str(e.value)
+    # The same before a batch is read: `len` plans the epoch too.
+    with pytest.raises(flightdeck.FailedPrecondition, match="sealed_as=0"):
+        len(ds)
+    any_seal.set_epoch(1)
+    assert len(ids_of(any_seal)) == 250
+    fresh = ShardedDataset(flightdeck_server.uri, "again", rank=0, world_size=2, batch_rows=50)
+    assert len(ids_of(fresh)) == 250
+
+    # A state that names the old write's seal resumes only on that write.
+    resumed = ShardedDataset(flightdeck_server.uri, "again", rank=1, world_size=2, batch_rows=50)
+    resumed.load_state_dict(
+        {"epoch": 0, "start_sample": 100, "world_size": 2, "sealed_as": flightdeck.sealed_as(first)}
+    )
+    with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
+        ids_of(resumed)
+    with pytest.raises(flightdeck.InvalidArgument, match="sealed_as"):
+        ShardedDataset(flightdeck_server.uri, "again", rank=0, world_size=1, sealed_as=-1)
+
+
 def test_numeric_buffers_arrive_aligned_for_their_values(flightdeck_server):
     # pyarrow reads a large message into one buffer and leaves the body
     # where the message puts it: the server starts bodies at a multiple of

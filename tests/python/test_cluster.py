@@ -209,7 +209,7 @@ WORKER = textwrap.dedent(
             rows += batch["id"].tolist()
     dist.barrier()
     print(json.dumps({"rank": dist.get_rank(), "steps": steps, "rows": rows,
-                      "nodes": data.shards.nodes}))
+                      "nodes": data.shards.nodes, "sealed_as": data.shards.sealed_as}))
     dist.destroy_process_group()
     """
 )
@@ -251,6 +251,8 @@ def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert len({r["steps"] for r in results}) == 1, "equal steps on every rank"
     assert all(r["nodes"] == [members[0].uri, members[1].uri] for r in results)
+    seal = flightdeck.sealed_as(flightdeck.connect(members[1].uri).describe("ddp"))
+    assert [r["sealed_as"] for r in results] == [seal] * 4
     epoch_rows = [r["rows"][: len(r["rows"]) // 2] for r in results]
     assert sorted(sum(epoch_rows, [])) == list(range(1000))
 

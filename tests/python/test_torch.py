@@ -88,6 +88,50 @@ def test_forked_workers_fail_clearly_instead_of_hanging(flightdeck_server):
         list(loader)
 
 
+def test_the_dataset_reads_the_write_it_was_built_on(flightdeck_server, monkeypatch):
+    """Built in the training process, the dataset takes the seal there (so
+    worker processes and `state_dict` count rows of one write): a write that
+    lands before the first epoch fails it instead of being read."""
+    client = flightdeck.connect(flightdeck_server.uri)
+    client.put_partition("built", 0, pa.table({"id": pa.array(range(40), pa.int64())}))
+    client.seal("built")
+    seal = flightdeck.sealed_as(client.describe("built"))
+    ds = FlightDeckIterableDataset(flightdeck_server.uri, "built", rank=0, world_size=1)
+    assert ds.shards.sealed_as == seal
+    client.drop("built")
+    client.put_partition("built", 0, pa.table({"id": pa.array(range(60), pa.int64())}))
+    client.seal("built")
+    with pytest.raises(flightdeck.FailedPrecondition, match="build a new reader"):
+        list(torch.utils.data.DataLoader(ds, batch_size=None))
+    fresh = FlightDeckIterableDataset(flightdeck_server.uri, "built", rank=0, world_size=1)
+    assert sum(len(b["id"]) for b in torch.utils.data.DataLoader(fresh, batch_size=None)) == 60
+
+    # Not there yet when built: the seal is taken at the first read.
+    later = FlightDeckIterableDataset(flightdeck_server.uri, "not-yet", rank=0, world_size=1)
+    assert later.shards.sealed_as is None
+
+
+def test_ranks_agree_on_one_write_or_all_refuse(monkeypatch):
+    import torch.distributed as dist
+
+    from flightdeck.torch import agreed_seal
+
+    def gathered(seals):
+        def all_gather_object(out, mine):
+            out[:] = seals
+
+        monkeypatch.setattr(dist, "get_world_size", lambda: len(seals))
+        monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+    gathered([7, 7, 0])  # one rank saw it before the seal
+    assert agreed_seal("d", 0) == 7
+    gathered([0, 0])
+    assert agreed_seal("d", 0) == 0
+    gathered([7, 9, 7])
+    with pytest.raises(RuntimeError, match=r"'d' was written again.*\[7, 9\]"):
+        agreed_seal("d", 7)
+
+
 def put_vectors(client, name: str, n: int) -> None:
     """`name`: ids 0..n and a 4-wide float vector [id]*4, sealed."""
     client.put_partition(

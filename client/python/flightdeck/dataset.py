@@ -10,8 +10,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 
-from .client import Client, Prefetched, connect, locality_mode, prepared_slices, shuffle_mode
-from .errors import InvalidArgument
+from . import _wire as wire
+from .client import (
+    Client,
+    Prefetched,
+    connect,
+    locality_mode,
+    prepared_slices,
+    sealed_as,
+    shuffle_mode,
+)
+from .errors import FailedPrecondition, InvalidArgument
 
 #: Most rows, and bytes, a message from the server carries when
 #: `ShardedDataset` chooses (its `read_rows`).
@@ -62,6 +71,16 @@ class ShardedDataset:
     only at the world size it started with. `nodes` names each node's
     server, in node order (see `FlightDeckIterableDataset`, which fills it).
 
+    Every epoch reads the dataset as it was sealed when this object first
+    read it (`sealed_as`: the seal, see :func:`flightdeck.sealed_as`; None:
+    taken at the first read; 0: whatever is sealed at each epoch's start).
+    Once the dataset is dropped or written again, the next epoch raises
+    :class:`FailedPrecondition` instead of reading another write under
+    this one's positions. Ranks that build their datasets apart may
+    each pin a different write if one lands while they start: give them
+    all the same `sealed_as` (`FlightDeckIterableDataset` agrees on it
+    under torchrun).
+
     `filter` and `select` read a query of the dataset (see `Client.plan`):
     `filter="hash_bucket(id) < 90"` trains on 90 % and holds out the rest.
 
@@ -97,6 +116,7 @@ class ShardedDataset:
         select: Sequence[str] = (),
         read_rows: int | None = None,
         burst_bytes: int = 0,
+        sealed_as: int | None = None,
     ) -> None:
         if world_size < 1:
             raise InvalidArgument(f"world_size must be at least 1, not {world_size}")
@@ -112,6 +132,11 @@ class ShardedDataset:
             raise InvalidArgument("prefetch must be 0 (off) or more batches")
         if burst_bytes < 0:
             raise InvalidArgument("burst_bytes must be 0 (one message at a time) or more bytes")
+        if sealed_as is not None and sealed_as < 0:
+            raise InvalidArgument(
+                f"sealed_as must be a seal (see flightdeck.sealed_as), 0 (any) or None, "
+                f"not {sealed_as}"
+            )
         if burst_bytes and prefetch:
             raise InvalidArgument(
                 f"burst_bytes reads on the loop's own thread and prefetch={prefetch} on a "
@@ -158,6 +183,9 @@ class ShardedDataset:
         self.stall_seconds = 0.0
         #: The background reader of the running iteration, if any.
         self._reader: Prefetched | None = None
+        #: The seal every epoch reads (see the class's description): None
+        #: until the first read takes it, 0 for any.
+        self.sealed_as = sealed_as
 
     # Plumbing
 
@@ -174,33 +202,61 @@ class ShardedDataset:
         state["_client"] = None
         return state
 
+    def _describe(self) -> wire.Message:
+        """The dataset's `DatasetInfo`; takes its seal where none is
+        pinned yet and it is sealed."""
+        info = self.client.describe(self.dataset)
+        self._rows = info.rows
+        if self.sealed_as is None and info.state == wire.DATASET_STATE_SEALED:
+            self.sealed_as = sealed_as(info)
+        return info
+
+    def pin(self) -> int:
+        """Takes the dataset's seal now, where none is pinned (see the
+        class's description), and returns the seal read (0: any)."""
+        if self.sealed_as is None:
+            self._describe()
+        return self.sealed_as or 0
+
     def _plan(self, split_count: int = 0, split_index: int = 0, batch_rows: int | None = None):
-        return self.client.plan(
-            self.dataset,
-            world_size=self.world_size,
-            epoch=self.epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            batch_rows=batch_rows or self.batch_rows,
-            drop_last=self.drop_last,
-            columns=self.columns,
-            start_sample=self._start_sample,
-            block_rows=self.block_rows,
-            split_count=split_count,
-            split_index=split_index,
-            locality=self.locality,
-            ranks_per_node=self.ranks_per_node,
-            nodes=self.nodes,
-            resume_world_size=self._resume_world_size if self._start_sample else 0,
-            filter=self.filter,
-            select=self.select,
-        )
+        seal = self.pin()
+        try:
+            return self.client.plan(
+                self.dataset,
+                world_size=self.world_size,
+                epoch=self.epoch,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                batch_rows=batch_rows or self.batch_rows,
+                drop_last=self.drop_last,
+                columns=self.columns,
+                start_sample=self._start_sample,
+                block_rows=self.block_rows,
+                split_count=split_count,
+                split_index=split_index,
+                locality=self.locality,
+                ranks_per_node=self.ranks_per_node,
+                nodes=self.nodes,
+                resume_world_size=self._resume_world_size if self._start_sample else 0,
+                filter=self.filter,
+                select=self.select,
+                sealed_as=seal,
+            )
+        except FailedPrecondition as e:
+            if not seal or "since this read began" not in e.message:
+                raise
+            raise FailedPrecondition(
+                f"{e.message}. This reader's epochs and resume positions count rows of the "
+                f"write it first read (sealed_as {seal}): build a new reader to train on the "
+                "new write (a state saved on the old one does not carry over), or pass "
+                "sealed_as=0 to read whatever is sealed at each epoch's start"
+            ) from None
 
     @property
     def num_rows(self) -> int:
         """Rows in the dataset."""
         if self._rows is None:
-            self._rows = self.client.describe(self.dataset).rows
+            self._describe()
         return self._rows
 
     def _message_rows(self, split_count: int) -> int:
@@ -215,8 +271,7 @@ class ShardedDataset:
             # Derived columns may be wider than the stored rows: their size
             # is not known here.
             return self.batch_rows
-        info = self.client.describe(self.dataset)
-        self._rows = info.rows
+        info = self._describe()
         if not info.bytes:
             # Spilled (its size is not held): one batch a message this time.
             return self.batch_rows
@@ -245,7 +300,8 @@ class ShardedDataset:
 
     def state_dict(self, batches: int | None = None) -> dict[str, int]:
         """Where this epoch stands: `{"epoch", "start_sample", "world_size"}`.
-        `batches` overrides how many batches each rank consumed (for loaders
+        (Add `"sealed_as": reader.pin()` to have a resume refuse another
+        write of the dataset, see :meth:`load_state_dict`.) `batches` overrides how many batches each rank consumed (for loaders
         that prefetch)."""
         consumed = self.samples_consumed(batches)
         # Samples consumed before this iteration were taken at the loaded
@@ -259,8 +315,11 @@ class ShardedDataset:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resumes from :meth:`state_dict`, possibly saved at another world
-        size (a `locality="node"` epoch: only at the same one)."""
+        size (a `locality="node"` epoch: only at the same one). A state
+        with a `"sealed_as"` reads only that write of the dataset."""
         self.epoch = int(state["epoch"])
+        if state.get("sealed_as"):
+            self.sealed_as = int(state["sealed_as"])
         self._start_sample = int(state["start_sample"])
         self._resume_world_size = int(state.get("world_size", 0))
         self._yielded = 0

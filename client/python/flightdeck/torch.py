@@ -81,6 +81,23 @@ def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
     return nodes
 
 
+def agreed_seal(dataset: str, mine: int) -> int:
+    """The seal of `dataset` every rank of the process group saw (a
+    collective: every rank calls it; 0 where none saw it sealed). Raises on
+    every rank where ranks saw two different writes."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    seen = {seal for seal in everyone if seal}
+    if len(seen) > 1:
+        raise RuntimeError(
+            f"dataset '{dataset}' was written again while the ranks were building their "
+            f"readers (they saw seals {sorted(seen)}): build the readers again, on every rank"
+        )
+    return seen.pop() if seen else 0
+
+
 class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     """This rank's shard of each epoch as an `IterableDataset` of batches.
 
@@ -94,6 +111,14 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     from each other when the dataset is built (a collective: build it on
     every rank), so each rank reads from its own node's server, and
     `locality="node"` reads each node's own rows.
+
+    Every epoch reads the dataset as it was sealed when this object was
+    built (see `ShardedDataset`'s `sealed_as`), taken in this process so
+    that worker processes and :meth:`state_dict` count rows of the same
+    write. Where `rank` and `world_size` come from the process group, the
+    ranks agree on it when the dataset is built (a collective: build it on
+    every rank); a write that lands while they start fails every rank's
+    build instead of giving ranks different data.
 
     About `prefetch` batches, or the next message where that holds more,
     are read ahead on a background thread (see
@@ -134,6 +159,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         select: Sequence[str] = (),
         read_rows: int | None = None,
         burst_bytes: int = 0,
+        sealed_as: int | None = None,
     ) -> None:
         super().__init__()
         if pin_memory and not torch.cuda.is_available():
@@ -142,6 +168,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
                 "leave pin_memory off on a machine without a GPU"
             )
         self.pin_memory = pin_memory
+        from_group = rank is None and world_size is None and _distributed_rank_and_size()[1] > 1
         if rank is None or world_size is None:
             dist_rank, dist_size = _distributed_rank_and_size()
             rank = dist_rank if rank is None else rank
@@ -166,9 +193,16 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             select=select,
             read_rows=read_rows,
             burst_bytes=burst_bytes,
+            sealed_as=sealed_as,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
+        try:
+            self.shards.pin()
+        except Exception:  # not there yet, or unreachable: the first read says so
+            pass
+        if from_group and sealed_as is None:
+            self.shards.sealed_as = agreed_seal(dataset, self.shards.sealed_as or 0) or None
         self.transform = transform
 
     def set_epoch(self, epoch: int) -> None:
