@@ -15,11 +15,22 @@ median):
 - `held`: each stream planned with `max_rows` = the partition's rows and a
   node map naming the member that holds it (what the connectors do now).
 
+With `--filter SQL` the reads are of the rows it selects, the two ways
+a Spark read of a filter can split them:
+
+- `to the end`: the selected rows in 12 equal parts, each a stream with
+  `max_rows` planned at one member (what both connectors did before plans
+  told each partition's selected rows): that member merges the others';
+- `held`: one stream per stored partition of its selected rows (the
+  plan's `partition_rows`), served by its holder.
+
 It prints the seconds for all 12 partitions and the rows the members
 fetched from each other during one such read (the `stats` counters).
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/cluster_partition_reads.py --rows 2000000 --cols 32
+    .venv/bin/python bench/cluster_partition_reads.py --rows 2000000 --cols 32 \
+        --filter "hash_bucket(id) < 50"
 """
 
 from __future__ import annotations
@@ -68,22 +79,37 @@ def fetched(members) -> int:
     return total
 
 
-def read_partitions(members, held: bool) -> tuple[float, int]:
-    """Seconds to read every partition in turn, and rows fetched between
-    members meanwhile."""
+def spans(members, held: bool, filter: str) -> list[tuple[int, int, dict]]:
+    """`(start, rows, plan arguments)` of each stream of one read."""
     with flightdeck.connect(members[2].uri) as c:
         layout = c.describe("e").layout
+        planned = c.plan("e", filter=filter) if filter else None
     holder = {p.partition: m.location for m in layout.members for p in m.partitions}
     parts = sorted((p.partition, p.rows) for m in layout.members for p in m.partitions)
-    before = fetched(members)
-    start = 0
-    t0 = time.perf_counter()
+    if planned is not None and not held:
+        total = planned.total_rows
+        bounds = [total * i // PARTITIONS for i in range(PARTITIONS + 1)]
+        return [(a, b - a, dict(max_rows=b - a)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    if planned is not None:
+        parts = [(p, n) for (p, _), n in zip(parts, planned.partition_rows)]
+    out, start = [], 0
     for partition, rows in parts:
+        where = dict(nodes=[holder[partition]], ranks_per_node=1, max_rows=rows) if held else {}
+        if rows:
+            out.append((start, rows, where))
+        start += rows
+    return out
+
+
+def read_partitions(members, held: bool, filter: str = "") -> tuple[float, int]:
+    """Seconds to read every partition in turn, and rows fetched between
+    members meanwhile."""
+    streams = spans(members, held, filter)
+    before = fetched(members)
+    t0 = time.perf_counter()
+    for start, rows, where in streams:
         with flightdeck.connect(members[2].uri) as c:
-            where = {}
-            if held:
-                where = dict(nodes=[holder[partition]], ranks_per_node=1, max_rows=rows)
-            plan = c.plan("e", start_sample=start, **where)
+            plan = c.plan("e", start_sample=start, filter=filter, **where)
             got = 0
             stream = c.read_shard(plan.shards[0])
             for batch in stream:
@@ -92,8 +118,7 @@ def read_partitions(members, held: bool) -> tuple[float, int]:
                     break
             stream.close()
             if got < rows:
-                raise RuntimeError(f"partition {partition}: {got} of {rows} rows")
-        start += rows
+                raise RuntimeError(f"rows from {start}: {got} of {rows}")
     seconds = time.perf_counter() - t0
     time.sleep(0.3)  # let cancelled peer streams settle before counting
     return seconds, fetched(members) - before
@@ -104,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--cols", type=int, default=32)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--filter", default="", help="read the rows this SQL condition selects")
     ap.add_argument("--server", default=str(REPO / "target" / "release" / "flightdeck"))
     args = ap.parse_args()
     os.environ["FLIGHTDECK_BIN"] = args.server
@@ -113,7 +139,7 @@ def main() -> None:
         runs: dict[str, list[tuple[float, int]]] = {"to the end": [], "held": []}
         for _ in range(args.reps):
             for name in runs:
-                runs[name].append(read_partitions(members, held=name == "held"))
+                runs[name].append(read_partitions(members, name == "held", args.filter))
         for name, r in runs.items():
             times = [t for t, _ in r]
             print(

@@ -344,6 +344,48 @@ async fn global_shards_are_byte_identical_to_one_server() {
             "partition {p}"
         );
     }
+    // The plan tells each stored partition's rows of its row space, the
+    // same on a cluster as on one server: with a filter, where a
+    // partition's selected rows start, so each is read where it is held
+    // too, nothing fetched from the others.
+    let whole_plan = timed("plan", c.plan(plan("g", 2, Shuffle::Global, 0)))
+        .await
+        .expect("plan");
+    let stored: Vec<u64> = sizes().iter().map(|&n| n as u64).collect();
+    assert_eq!(whole_plan.partition_rows, stored);
+    let thirds = |p: usize| parts[p].clone().filter(|id| id % 3 == 0);
+    let filtered = |start_sample, max_rows, nodes: Vec<String>| ReadPlan {
+        filter: "id % 3 = 0".into(),
+        start_sample,
+        max_rows,
+        ranks_per_node: u32::from(!nodes.is_empty()),
+        nodes,
+        ..plan("g", 1, Shuffle::None, 0)
+    };
+    let selected = timed("plan", c.plan(filtered(0, 0, Vec::new())))
+        .await
+        .expect("plan");
+    let want: Vec<u64> = (0..parts.len()).map(|p| thirds(p).count() as u64).collect();
+    assert_eq!(selected.partition_rows, want);
+    let on_one = timed("plan", single.plan(filtered(0, 0, Vec::new())))
+        .await
+        .expect("plan");
+    assert_eq!(on_one.partition_rows, want);
+    for p in [0usize, 4, 5, 11] {
+        let holder = members[owner(p)].location();
+        let start: u64 = want[..p].iter().sum();
+        let before = stats(&members).await;
+        let one = filtered(start, want[p], vec![holder.clone()]);
+        let planned = timed("plan", c.plan(one)).await.expect("plan");
+        assert_eq!(planned.shards[0].location.as_deref(), Some(holder.as_str()));
+        let got = ids_of(&read_all(&mut c, &planned).await[0]);
+        assert_eq!(got, thirds(p).collect::<Vec<_>>(), "partition {p}");
+        assert_eq!(
+            fetched(&before, &stats(&members).await),
+            (0, 0),
+            "filtered partition {p}"
+        );
+    }
     // Not with a NODE plan, which is read whole.
     let node = ReadPlan {
         max_rows: 10,

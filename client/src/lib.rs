@@ -66,8 +66,8 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use flightdeck_protos::{
     ClusterLayout, DatasetInfo, DatasetState, JobList, JobStatus, Locality, MemberPartitions,
-    OptimizerKind, PartitionAttempt, PutAck, PutPartition, ReadPlan, SealDataset, ServerStats,
-    ShardInfo, Shuffle, Task, TrainJob, TrainProgress, actions,
+    OptimizerKind, PartitionAttempt, PlanInfo, PutAck, PutPartition, ReadPlan, SealDataset,
+    ServerStats, ShardInfo, Shuffle, Task, TrainJob, TrainProgress, actions,
 };
 
 /// Largest message the client accepts: shards stream whole batches of
@@ -316,6 +316,9 @@ pub struct Plan {
     pub shards: Vec<Shard>,
     /// Rows over all shards (padding included).
     pub total_rows: u64,
+    /// Rows of the plan's row space (its filter's selection, else every
+    /// row) in each stored partition, in partition order (see `PlanInfo`).
+    pub partition_rows: Vec<u64>,
 }
 
 /// What an attempt will send, told to the server up front so that it
@@ -885,10 +888,12 @@ fn plan_from_info(info: FlightInfo) -> Result<Plan> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    let partitions: PlanInfo = decode(&info.app_metadata, "PlanInfo")?;
     Ok(Plan {
         schema: Arc::new(schema),
         total_rows: shards.iter().map(|s| s.rows).sum(),
         shards,
+        partition_rows: partitions.partition_rows,
     })
 }
 

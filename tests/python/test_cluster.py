@@ -112,12 +112,16 @@ def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
               .option("dataset", "events").load())
     assert [r.id for r in routed.select("id").collect()] == order
     # A Spark filter pushed down to a cluster dataset: the members
-    # select, the selected rows come in the same order.
+    # select, the selected rows come in the same order, each stored
+    # partition's selected rows served by its holder (none crossing).
+    before = fetched()
     odd = back.where("id % 2 = 1 AND id >= 100")
     assert [r.id for r in odd.select("id").collect()] == [i for i in order if i % 2 and i >= 100]
     filtered = (spark.read.format(writer).option("uri", members[2].uri)
                 .option("dataset", "events").option("filter", "id % 3 = 0").load())
     assert [r.id for r in filtered.select("id").collect()] == [i for i in order if i % 3 == 0]
+    assert filtered.rdd.getNumPartitions() == 12
+    assert fetched() == before
 
     # Four ranks, GLOBAL: equal counts, every row once, each from its member.
     client = flightdeck.connect(members[1].uri)

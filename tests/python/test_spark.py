@@ -307,8 +307,8 @@ def test_spark_reads_a_dataset_back(flightdeck_server, spark):
     assert [r.id for r in back.select("id").collect()] == order
     assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)
 
-    # The filter option: only the selected rows, in order, split evenly
-    # over as many partitions, none empty.
+    # The filter option: only the selected rows, in order, one partition
+    # per stored partition with any of them.
     chosen = read(filter="id % 3 = 0 AND name IS NOT NULL").load()
     assert chosen.rdd.getNumPartitions() == 8
     assert [r.id for r in chosen.select("id").collect()] == [

@@ -269,6 +269,7 @@ ReadPlan = _message(
     Field("sealed_as", 19, "uint64"),
     Field("max_rows", 20, "uint64"),
 )
+PlanInfo = _message("PlanInfo", Field("partition_rows", 1, "uint64", repeated=True))
 ShardInfo = _message(
     "ShardInfo",
     Field("rank", 1, "uint32"),

@@ -9,7 +9,7 @@ import ipaddress
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import pyarrow as pa
@@ -155,6 +155,11 @@ class Plan:
 
     schema: pa.Schema
     shards: list[Shard]
+    #: Rows of the plan's row space (its filter's selection, else every
+    #: row) in each stored partition, in partition order: partition i's
+    #: rows are positions [sum of those before, + its count) of an
+    #: unshuffled read (plan one with `start_sample` and `max_rows`).
+    partition_rows: list[int] = field(default_factory=list)
 
     @property
     def total_rows(self) -> int:
@@ -671,7 +676,8 @@ class Client:
             meta = wire.ShardInfo.decode(endpoint.app_metadata)
             location = endpoint.locations[0].uri.decode() if endpoint.locations else None
             shards.append(Shard(meta.rank, meta.rows, meta.batches, endpoint.ticket.ticket, location))
-        return Plan(info.schema, shards)
+        counts = wire.PlanInfo.decode(info.app_metadata).partition_rows if info.app_metadata else []
+        return Plan(info.schema, shards, list(counts))
 
     def _serving(self, shard: Shard) -> Client:
         """The client for the member that serves `shard`."""

@@ -38,7 +38,8 @@ task reads the dataset as it was sealed when the driver planned the read:
 one dropped or written again meanwhile fails the task (`FailedPrecondition`)
 rather than mixing two writes in one DataFrame. A `filter` option (a
 SQL condition, as in a read plan) has the server send only the rows it
-selects, split evenly over as many Spark partitions. Where the session lets
+selects, each stored partition's selected rows a Spark partition (served
+where they are held; the plan tells their counts). Where the session lets
 Spark (4.1+) push its filters to Python data sources
 (`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
 called), its comparisons, `IN` and null tests on integer, string and boolean
@@ -429,19 +430,27 @@ try:  # Spark 4: Python data sources
                         f"does not have; its columns are {stored.names}"
                     )
                 seal = sealed_as(info)
-                selected = None
+                stored = sorted(info.partitions, key=lambda p: p.partition)
+                counts, selected = [p.rows for p in stored], None
                 if self.filter:
                     plan = client.plan(
                         self.dataset, columns=self.columns, filter=self.filter, sealed_as=seal
                     )
-                    selected = plan.total_rows
-            stored = sorted(info.partitions, key=lambda p: p.partition)
-            spans = read_parts([p.rows for p in stored], selected)
-            # Unfiltered, Spark partition i is stored partition i: its member
-            # serves it, with nothing fetched from the others.
+                    if len(plan.partition_rows) == len(stored):
+                        # The rows the filter selects in each stored partition.
+                        counts = plan.partition_rows
+                    else:  # a server that does not tell them: equal parts
+                        selected = plan.total_rows
+            spans = read_parts(counts, selected)
+            # Spark partition i is stored partition i (its selected rows):
+            # its member serves it, with nothing fetched from the others.
             held = holders(info) if selected is None else {}
             at = [held.get(p.partition, "") for p in stored] if held else [""] * len(spans)
-            parts = [FlightDeckReadPartition(a, n, seal, h) for (a, n), h in zip(spans, at)]
+            parts = [
+                FlightDeckReadPartition(a, n, seal, h)
+                for (a, n), h in zip(spans, at)
+                if n or not self.filter
+            ]
             return parts or [FlightDeckReadPartition(0, 0, seal)]
 
         def read(self, partition: FlightDeckReadPartition) -> Iterator[pa.RecordBatch]:

@@ -263,6 +263,11 @@ impl Layout {
         Self::new(members, self.fixed.clone())
     }
 
+    /// Rows of each partition, in partition order.
+    pub fn part_rows(&self) -> Vec<u64> {
+        self.parts.iter().map(|p| p.rows).collect()
+    }
+
     /// Rows of the whole dataset.
     pub fn rows(&self) -> u64 {
         self.parts.last().map_or(0, |p| p.start + p.rows)

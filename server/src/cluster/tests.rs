@@ -432,6 +432,18 @@ proptest! {
             let (m, j) = s.locate(i as u64);
             prop_assert_eq!((m, selections[m].row(j)), l.locate(g));
         }
+        // Per partition, in partition order: the rows kept of its span.
+        prop_assert_eq!(l.part_rows(), sizes.clone());
+        let mut start = 0;
+        let kept: Vec<u64> = sizes
+            .iter()
+            .map(|&n| {
+                let span = start..start + n;
+                start += n;
+                want.iter().filter(|g| span.contains(g)).count() as u64
+            })
+            .collect();
+        prop_assert_eq!(s.part_rows(), kept);
         // Counts that do not fit the layout are refused.
         prop_assert!(l.selected(&counts[1..]).is_err());
     }

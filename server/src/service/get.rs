@@ -282,7 +282,13 @@ fn plan_info(
         .map_err(|e| Error::Internal(format!("cannot encode schema: {e}")))?
         .with_descriptor(descriptor)
         .with_total_records(i64::try_from(rows * shares.world_size()).unwrap_or(i64::MAX))
-        .with_ordered(true);
+        .with_ordered(true)
+        .with_app_metadata(
+            pb::PlanInfo {
+                partition_rows: space.layout.part_rows(),
+            }
+            .encode_to_vec(),
+        );
     for rank in 0..plan.world_size {
         let ticket = convert::encode_ticket(&ShardTicket {
             plan: plan.clone(),

@@ -37,10 +37,10 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  *
  * <p>With a filter (the {@code filter} option, and Spark's filters that
  * {@link Filters} translates) the server sends only the rows it selects,
- * still in the dataset's order: the selected rows are split into as many
- * Spark partitions, of equal size, as there are stored partitions. Spark
- * evaluates its own filters again on what arrives, so a pushed filter only
- * ever saves work.
+ * still in the dataset's order: each stored partition with any selected
+ * rows is a Spark partition of just those (the plan says how many each
+ * holds), served where it is held. Spark evaluates its own filters again
+ * on what arrives, so a pushed filter only ever saves work.
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
@@ -125,7 +125,7 @@ final class FlightDeckScan {
     @Override
     public InputPartition[] planInputPartitions() {
       Wire.DatasetInfo info;
-      long selected = -1;
+      FlightInfo selected = null;
       try (Server server = Server.open(options.uri(), options.token())) {
         info = server.describe(options.dataset()).orElseThrow(() -> new FlightDeckException(
             "NOT_FOUND", "dataset '" + options.dataset() + "' does not exist on " + server.location
@@ -142,32 +142,42 @@ final class FlightDeckScan {
       List<Wire.Partition> parts = new ArrayList<>(info.partitions());
       parts.sort(Comparator.comparingInt(Wire.Partition::partition));
       List<InputPartition> out = new ArrayList<>();
-      if (!options.filter().isEmpty()) {
-        int n = Math.max(1, parts.size());
-        for (int i = 0; i < n; i++) {
-          long start = selected * i / n;
-          long end = selected * (i + 1) / n;
-          if (end > start) {
-            out.add(new Part(options, columns, start, end - start, info.sealedAs(), ""));
+      long[] rows = parts.stream().mapToLong(Wire.Partition::rows).toArray();
+      if (selected != null) {
+        rows = Wire.planPartitionRows(selected.getAppMetadata());
+        if (rows.length != parts.size()) {
+          // A server that does not tell each partition's selected rows:
+          // equal parts of them.
+          long total = selected.getRecords();
+          int n = Math.max(1, parts.size());
+          for (int i = 0; i < n; i++) {
+            long start = total * i / n;
+            long end = total * (i + 1) / n;
+            if (end > start) {
+              out.add(new Part(options, columns, start, end - start, info.sealedAs(), ""));
+            }
           }
+          return out.toArray(new InputPartition[0]);
         }
-        return out.toArray(new InputPartition[0]);
       }
       long start = 0;
-      for (Wire.Partition p : parts) {
+      for (int i = 0; i < parts.size(); i++) {
         // Served by the member holding it, nothing fetched from the others.
-        out.add(new Part(options, columns, start, p.rows(), info.sealedAs(), p.holder()));
-        start += p.rows();
+        if (rows[i] > 0 || selected == null) {
+          out.add(new Part(options, columns, start, rows[i], info.sealedAs(),
+              parts.get(i).holder()));
+        }
+        start += rows[i];
       }
       return out.toArray(new InputPartition[0]);
     }
 
-    /** How many rows the filter selects: the plan's row count, from {@code server}. */
-    private long selectedRows(Server server, long sealedAs) {
+    /** The plan of the filter's rows, from {@code server}: its row count and each partition's. */
+    private FlightInfo selectedRows(Server server, long sealedAs) {
       byte[] plan = Wire.readFrom(options.dataset(), 0, 0, options.batchRows(), List.of(),
           options.filter(), sealedAs, "");
       try {
-        return server.client.getInfo(FlightDescriptor.command(plan), server.options).getRecords();
+        return server.client.getInfo(FlightDescriptor.command(plan), server.options);
       } catch (FlightRuntimeException e) {
         throw FlightDeckException.of(e, server.location);
       }

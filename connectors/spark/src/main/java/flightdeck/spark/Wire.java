@@ -286,6 +286,35 @@ final class Wire {
     return id;
   }
 
+  /**
+   * {@code PlanInfo.partition_rows}, from a read plan's {@code FlightInfo}
+   * app metadata: the rows of the plan's row space in each stored
+   * partition, in partition order (empty where the server sends none).
+   */
+  static long[] planPartitionRows(byte[] body) {
+    List<Long> rows = new ArrayList<>();
+    try {
+      CodedInputStream in = CodedInputStream.newInstance(body == null ? new byte[0] : body);
+      for (int tag = in.readTag(); tag != 0; tag = in.readTag()) {
+        if (tag >>> 3 != 1) {
+          in.skipField(tag);
+        } else if ((tag & 7) == 2) { // packed
+          int limit = in.pushLimit(in.readRawVarint32());
+          while (in.getBytesUntilLimit() > 0) {
+            rows.add(in.readUInt64());
+          }
+          in.popLimit(limit);
+        } else {
+          rows.add(in.readUInt64());
+        }
+      }
+    } catch (IOException e) {
+      throw new IllegalStateException(
+          "the server's PlanInfo does not decode: " + e.getMessage(), e);
+    }
+    return rows.stream().mapToLong(Long::longValue).toArray();
+  }
+
   private static Partition partition(byte[] body) throws IOException {
     int partition = 0;
     int attempt = 0;
