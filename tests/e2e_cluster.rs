@@ -1000,6 +1000,46 @@ async fn an_operator_lists_describes_and_drops_a_cluster_dataset_from_the_comman
         "{out}"
     );
 
+    // `--json`: the same replies as one JSON document each, for scripts.
+    let json = async |args: &[&str]| -> serde_json::Value {
+        let (ok, out, err) = cli(args, Some("r-secret")).await;
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: not JSON:\n{out}"))
+    };
+    let listed = json(&["datasets", "--json", "--server", &servers[0]]).await;
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed:#}");
+    assert_eq!(listed[0]["dataset"], ds, "{listed:#}");
+    let described = json(&["describe", ds, "--json", "--server", &servers[1]]).await;
+    assert_eq!(described["state"], "sealed", "{described:#}");
+    assert_eq!(described["rows"], 2000, "{described:#}");
+    let columns = described["schema"].as_array().expect("schema fields");
+    assert!(
+        columns
+            .iter()
+            .any(|c| c["name"] == "id" && c["type"] == "Int64"),
+        "{described:#}"
+    );
+    let mut held: Vec<(String, u64)> = described["layout"]["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .map(|m| {
+            let at = m["location"].as_str().expect("location").to_string();
+            (at, m["rows"].as_u64().expect("rows"))
+        })
+        .collect();
+    held.sort();
+    let mut want: Vec<(String, u64)> = locations.iter().map(|l| (l.clone(), 1000)).collect();
+    want.sort();
+    assert_eq!(held, want, "{described:#}");
+    let stats = json(&["stats", "--json", "--server", &servers[1]]).await;
+    assert_eq!(stats["location"], locations[1].as_str(), "{stats:#}");
+    assert_eq!(stats["rows"], 1000, "{stats:#}");
+    assert_eq!(
+        json(&["jobs", "--json", "--server", &servers[1]]).await,
+        serde_json::json!([])
+    );
+
     // The device tier on members started with --no-cuda: `place` is
     // refused saying so and what to do instead; nothing is on a GPU to evict.
     let (ok, _, err) = cli(

@@ -6,7 +6,9 @@
 //! lists) through the Rust client, so it follows the same names, tokens
 //! (`FLIGHTDECK_TOKEN`) and TLS roots (`FLIGHTDECK_TLS_ROOT_CERTS`) as every
 //! client. The text is made by pure functions of the server's replies,
-//! tested apart from any server. The pieces every client command shares
+//! tested apart from any server; with `--json` they print the replies as
+//! JSON instead (one document, the message's fields by their .proto names,
+//! a dataset's state as a word and its schema as fields), for scripts. The pieces every client command shares
 //! (`flightdeck train` too) are here: `--server` ([`ServerArg`]) and the
 //! server's advice in command-line words ([`CLI_TERMS`]).
 
@@ -70,11 +72,38 @@ fn with_causes(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// How a command prints the server's reply.
+#[derive(Debug, clap::Args)]
+pub struct Output {
+    /// Print the reply as one JSON document (fields named as in
+    /// flightdeck.proto) instead of text, for scripts.
+    #[arg(long)]
+    json: bool,
+}
+
+impl Output {
+    /// Prints `text(reply)`, or with `--json` `json(reply)`.
+    fn print<T: ?Sized>(
+        &self,
+        reply: &T,
+        text: impl Fn(&T) -> String,
+        json: impl Fn(&T) -> serde_json::Value,
+    ) {
+        if self.json {
+            println!("{:#}", json(reply));
+        } else {
+            print!("{}", text(reply));
+        }
+    }
+}
+
 /// Flags of `flightdeck datasets`.
 #[derive(Debug, clap::Args)]
 pub struct DatasetsArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
     /// List only the datasets whose names start with this.
     #[arg(default_value = "")]
     prefix: String,
@@ -85,6 +114,8 @@ pub struct DatasetsArgs {
 pub struct DatasetArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
     /// The dataset's name.
     dataset: String,
 }
@@ -94,6 +125,8 @@ pub struct DatasetArgs {
 pub struct PlaceArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
     /// The sealed dataset.
     dataset: String,
     /// Columns to copy (numeric or fixed_size_list of numbers, no nulls),
@@ -111,6 +144,8 @@ pub struct PlaceArgs {
 pub struct EvictArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
     /// The dataset.
     dataset: String,
     /// GPU ordinals to free, comma-separated; every device when not given.
@@ -123,6 +158,8 @@ pub struct EvictArgs {
 pub struct StatsArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
 }
 
 /// Flags of `flightdeck jobs`.
@@ -130,6 +167,8 @@ pub struct StatsArgs {
 pub struct JobsArgs {
     #[command(flatten)]
     server: ServerArg,
+    #[command(flatten)]
+    output: Output,
     /// One job's id; every job since the server started when not given.
     job: Option<u64>,
 }
@@ -158,21 +197,24 @@ pub async fn datasets(args: DatasetsArgs) -> Result<(), String> {
         Ok(infos)
     })
     .await?;
-    print!("{}", datasets_text(&infos));
+    args.output.print(&infos[..], datasets_text, |i| {
+        i.iter().map(dataset_json).collect()
+    });
     Ok(())
 }
 
 /// Runs `flightdeck describe`.
 pub async fn describe(args: DatasetArgs) -> Result<(), String> {
     let info = on_server(&args.server, async |c| c.describe(&args.dataset).await).await?;
-    print!("{}", describe_text(&info));
+    args.output.print(&info, describe_text, dataset_json);
     Ok(())
 }
 
 /// Runs `flightdeck drop`.
 pub async fn drop(args: DatasetArgs) -> Result<(), String> {
     let info = on_server(&args.server, async |c| c.drop_dataset(&args.dataset).await).await?;
-    println!("{}", dropped_text(&info));
+    args.output
+        .print(&info, |i| format!("{}\n", dropped_text(i)), dataset_json);
     Ok(())
 }
 
@@ -183,7 +225,7 @@ pub async fn place(args: PlaceArgs) -> Result<(), String> {
         c.place(&args.dataset, &columns, &args.devices).await
     })
     .await?;
-    print!("{}", placements_text(&info));
+    args.output.print(&info, placements_text, dataset_json);
     Ok(())
 }
 
@@ -193,21 +235,22 @@ pub async fn evict(args: EvictArgs) -> Result<(), String> {
         c.evict(&args.dataset, &args.devices).await
     })
     .await?;
-    print!("{}", placements_text(&info));
+    args.output.print(&info, placements_text, dataset_json);
     Ok(())
 }
 
 /// Runs `flightdeck stats`.
 pub async fn stats(args: StatsArgs) -> Result<(), String> {
     let stats = on_server(&args.server, async |c| c.stats().await).await?;
-    print!("{}", stats_text(&stats));
+    args.output.print(&stats, stats_text, to_json);
     Ok(())
 }
 
 /// Runs `flightdeck jobs`.
 pub async fn jobs(args: JobsArgs) -> Result<(), String> {
     let list = on_server(&args.server, async |c| c.jobs(args.job.unwrap_or(0)).await).await?;
-    print!("{}", jobs_text(&list.jobs));
+    args.output
+        .print(&list.jobs[..], jobs_text, |j| to_json(&j));
     Ok(())
 }
 
@@ -331,6 +374,37 @@ pub fn datasets_text(infos: &[DatasetInfo]) -> String {
         &["DATASET", "STATE", "ROWS", "PARTITIONS", "MEMORY", "HELD"],
         &rows,
     )
+}
+
+/// `reply` as JSON: its fields by their .proto names.
+fn to_json<T: serde::Serialize + ?Sized>(reply: &T) -> serde_json::Value {
+    // The messages hold numbers, strings, lists and messages: nothing that
+    // fails to serialize.
+    serde_json::to_value(reply).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))
+}
+
+/// A dataset as `--json` prints it: every field of `DatasetInfo`, its
+/// `state` as a word, and `schema` as a list of `{name, type, nullable}`
+/// (null before the first commit).
+pub fn dataset_json(info: &DatasetInfo) -> serde_json::Value {
+    let mut json = to_json(info);
+    json["state"] = state(info).into();
+    json["schema"] = match try_schema_from_ipc_buffer(&info.schema) {
+        _ if info.schema.is_empty() => serde_json::Value::Null,
+        Ok(schema) => schema
+            .fields()
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "name": f.name(),
+                    "type": f.data_type().to_string(),
+                    "nullable": f.is_nullable(),
+                })
+            })
+            .collect(),
+        Err(e) => format!("cannot be decoded: {e}").into(),
+    };
+    json
 }
 
 /// The schema's fields, one line each (`name: type`, `nullable` where so).
@@ -702,6 +776,57 @@ mod tests {
                 "events", "open", "2048", "2", "24.0KiB", "memory,", "gpu", "1,", "3", "members"
             ]
         );
+    }
+
+    #[test]
+    fn json_names_every_field_the_state_as_a_word_and_the_schema_as_fields() {
+        let mut info = sealed("events", 100);
+        let json = dataset_json(&info);
+        assert_eq!(json["dataset"], "events");
+        assert_eq!(json["state"], "sealed");
+        assert_eq!(json["rows"], 100);
+        assert_eq!(json["generation"], 3);
+        assert_eq!(json["schema"], serde_json::Value::Null, "none yet");
+        assert_eq!(json["layout"], serde_json::Value::Null);
+        assert_eq!(json["partitions"][1]["attempt"], 1);
+        assert_eq!(json["partitions"][1]["rows"], 50);
+        info.schema = schema_bytes(&Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, true),
+        ]))
+        .into();
+        info.state = DatasetState::Open.into();
+        let json = dataset_json(&info);
+        assert_eq!(json["state"], "open");
+        assert_eq!(
+            json["schema"],
+            serde_json::json!([
+                {"name": "id", "type": "Int64", "nullable": false},
+                {"name": "name", "type": "Utf8", "nullable": true},
+            ])
+        );
+        info.schema = bytes::Bytes::from_static(b"not a schema");
+        let said = dataset_json(&info)["schema"].to_string();
+        assert!(said.contains("cannot be decoded"), "{said}");
+
+        let stats = to_json(&ServerStats {
+            rows_fetched_from_peers: 7,
+            location: "grpc://127.0.0.2:50051".into(),
+            ..Default::default()
+        });
+        assert_eq!(stats["rows_fetched_from_peers"], 7);
+        assert_eq!(stats["location"], "grpc://127.0.0.2:50051");
+        assert_eq!(stats["memory_used_peak"], 0);
+        let jobs = to_json(
+            &[JobStatus {
+                job: 2,
+                state: "failed".into(),
+                accuracy: None,
+                ..Default::default()
+            }][..],
+        );
+        assert_eq!(jobs[0]["state"], "failed");
+        assert_eq!(jobs[0]["accuracy"], serde_json::Value::Null);
     }
 
     #[test]

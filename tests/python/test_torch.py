@@ -88,7 +88,7 @@ def test_forked_workers_fail_clearly_instead_of_hanging(flightdeck_server):
         list(loader)
 
 
-def test_the_dataset_reads_the_write_it_was_built_on(flightdeck_server, monkeypatch):
+def test_the_dataset_reads_the_write_it_was_built_on(flightdeck_server):
     """Built in the training process, the dataset takes the seal there (so
     worker processes and `state_dict` count rows of one write): a write that
     lands before the first epoch fails it instead of being read."""

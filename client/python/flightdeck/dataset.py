@@ -245,8 +245,9 @@ class ShardedDataset:
         except FailedPrecondition as e:
             if not seal or "since this read began" not in e.message:
                 raise
+            said = e.message.removesuffix("; start the read again")
             raise FailedPrecondition(
-                f"{e.message}. This reader's epochs and resume positions count rows of the "
+                f"{said}. This reader's epochs and resume positions count rows of the "
                 f"write it first read (sealed_as {seal}): build a new reader to train on the "
                 "new write (a state saved on the old one does not carry over), or pass "
                 "sealed_as=0 to read whatever is sealed at each epoch's start"
