@@ -4,7 +4,7 @@
 //! the command line prints them as fields).
 
 /// Messages `flightdeck datasets | describe | drop | place | evict | stats |
-/// jobs --json` print, and the messages inside them.
+/// jobs | train --json` print, and the messages inside them.
 const PRINTED: &[&str] = &[
     ".flightdeck.v1.DatasetInfo",
     ".flightdeck.v1.PartitionInfo",
@@ -13,6 +13,7 @@ const PRINTED: &[&str] = &[
     ".flightdeck.v1.ClusterMember",
     ".flightdeck.v1.ServerStats",
     ".flightdeck.v1.JobStatus",
+    ".flightdeck.v1.TrainProgress",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -377,7 +377,7 @@ pub fn datasets_text(infos: &[DatasetInfo]) -> String {
 }
 
 /// `reply` as JSON: its fields by their .proto names.
-fn to_json<T: serde::Serialize + ?Sized>(reply: &T) -> serde_json::Value {
+pub fn to_json<T: serde::Serialize + ?Sized>(reply: &T) -> serde_json::Value {
     // The messages hold numbers, strings, lists and messages: nothing that
     // fails to serialize.
     serde_json::to_value(reply).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))

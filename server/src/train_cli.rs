@@ -1,12 +1,13 @@
 //! `flightdeck train`: submits a training job to a running server and shows
-//! its progress (a bar on a terminal, a line per report otherwise).
+//! its progress (a bar on a terminal, a line per report otherwise; with
+//! `--json`, each report as a line of JSON on stdout).
 
 use std::io::{IsTerminal, Write};
 
 use flightdeck_client::{OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
 use futures::StreamExt;
 
-use crate::admin_cli::{CLI_TERMS, ServerArg};
+use crate::admin_cli::{CLI_TERMS, ServerArg, to_json};
 
 /// Flags of `flightdeck train`.
 #[derive(Debug, clap::Args)]
@@ -86,6 +87,11 @@ pub struct TrainArgs {
     /// '"label" IS NOT NULL'` for the labelled rows); default every row.
     #[arg(long, default_value = "")]
     filter: String,
+    /// Print each progress report as a line of JSON on stdout (fields named
+    /// as `TrainProgress` in flightdeck.proto; the last has `done` true)
+    /// instead of the bar and the summary.
+    #[arg(long)]
+    json: bool,
 }
 
 impl TrainArgs {
@@ -192,6 +198,13 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
             }
             e.text_in(CLI_TERMS)
         })?;
+        if args.json {
+            println!("{}", to_json(&p));
+            if p.done {
+                return Ok(());
+            }
+            continue;
+        }
         if p.done {
             if tty {
                 let _ = writeln!(err, "\r\x1b[2K{}", line(&p));

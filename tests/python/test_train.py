@@ -7,6 +7,7 @@ selects (the labelled rows of a partly labelled dataset among them), and `flight
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -141,6 +142,23 @@ def test_the_train_command(sealed):
     assert done.startswith("job ") and " done: 124 steps" in done, done
     accuracy = float(done.split("training accuracy ")[1].split(",")[0])
     assert accuracy >= 0.95
+
+    # --json: each report a line of JSON on stdout, the last one done.
+    as_json = subprocess.run(
+        [str(server_binary()), "train", "--server", sealed.uri, "--json",
+         "--dataset", "blobs", "--features", "features", "--label", "label", "--classes", "3",
+         "--batch-size", "64", "--epochs", "1", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    reports = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert reports and all(not r["done"] for r in reports[:-1]), as_json.stdout
+    last = reports[-1]
+    assert last["done"] and last["step"] == last["total_steps"] == 62, last
+    assert {"loss", "epoch", "samples_per_second", "data_stall_fraction", "accuracy"} <= set(last)
+    assert "step " not in as_json.stderr, "no bar beside the JSON"
 
     bad = subprocess.run(
         [str(server_binary()), "train", "--server", sealed.uri.replace("grpc://", "http://"),
