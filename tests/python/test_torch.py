@@ -117,11 +117,12 @@ def test_ranks_agree_on_one_write_or_all_refuse(monkeypatch):
     from flightdeck.torch import agreed_seal
 
     def gathered(seals):
-        def all_gather_object(out, mine):
+        def all_gather_object(out, mine, group=None):
             out[:] = seals
 
         monkeypatch.setattr(dist, "get_world_size", lambda: len(seals))
         monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+        monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
 
     gathered([7, 7, 0])  # one rank saw it before the seal
     assert agreed_seal("d", 0) == 7
@@ -130,6 +131,38 @@ def test_ranks_agree_on_one_write_or_all_refuse(monkeypatch):
     gathered([7, 9, 7])
     with pytest.raises(RuntimeError, match=r"'d' was written again.*\[7, 9\]"):
         agreed_seal("d", 7)
+
+
+def test_object_collectives_run_on_gloo_beside_an_nccl_group(monkeypatch):
+    """Under an NCCL process group the node map and the seal are gathered
+    on a gloo group of the same ranks (NCCL's object collectives need each
+    rank's CUDA device set), made once and reused."""
+    import torch.distributed as dist
+
+    from flightdeck import torch as fd_torch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert fd_torch.object_group() is None, "gloo itself gathers objects"
+        made = []
+        new_group = dist.new_group
+
+        def counted(*args, **kwargs):
+            made.append(kwargs.get("backend"))
+            return new_group(*args, **kwargs)
+
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist, "new_group", counted)
+        group = fd_torch.object_group()
+        assert group is not None and made == ["gloo"]
+        assert fd_torch.object_group() is group and made == ["gloo"], "made once"
+        out = [None]
+        dist.all_gather_object(out, 5, group=group)
+        assert out == [5]
+        assert fd_torch.agreed_seal("d", 9) == 9
+    finally:
+        dist.destroy_process_group()
+        fd_torch._gloo = None
 
 
 def put_vectors(client, name: str, n: int) -> None:

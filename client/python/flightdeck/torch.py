@@ -43,6 +43,29 @@ def _distributed_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+#: The gloo group object collectives run on where the default process
+#: group has no gloo backend, made once per default group: `(world, group)`.
+_gloo: tuple[Any, Any] | None = None
+
+
+def object_group():
+    """The process group this module's object collectives run on: the
+    default one where it has a gloo backend, else a gloo group over the same
+    ranks, made on first use (by every rank, as the collectives are). NCCL
+    runs object collectives on each rank's current CUDA device, and a
+    dataset built before `torch.cuda.set_device` would have every rank of a
+    node on device 0: NCCL refuses that, or hangs."""
+    import torch.distributed as dist
+
+    global _gloo
+    if "gloo" in str(dist.get_backend()):
+        return None
+    world = dist.group.WORLD
+    if _gloo is None or _gloo[0] is not world:
+        _gloo = (world, dist.new_group(backend="gloo"))
+    return _gloo[1]
+
+
 def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
     """Each node's server, in node order, from every rank's own server
     (a collective: every rank calls it). A node whose server holds none of
@@ -64,7 +87,7 @@ def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
         failure = e
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // ranks_per_node))
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (node, mine, failure is not None))
+    dist.all_gather_object(everyone, (node, mine, failure is not None), group=object_group())
     if failure is not None:
         raise failure
     if any(failed for _, _, failed in everyone):
@@ -88,7 +111,7 @@ def agreed_seal(dataset: str, mine: int) -> int:
     import torch.distributed as dist
 
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=object_group())
     seen = {seal for seal in everyone if seal}
     if len(seen) > 1:
         raise RuntimeError(
@@ -118,7 +141,9 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     write. Where `rank` and `world_size` come from the process group, the
     ranks agree on it when the dataset is built (a collective: build it on
     every rank); a write that lands while they start fails every rank's
-    build instead of giving ranks different data.
+    build instead of giving ranks different data. These collectives run on
+    gloo: under an NCCL process group, on a gloo group of the same ranks
+    made once (so the dataset may be built before `torch.cuda.set_device`).
 
     About `prefetch` batches, or the next message where that holds more,
     are read ahead on a background thread (see
