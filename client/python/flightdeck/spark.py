@@ -38,8 +38,9 @@ task reads the dataset as it was sealed when the driver planned the read:
 one dropped or written again meanwhile fails the task (`FailedPrecondition`)
 rather than mixing two writes in one DataFrame. A `filter` option (a
 SQL condition, as in a read plan) has the server send only the rows it
-selects, each stored partition's selected rows a Spark partition (served
-where they are held; the plan tells their counts). Where the session lets
+selects: on a cluster dataset each stored partition's selected rows are a
+Spark partition served where they are held (the plan tells their counts);
+on one server they are split evenly over as many Spark partitions. Where the session lets
 Spark (4.1+) push its filters to Python data sources
 (`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
 called), its comparisons, `IN` and null tests on integer, string and boolean
@@ -432,19 +433,23 @@ try:  # Spark 4: Python data sources
                 seal = sealed_as(info)
                 stored = sorted(info.partitions, key=lambda p: p.partition)
                 counts, selected = [p.rows for p in stored], None
+                held = holders(info)
                 if self.filter:
                     plan = client.plan(
                         self.dataset, columns=self.columns, filter=self.filter, sealed_as=seal
                     )
-                    if len(plan.partition_rows) == len(stored):
-                        # The rows the filter selects in each stored partition.
+                    if held and len(plan.partition_rows) == len(stored):
+                        # On a cluster, the rows the filter selects in each
+                        # stored partition, read where they are held.
                         counts = plan.partition_rows
-                    else:  # a server that does not tell them: equal parts
-                        selected = plan.total_rows
+                    else:
+                        # One server: equal parts, so a filter that selects
+                        # from few partitions still makes as many tasks.
+                        selected, held = plan.total_rows, {}
             spans = read_parts(counts, selected)
-            # Spark partition i is stored partition i (its selected rows):
-            # its member serves it, with nothing fetched from the others.
-            held = holders(info) if selected is None else {}
+            # Spark partition i is stored partition i (with a filter, its
+            # selected rows): its member serves it, with nothing fetched
+            # from the others.
             at = [held.get(p.partition, "") for p in stored] if held else [""] * len(spans)
             parts = [
                 FlightDeckReadPartition(a, n, seal, h)

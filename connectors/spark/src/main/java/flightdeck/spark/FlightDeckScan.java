@@ -37,10 +37,13 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  *
  * <p>With a filter (the {@code filter} option, and Spark's filters that
  * {@link Filters} translates) the server sends only the rows it selects,
- * still in the dataset's order: each stored partition with any selected
- * rows is a Spark partition of just those (the plan says how many each
- * holds), served where it is held. Spark evaluates its own filters again
- * on what arrives, so a pushed filter only ever saves work.
+ * still in the dataset's order. On a dataset sealed across servers each
+ * stored partition with any selected rows is a Spark partition of just
+ * those (the plan says how many each holds), served where it is held; on
+ * one server the selected rows are split evenly over as many Spark
+ * partitions as there are stored partitions, so a filter that selects from
+ * few of them still makes as many tasks. Spark evaluates its own filters
+ * again on what arrives, so a pushed filter only ever saves work.
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
@@ -143,11 +146,12 @@ final class FlightDeckScan {
       parts.sort(Comparator.comparingInt(Wire.Partition::partition));
       List<InputPartition> out = new ArrayList<>();
       long[] rows = parts.stream().mapToLong(Wire.Partition::rows).toArray();
+      boolean cluster = parts.stream().anyMatch(p -> !p.holder().isEmpty());
       if (selected != null) {
         rows = Wire.planPartitionRows(selected.getAppMetadata());
-        if (rows.length != parts.size()) {
-          // A server that does not tell each partition's selected rows:
-          // equal parts of them.
+        if (!cluster || rows.length != parts.size()) {
+          // One server (or one that does not tell each partition's
+          // selected rows): equal parts of them.
           long total = selected.getRecords();
           int n = Math.max(1, parts.size());
           for (int i = 0; i < n; i++) {
