@@ -8,9 +8,10 @@
 //! client. The text is made by pure functions of the server's replies,
 //! tested apart from any server; with `--json` they print the replies as
 //! JSON instead (one document, the message's fields by their .proto names,
-//! a dataset's state as a word and its schema as fields), for scripts. The pieces every client command shares
-//! (`flightdeck train` too) are here: `--server` ([`ServerArg`]) and the
-//! server's advice in command-line words ([`CLI_TERMS`]).
+//! a dataset's state as a word and its schema as fields), for scripts. The
+//! pieces every client command shares (`flightdeck train` too) are here:
+//! `--server` ([`ServerArg`]) and the server's advice in command-line words
+//! ([`CLI_TERMS`]).
 
 use std::fmt::Write as _;
 

@@ -40,8 +40,8 @@ rather than mixing two writes in one DataFrame. A `filter` option (a
 SQL condition, as in a read plan) has the server send only the rows it
 selects: on a cluster dataset each stored partition's selected rows are a
 Spark partition served where they are held (the plan tells their counts);
-on one server they are split evenly over as many Spark partitions. Where the session lets
-Spark (4.1+) push its filters to Python data sources
+on one server they are split evenly over as many Spark partitions. Where
+the session lets Spark (4.1+) push its filters to Python data sources
 (`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
 called), its comparisons, `IN` and null tests on integer, string and boolean
 columns join that condition, and Spark still evaluates them on what
@@ -447,9 +447,9 @@ try:  # Spark 4: Python data sources
                         # from few partitions still makes as many tasks.
                         selected, held = plan.total_rows, {}
             spans = read_parts(counts, selected)
-            # Spark partition i is stored partition i (with a filter, its
-            # selected rows): its member serves it, with nothing fetched
-            # from the others.
+            # Unless split evenly, Spark partition i is stored partition i
+            # (its selected rows, with a filter): its member serves it,
+            # with nothing fetched from the others.
             at = [held.get(p.partition, "") for p in stored] if held else [""] * len(spans)
             parts = [
                 FlightDeckReadPartition(a, n, seal, h)
