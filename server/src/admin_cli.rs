@@ -390,20 +390,23 @@ pub fn to_json<T: serde::Serialize + ?Sized>(reply: &T) -> serde_json::Value {
 pub fn dataset_json(info: &DatasetInfo) -> serde_json::Value {
     let mut json = to_json(info);
     json["state"] = state(info).into();
-    json["schema"] = match try_schema_from_ipc_buffer(&info.schema) {
-        _ if info.schema.is_empty() => serde_json::Value::Null,
-        Ok(schema) => schema
-            .fields()
-            .iter()
-            .map(|f| {
-                serde_json::json!({
-                    "name": f.name(),
-                    "type": f.data_type().to_string(),
-                    "nullable": f.is_nullable(),
+    json["schema"] = if info.schema.is_empty() {
+        serde_json::Value::Null
+    } else {
+        match try_schema_from_ipc_buffer(&info.schema) {
+            Ok(schema) => schema
+                .fields()
+                .iter()
+                .map(|f| {
+                    serde_json::json!({
+                        "name": f.name(),
+                        "type": f.data_type().to_string(),
+                        "nullable": f.is_nullable(),
+                    })
                 })
-            })
-            .collect(),
-        Err(e) => format!("cannot be decoded: {e}").into(),
+                .collect(),
+            Err(e) => format!("cannot be decoded: {e}").into(),
+        }
     };
     json
 }

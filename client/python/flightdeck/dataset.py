@@ -301,9 +301,9 @@ class ShardedDataset:
 
     def state_dict(self, batches: int | None = None) -> dict[str, int]:
         """Where this epoch stands: `{"epoch", "start_sample", "world_size"}`.
-        (Add `"sealed_as": reader.pin()` to have a resume refuse another
-        write of the dataset, see :meth:`load_state_dict`.) `batches` overrides how many batches each rank consumed (for loaders
-        that prefetch)."""
+        `batches` overrides how many batches each rank consumed (for loaders
+        that prefetch). Add `"sealed_as": reader.pin()` to have a resume
+        refuse another write of the dataset (see :meth:`load_state_dict`)."""
         consumed = self.samples_consumed(batches)
         # Samples consumed before this iteration were taken at the loaded
         # state's world size; a NODE epoch resumes only at one size.

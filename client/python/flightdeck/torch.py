@@ -193,11 +193,11 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
                 "leave pin_memory off on a machine without a GPU"
             )
         self.pin_memory = pin_memory
-        from_group = rank is None and world_size is None and _distributed_rank_and_size()[1] > 1
-        if rank is None or world_size is None:
-            dist_rank, dist_size = _distributed_rank_and_size()
-            rank = dist_rank if rank is None else rank
-            world_size = dist_size if world_size is None else world_size
+        dist_rank, dist_size = _distributed_rank_and_size()
+        # Built on every rank of the group: the ranks agree on the seal.
+        from_group = rank is None and world_size is None and dist_size > 1
+        rank = dist_rank if rank is None else rank
+        world_size = dist_size if world_size is None else world_size
         self.shards = ShardedDataset(
             uri,
             dataset,
