@@ -1079,6 +1079,131 @@ async fn an_operator_lists_describes_and_drops_a_cluster_dataset_from_the_comman
     }
 }
 
+/// The data rows of a table `flightdeck sql` printed, each row's words
+/// (the lines between the header and the row count).
+fn table_rows(out: &str) -> Vec<Vec<String>> {
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines.len() >= 2, "{out}");
+    lines[1..lines.len() - 1]
+        .iter()
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+/// An operator's queries at the command line, through one member of a
+/// cluster that needs tokens: `sql` reads every member's rows, prints the
+/// first `--max-rows` as a table and says how many there were, and prints
+/// JSON lines with `--json`; a table named but for case says how to quote
+/// it, one that is no dataset names those there are, and a statement that
+/// writes is refused pointing to `flightdeck derive`; `derive` needs the
+/// writer's token and keeps a query's result as a dataset `sql` then reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_queries_a_cluster_dataset_and_derives_from_it_from_the_command_line() {
+    let ds = "Clicks";
+    let (_dir, members, mut writers, seal) = guarded_members(ds).await;
+    timed("seal", writers[0].seal_cluster(ds, 2, seal))
+        .await
+        .expect("seal");
+    let server = members[1].addr().to_string();
+    let sql = async |args: &[&str], token: &str| {
+        let mut all = vec!["sql", "--server", server.as_str()];
+        all.extend_from_slice(args);
+        cli(&all, Some(token)).await
+    };
+
+    let (ok, _, err) = cli(&["sql", "--server", &server, "SELECT 1"], None).await;
+    assert!(!ok && err.contains("(Unauthenticated)"), "{err}");
+
+    let count = r#"SELECT count(*) AS n, min(id) AS lo, max(id) AS hi FROM "Clicks""#;
+    let (ok, out, err) = sql(&[count], "r-secret").await;
+    assert!(ok, "{err}");
+    assert_eq!(table_rows(&out), [["2000", "0", "1999"]], "{out}");
+    assert!(out.ends_with("(1 row)\n"), "{out}");
+
+    let first = r#"SELECT id, name FROM "Clicks" ORDER BY id DESC"#;
+    let (ok, out, err) = sql(&[first, "--max-rows", "3"], "r-secret").await;
+    assert!(ok, "{err}");
+    let ids: Vec<String> = table_rows(&out).into_iter().map(|r| r[0].clone()).collect();
+    assert_eq!(ids, ["1999", "1998", "1997"], "{out}");
+    assert!(
+        out.ends_with("(2000 rows, the first 3 shown; --max-rows 0 prints all)\n"),
+        "{out}"
+    );
+
+    // JSON lines: every row, from both members.
+    let some = r#"SELECT id, x FROM "Clicks" WHERE id % 500 = 0 ORDER BY id"#;
+    let (ok, out, err) = sql(&[some, "--json"], "r-secret").await;
+    assert!(ok, "{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let ids: Vec<i64> = rows.iter().map(|r| r["id"].as_i64().expect("id")).collect();
+    assert_eq!(ids, [0, 500, 1000, 1500], "{out}");
+    assert!(rows.iter().all(|r| r["x"].is_number()), "{out}");
+
+    for (query, words) in [
+        (
+            "SELECT * FROM clicks",
+            r#"dataset 'Clicks' is a table, but SQL lowercases names not in double quotes: write "Clicks""#,
+        ),
+        (
+            "SELECT * FROM views",
+            "the tables (the sealed datasets) are: Clicks",
+        ),
+        (
+            r#"DROP TABLE "Clicks""#,
+            "read-only (use `flightdeck derive` to keep a result as a dataset)",
+        ),
+    ] {
+        let (ok, out, err) = sql(&[query], "r-secret").await;
+        assert!(!ok, "{query} ran:\n{out}");
+        assert!(
+            err.contains(words) && err.contains("(InvalidArgument)"),
+            "{query}: {err}"
+        );
+    }
+
+    let derive = |token| {
+        let server = server.clone();
+        async move {
+            let args = [
+                "derive",
+                "--server",
+                &server,
+                "evens",
+                "SELECT * FROM source WHERE id % 2 = 0",
+                "--source",
+                "Clicks",
+            ];
+            cli(&args, Some(token)).await
+        }
+    };
+    let (ok, _, err) = derive("r-secret").await;
+    assert!(!ok && err.contains("(PermissionDenied)"), "{err}");
+    let (ok, out, err) = derive("w-secret").await;
+    assert!(ok, "{err}");
+    assert!(out.lines().any(|l| l == "rows        1000"), "{out}");
+    assert!(out.lines().any(|l| l == "dataset     evens"), "{out}");
+    let (ok, out, err) = sql(
+        &["SELECT count(*) AS n, sum(id % 2) AS odd FROM evens"],
+        "r-secret",
+    )
+    .await;
+    assert!(ok, "{err}");
+    assert_eq!(table_rows(&out), [["1000", "0"]], "{out}");
+    let (ok, _, err) = derive("w-secret").await;
+    assert!(
+        !ok && err.contains("exists") && err.contains("(FailedPrecondition)"),
+        "{err}"
+    );
+    let (ok, _, err) = sql(&["SELECT * FROM views"], "r-secret").await;
+    assert!(
+        !ok && err.contains("the tables (the sealed datasets) are: Clicks, evens"),
+        "{err}"
+    );
+}
+
 /// Members served over TLS reach each other over TLS (trusting `--tls-ca`):
 /// a seal through one member seals the other, and ranks read rows that one
 /// member fetches from the other.

@@ -2,7 +2,8 @@
 //!
 //! A thin layer over [`arrow_flight::FlightClient`] that speaks the
 //! `flightdeck.v1` protocol: write partition attempts, seal, plan an epoch for
-//! `W` ranks and stream a rank's shard as [`RecordBatch`]es.
+//! `W` ranks and stream a rank's shard as [`RecordBatch`]es; and query the
+//! cache with SQL ([`Client::sql`], [`Client::derive`]).
 //!
 //! ```no_run
 //! # async fn tour() -> Result<(), flightdeck_client::ClientError> {
@@ -43,6 +44,7 @@ use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::sql::{CommandStatementQuery, ProstMessageExt};
 use arrow_flight::{
     Action, FlightClient, FlightData, FlightDescriptor, FlightInfo, PutResult, Ticket,
 };
@@ -319,6 +321,22 @@ pub struct Plan {
     /// Rows of the plan's row space (its filter's selection, else every
     /// row) in each stored partition, in partition order (see `PlanInfo`).
     pub partition_rows: Vec<u64>,
+}
+
+/// The answer to [`Client::sql`].
+pub struct SqlResult {
+    /// The result's schema (also that of a result without rows).
+    pub schema: SchemaRef,
+    /// The result's batches, as the server streams them.
+    pub batches: BoxStream<'static, Result<RecordBatch>>,
+}
+
+impl std::fmt::Debug for SqlResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlResult")
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What an attempt will send, told to the server up front so that it
@@ -723,6 +741,50 @@ impl Client {
     /// Memory per tier and dataset totals of the server.
     pub async fn stats(&mut self) -> Result<ServerStats> {
         self.action(actions::STATS, Bytes::new()).await
+    }
+
+    /// Runs a read-only SQL query over the server's sealed datasets (each
+    /// a table named as the dataset; a cluster dataset's rows come from
+    /// every member) through the server's Arrow Flight SQL endpoint, as
+    /// ADBC's driver would: the result's schema, and its batches streamed.
+    pub async fn sql(&mut self, query: &str) -> Result<SqlResult> {
+        let command = CommandStatementQuery {
+            query: query.to_string(),
+            transaction_id: None,
+        };
+        let info = self
+            .inner
+            .get_flight_info(FlightDescriptor::new_cmd(command.as_any().encode_to_vec()))
+            .await?;
+        let schema: Schema = info
+            .clone()
+            .try_decode_schema()
+            .map_err(|e| ClientError::Protocol(format!("cannot decode the query's schema: {e}")))?;
+        let mut streams = Vec::with_capacity(info.endpoint.len());
+        for endpoint in info.endpoint {
+            let ticket = endpoint
+                .ticket
+                .ok_or_else(|| ClientError::Protocol("query endpoint without ticket".into()))?;
+            streams.push(self.do_get(ticket).await?.map_err(ClientError::from));
+        }
+        Ok(SqlResult {
+            schema: Arc::new(schema),
+            batches: futures::stream::iter(streams).flatten().boxed(),
+        })
+    }
+
+    /// Runs a read-only SQL query over the server's sealed datasets (each
+    /// a table by its name; `source`, when not empty, is also the table
+    /// `source`) and keeps its result as the new sealed dataset `target`:
+    /// its info, or `FailedPrecondition` if `target` exists.
+    pub async fn derive(&mut self, target: &str, sql: &str, source: &str) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::DeriveDataset {
+            target: target.to_string(),
+            sql: sql.to_string(),
+            source: source.to_string(),
+        };
+        self.action(actions::DERIVE, body.encode_to_vec().into())
+            .await
     }
 
     /// Plans one epoch for `plan.world_size` ranks.

@@ -1,6 +1,7 @@
-//! `flightdeck datasets | describe | drop | place | evict | stats | jobs`:
-//! what a running server holds and does, for the person operating it,
-//! without a Python client at hand.
+//! `flightdeck datasets | describe | drop | place | evict | stats | jobs |
+//! sql | derive`: what a running server holds and does, and queries over
+//! what it holds, for the person operating it, without a Python client or
+//! a Flight SQL driver at hand.
 //!
 //! Each command is one call or a few (a listing describes every dataset it
 //! lists) through the Rust client, so it follows the same names, tokens
@@ -8,7 +9,8 @@
 //! client. The text is made by pure functions of the server's replies,
 //! tested apart from any server; with `--json` they print the replies as
 //! JSON instead (one document, the message's fields by their .proto names,
-//! a dataset's state as a word and its schema as fields), for scripts. The
+//! a dataset's state as a word and its schema as fields; `sql`'s rows as
+//! JSON lines, one object a row, printed as they arrive), for scripts. The
 //! pieces every client command shares (`flightdeck train` too) are here:
 //! `--server` ([`ServerArg`]) and the server's advice in command-line words
 //! ([`CLI_TERMS`]).
@@ -18,6 +20,7 @@ use std::fmt::Write as _;
 use arrow::ipc::convert::try_schema_from_ipc_buffer;
 use flightdeck_client::{Client, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats};
 use flightdeck_server::config::show_size;
+use futures::TryStreamExt;
 
 /// The server's advice (in Flight's words, left) as a person at the command
 /// line acts on it: the command line writes and reads no rows itself.
@@ -30,6 +33,10 @@ pub const CLI_TERMS: &[(&str, &str)] = &[
     (
         "read it with DoGet (FlightDeckIterableDataset)",
         "read it with the Python client's FlightDeckIterableDataset",
+    ),
+    (
+        "use action 'derive' to keep a result as a dataset",
+        "use `flightdeck derive` to keep a result as a dataset",
     ),
     (
         "read the dataset with DoGet instead",
@@ -174,6 +181,44 @@ pub struct JobsArgs {
     job: Option<u64>,
 }
 
+/// Flags of `flightdeck sql`.
+#[derive(Debug, clap::Args)]
+pub struct SqlArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Print the rows as JSON lines (one object a row, keyed by column
+    /// name; nulls left out) instead of a table, for scripts.
+    #[arg(long)]
+    json: bool,
+    /// Rows to print at most (0: all); by default 100 as a table and every
+    /// row with --json. The rows past it are counted, not printed.
+    #[arg(long)]
+    max_rows: Option<usize>,
+    /// A read-only SQL query; each sealed dataset is a table by its name
+    /// (double-quote names that are not plain identifiers: "clicks-v2").
+    query: String,
+}
+
+/// Rows `flightdeck sql` prints as a table when `--max-rows` is not given.
+pub const SQL_ROWS_SHOWN: usize = 100;
+
+/// Flags of `flightdeck derive`.
+#[derive(Debug, clap::Args)]
+pub struct DeriveArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    #[command(flatten)]
+    output: Output,
+    /// The new dataset (refused if it exists).
+    target: String,
+    /// The read-only SQL query whose result it keeps; each sealed dataset
+    /// is a table by its name, and --source's also `source`.
+    query: String,
+    /// A dataset the query may also read as the table `source`.
+    #[arg(long, default_value = "")]
+    source: String,
+}
+
 /// `call` on a client of `server`, its error said in command-line words.
 async fn on_server<T>(
     server: &ServerArg,
@@ -252,6 +297,116 @@ pub async fn jobs(args: JobsArgs) -> Result<(), String> {
     let list = on_server(&args.server, async |c| c.jobs(args.job.unwrap_or(0)).await).await?;
     args.output
         .print(&list.jobs[..], jobs_text, |j| to_json(&j));
+    Ok(())
+}
+
+/// Runs `flightdeck sql`: the query's rows as a table (the first
+/// `--max-rows`, then how many there were) or as JSON lines, printed as
+/// they arrive.
+pub async fn sql(args: SqlArgs) -> Result<(), String> {
+    let mut client = args.server.connect().await?;
+    let said = |e: flightdeck_client::ClientError| e.text_in(CLI_TERMS);
+    let result = client.sql(&args.query).await.map_err(said)?;
+    let limit = match args.max_rows {
+        Some(0) => usize::MAX,
+        Some(n) => n,
+        None if args.json => usize::MAX,
+        None => SQL_ROWS_SHOWN,
+    };
+    let mut lines = args
+        .json
+        .then(|| arrow::json::LineDelimitedWriter::new(std::io::stdout().lock()));
+    let mut batches = result.batches;
+    let (mut kept, mut shown, mut rows) = (Vec::new(), 0usize, 0u64);
+    while let Some(batch) = batches.try_next().await.map_err(said)? {
+        rows += batch.num_rows() as u64;
+        let take = batch.num_rows().min(limit - shown);
+        if take == 0 {
+            continue;
+        }
+        shown += take;
+        let batch = batch.slice(0, take);
+        match lines.as_mut() {
+            Some(w) => w
+                .write(&batch)
+                .map_err(|e| format!("cannot print the rows as JSON: {e}"))?,
+            None => kept.push(batch),
+        }
+    }
+    match lines.as_mut() {
+        Some(w) => w
+            .finish()
+            .map_err(|e| format!("cannot print the rows as JSON: {e}"))?,
+        None => print!("{}", sql_text(&result.schema, &kept, rows)?),
+    }
+    Ok(())
+}
+
+/// Characters of a value `flightdeck sql` prints as a table; a longer one
+/// (a feature vector, a long string) ends in `…` there (`--json` prints it
+/// whole).
+pub const SQL_CELL_CHARS: usize = 40;
+
+/// The text of `flightdeck sql`: `shown` (the result's first rows) as a
+/// table under `schema`'s column names (nulls as `NULL`, values past
+/// [`SQL_CELL_CHARS`] cut), then how many rows the result had (`rows`)
+/// and, where that is more, how to see them all.
+pub fn sql_text(
+    schema: &arrow::datatypes::SchemaRef,
+    shown: &[arrow::array::RecordBatch],
+    rows: u64,
+) -> Result<String, String> {
+    use arrow::util::display::{ArrayFormatter, FormatOptions};
+    let options = FormatOptions::new().with_null("NULL");
+    let mut lines = Vec::new();
+    for batch in shown {
+        let columns = batch
+            .columns()
+            .iter()
+            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("cannot print the rows: {e}"))?;
+        for row in 0..batch.num_rows() {
+            lines.push(
+                columns
+                    .iter()
+                    .map(|c| cut(c.value(row).to_string()))
+                    .collect(),
+            );
+        }
+    }
+    let header: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+    let plural = if rows == 1 { "" } else { "s" };
+    let count = if (lines.len() as u64) < rows {
+        format!(
+            "({rows} row{plural}, the first {} shown; --max-rows 0 prints all)",
+            lines.len()
+        )
+    } else {
+        format!("({rows} row{plural})")
+    };
+    Ok(format!("{}{count}\n", table(&header, &lines)))
+}
+
+/// `value` cut to [`SQL_CELL_CHARS`] characters, the last one `…`, and
+/// on one line.
+fn cut(value: String) -> String {
+    let value = value.replace(['\n', '\r', '\t'], " ");
+    if value.chars().count() <= SQL_CELL_CHARS {
+        return value;
+    }
+    let mut short: String = value.chars().take(SQL_CELL_CHARS - 1).collect();
+    short.push('…');
+    short
+}
+
+/// Runs `flightdeck derive`: prints the new dataset as `describe` does.
+pub async fn derive(args: DeriveArgs) -> Result<(), String> {
+    let info = on_server(&args.server, async |c| {
+        c.derive(&args.target, &args.query, &args.source).await
+    })
+    .await?;
+    args.output.print(&info, describe_text, dataset_json);
     Ok(())
 }
 
@@ -1055,5 +1210,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn sql_text_is_a_table_then_the_row_count_and_how_to_see_the_rest() {
+        use arrow::array::{Int64Array, RecordBatch, StringArray};
+        use std::sync::Arc;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("Name", DataType::Utf8, true),
+        ]));
+        let long = format!("a\nb{}", "c".repeat(60));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Int64Array::from(vec![7, 12, 1000])),
+                Arc::new(StringArray::from(vec![
+                    Some("a"),
+                    None,
+                    Some(long.as_str()),
+                ])),
+            ],
+        )
+        .expect("batch");
+        let all = sql_text(&schema, std::slice::from_ref(&batch), 3).expect("text");
+        let cut = format!("a b{}…", "c".repeat(SQL_CELL_CHARS - 4));
+        assert_eq!(
+            all,
+            format!("id    Name\n7     a\n12    NULL\n1000  {cut}\n(3 rows)\n")
+        );
+        let first = sql_text(&schema, &[batch.slice(0, 1)], 5000).expect("text");
+        assert_eq!(
+            first,
+            "id  Name\n7   a\n(5000 rows, the first 1 shown; --max-rows 0 prints all)\n"
+        );
+        // No rows: the columns still, and a count that says so.
+        let none = sql_text(&schema, &[], 0).expect("text");
+        assert_eq!(none, "id  Name\n(0 rows)\n");
+        let one = sql_text(&schema, &[batch.slice(1, 1)], 1).expect("text");
+        assert_eq!(one, "id  Name\n12  NULL\n(1 row)\n");
     }
 }

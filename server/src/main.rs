@@ -49,6 +49,13 @@ enum Command {
     Stats(admin_cli::StatsArgs),
     /// Show the training jobs a running server has run since it started.
     Jobs(admin_cli::JobsArgs),
+    /// Run a read-only SQL query over a running server's sealed datasets
+    /// (each a table by its name) and print its rows.
+    Sql(admin_cli::SqlArgs),
+    /// Keep the result of a SQL query over a running server's sealed
+    /// datasets as a new sealed dataset (a split, a sample, derived
+    /// columns).
+    Derive(admin_cli::DeriveArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -286,6 +293,8 @@ async fn main() -> ExitCode {
         Command::Evict(args) => admin_cli::evict(args).await,
         Command::Stats(args) => admin_cli::stats(args).await,
         Command::Jobs(args) => admin_cli::jobs(args).await,
+        Command::Sql(args) => admin_cli::sql(args).await,
+        Command::Derive(args) => admin_cli::derive(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -321,3 +321,38 @@ def test_a_sharded_dataset_over_a_filter_resumes_at_another_world_size(server):
     rest = strided_order(after, remaining)  # the wrapped tail left out
     assert len(set(rest)) == remaining
     assert set(rest).isdisjoint(seen) and set(rest) | seen == selected
+
+
+def test_client_sql_answers_as_pyarrow_over_one_server_and_a_cluster(members, server):
+    single = flightdeck.connect(server.uri)
+    source = write(single, "Events")
+    # The same rows as a cluster dataset, one partition on each member.
+    start, layout = 0, {}
+    for p, n in enumerate(SIZES):
+        ack = flightdeck.connect(members[p % 3].uri).put_partition("spread", p, table(range(start, start + n)))
+        layout.setdefault(ack.location, {})[p] = 0
+        start += n
+    flightdeck.connect(members[0].uri).seal_cluster("spread", layout, partitions=len(SIZES))
+
+    by_label = source.group_by("label").aggregate([([], "count_all")]).to_pydict()
+    want = dict(zip(by_label["label"], by_label["count_all"]))
+    for client, name in [(single, '"Events"'), (flightdeck.connect(members[2].uri), "spread")]:
+        got = client.sql(f"SELECT label, count(*) AS n FROM {name} GROUP BY label")
+        assert dict(zip(got["label"].to_pylist(), got["n"].to_pylist())) == want, name
+        got = client.sql(f"SELECT id, price FROM {name} WHERE country = 'DE' ORDER BY id")
+        rows = source.filter(pc.equal(source["country"], "DE"))
+        assert got.column_names == ["id", "price"]
+        assert got["id"].to_pylist() == rows["id"].to_pylist()
+        assert got["price"].to_pylist() == rows["price"].to_pylist()
+        # No rows: the result's schema still.
+        empty = client.sql(f"SELECT id, ts FROM {name} WHERE id < 0")
+        assert empty.num_rows == 0 and empty.schema == pa.schema([("id", pa.int64()), ("ts", source.schema.field("ts").type)])
+
+    # Names the caller got wrong are told apart, and the server keeps serving.
+    with pytest.raises(flightdeck.InvalidArgument, match=re.escape('write "Events"')):
+        single.sql("SELECT * FROM events")
+    with pytest.raises(flightdeck.InvalidArgument, match=re.escape("the tables (the sealed datasets) are: Events")):
+        single.sql("SELECT * FROM nope")
+    with pytest.raises(flightdeck.InvalidArgument, match="read-only"):
+        single.sql('DELETE FROM "Events"')
+    assert single.sql('SELECT count(*) AS n FROM "Events"')["n"].to_pylist() == [ROWS]

@@ -1,7 +1,8 @@
 """flightdeck: Spark DataFrames to multi-GPU training over Arrow Flight.
 
 - :func:`connect` → :class:`Client`: `put_partition`, `seal`, `drop`,
-  `describe`, `stats`, `list_datasets`, `plan`, `read_shard`.
+  `describe`, `stats`, `list_datasets`, `plan`, `read_shard`, and SQL over
+  the cache: `sql`, `derive`.
 - :class:`ShardedDataset`: one rank's balanced, shuffled shard of each epoch,
   with `set_epoch` and `state_dict`/`load_state_dict` for exact resume.
 - :func:`to_numpy`, :func:`to_torch`: zero-copy views of numeric and

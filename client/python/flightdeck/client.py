@@ -1,6 +1,6 @@
 """The flightdeck client on `pyarrow.flight`: the same verbs as the Rust
 client — put_partition, seal, drop, describe, stats, list_datasets, plan,
-read_shard."""
+read_shard, sql, derive."""
 
 from __future__ import annotations
 
@@ -482,6 +482,24 @@ class Client:
         body = wire.DeriveDataset(target=target, sql=sql, source=source)
         return self._action("derive", body, wire.DatasetInfo)
 
+    def sql(self, query: str) -> pa.Table:
+        """Runs a read-only SQL query over the server's sealed datasets (each
+        a table by its name; a cluster dataset's rows come from every
+        member) and returns its result. It goes through the server's Arrow
+        Flight SQL endpoint, as ADBC's driver would, without needing one:
+        ``c.sql("SELECT label, count(*) AS n FROM clicks GROUP BY label")``.
+        """
+        command = _len_field(1, query.encode())
+        descriptor = flight.FlightDescriptor.for_command(
+            _len_field(1, _STATEMENT_QUERY) + _len_field(2, command)
+        )
+        info = translate(lambda: self._flight.get_flight_info(descriptor, options=self._options))
+        tables = [
+            translate(lambda e=e: self._flight.do_get(e.ticket, options=self._options).read_all())
+            for e in info.endpoints
+        ]
+        return pa.concat_tables(tables) if tables else info.schema.empty_table()
+
     def describe(self, dataset: str) -> wire.Message:
         """State, rows, bytes, partitions and schema (see :func:`dataset_schema`)."""
         return self._action("describe", wire.DescribeDataset(dataset=dataset), wire.DatasetInfo)
@@ -738,6 +756,14 @@ class Client:
 
 
 _END = object()
+
+# The type of Flight SQL's `CommandStatementQuery`, as its `Any` names it.
+_STATEMENT_QUERY = b"type.googleapis.com/arrow.flight.protocol.sql.CommandStatementQuery"
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: tag, length, `payload`."""
+    return wire._varint(number << 3 | 2) + wire._varint(len(payload)) + payload
 
 
 def prepared_slices(

@@ -194,6 +194,42 @@ impl SqlService {
         )))
     }
 
+    /// For a query naming a table no dataset is (DataFusion says "not
+    /// found"): `INVALID_ARGUMENT` with DataFusion's words, then the tables
+    /// there are, or where a
+    /// dataset has the name but for case, how to quote it (SQL lowercases
+    /// unquoted names).
+    fn unknown_table(&self, sql: &str, e: &DataFusionError) -> Option<Error> {
+        let DataFusionError::Plan(m) = e.find_root() else {
+            return None;
+        };
+        let prefix = format!("table '{CATALOG}.{SCHEMA}.");
+        let name = m.split_once(&prefix)?.1.split_once("' not found")?.0;
+        let mut tables: Vec<String> = self.tables().into_iter().map(|(n, _)| n).collect();
+        tables.sort();
+        let hint = match tables.iter().find(|t| t.eq_ignore_ascii_case(name)) {
+            Some(t) => format!(
+                "; dataset '{t}' is a table, but SQL lowercases names not in double quotes: \
+                 write \"{t}\""
+            ),
+            None if tables.is_empty() => "; no dataset is sealed here yet".to_string(),
+            None => {
+                let shown = tables.len().min(crate::error::MISSING_SHOWN);
+                let more = match tables.len() - shown {
+                    0 => String::new(),
+                    n => format!(" and {n} more"),
+                };
+                format!(
+                    "; the tables (the sealed datasets) are: {}{more}",
+                    tables[..shown].join(", ")
+                )
+            }
+        };
+        Some(Error::invalid(format!(
+            "the query `{sql}` cannot run: {e}{hint}"
+        )))
+    }
+
     /// The logical plan of `sql`, read-only, with `params` bound.
     async fn plan(
         &self,
@@ -211,11 +247,11 @@ impl SqlService {
         params: Option<ParamValues>,
     ) -> Result<LogicalPlan> {
         let refused = |e: DataFusionError| query_error(sql, e);
-        let plan = ctx
-            .state()
-            .create_logical_plan(sql)
-            .await
-            .map_err(|e| self.unreadable(sql, &e).unwrap_or_else(|| refused(e)))?;
+        let plan = ctx.state().create_logical_plan(sql).await.map_err(|e| {
+            self.unreadable(sql, &e)
+                .or_else(|| self.unknown_table(sql, &e))
+                .unwrap_or_else(|| refused(e))
+        })?;
         SQLOptions::new()
             .with_allow_ddl(false)
             .with_allow_dml(false)
