@@ -350,7 +350,8 @@ pub const SQL_CELL_CHARS: usize = 40;
 /// The text of `flightdeck sql`: `shown` (the result's first rows) as a
 /// table under `schema`'s column names (nulls as `NULL`, values past
 /// [`SQL_CELL_CHARS`] cut), then how many rows the result had (`rows`)
-/// and, where that is more, how to see them all.
+/// and, where that is more, how to see them all; an `EXPLAIN`'s plans
+/// whole instead.
 pub fn sql_text(
     schema: &arrow::datatypes::SchemaRef,
     shown: &[arrow::array::RecordBatch],
@@ -358,6 +359,10 @@ pub fn sql_text(
 ) -> Result<String, String> {
     use arrow::util::display::{ArrayFormatter, FormatOptions};
     let options = FormatOptions::new().with_null("NULL");
+    let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+    if names == ["plan_type", "plan"] {
+        return explain_text(shown, &options);
+    }
     let mut lines = Vec::new();
     for batch in shown {
         let columns = batch
@@ -375,7 +380,6 @@ pub fn sql_text(
             );
         }
     }
-    let header: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
     let plural = if rows == 1 { "" } else { "s" };
     let count = if (lines.len() as u64) < rows {
         format!(
@@ -385,7 +389,30 @@ pub fn sql_text(
     } else {
         format!("({rows} row{plural})")
     };
-    Ok(format!("{}{count}\n", table(&header, &lines)))
+    Ok(format!("{}{count}\n", table(&names, &lines)))
+}
+
+/// An `EXPLAIN`'s rows (DataFusion's `plan_type` and `plan` columns) as
+/// text: each plan's kind, then the plan whole, indented.
+fn explain_text(
+    shown: &[arrow::array::RecordBatch],
+    options: &arrow::util::display::FormatOptions,
+) -> Result<String, String> {
+    let mut out = String::new();
+    for batch in shown {
+        let [kind, plan] = [0, 1].map(|i| {
+            arrow::util::display::ArrayFormatter::try_new(batch.column(i).as_ref(), options)
+        });
+        let (kind, plan) = (
+            kind.map_err(|e| format!("cannot print the plan: {e}"))?,
+            plan.map_err(|e| format!("cannot print the plan: {e}"))?,
+        );
+        for row in 0..batch.num_rows() {
+            let _ = writeln!(out, "{}:", kind.value(row));
+            indented(&mut out, &plan.value(row).to_string());
+        }
+    }
+    Ok(out)
 }
 
 /// `value` cut to [`SQL_CELL_CHARS`] characters, the last one `…`, and
@@ -1249,5 +1276,27 @@ mod tests {
         assert_eq!(none, "id  Name\n(0 rows)\n");
         let one = sql_text(&schema, &[batch.slice(1, 1)], 1).expect("text");
         assert_eq!(one, "id  Name\n12  NULL\n(1 row)\n");
+
+        // An EXPLAIN's plans are printed whole, one under the other.
+        let plans = Arc::new(Schema::new(vec![
+            Field::new("plan_type", DataType::Utf8, false),
+            Field::new("plan", DataType::Utf8, false),
+        ]));
+        let long = format!("Projection: {}\n  TableScan: d", "x, ".repeat(20));
+        let batch = RecordBatch::try_new(
+            plans.clone(),
+            vec![
+                Arc::new(StringArray::from(vec!["logical_plan", "physical_plan"])),
+                Arc::new(StringArray::from(vec![long.as_str(), "DataSourceExec"])),
+            ],
+        )
+        .expect("batch");
+        assert_eq!(
+            sql_text(&plans, &[batch], 2).expect("text"),
+            format!(
+                "logical_plan:\n  {}\n    TableScan: d\nphysical_plan:\n  DataSourceExec\n",
+                "Projection: ".to_string() + &"x, ".repeat(20)
+            )
+        );
     }
 }
