@@ -187,7 +187,8 @@ pub struct SqlArgs {
     #[command(flatten)]
     server: ServerArg,
     /// Print the rows as JSON lines (one object a row, keyed by column
-    /// name; nulls left out) instead of a table, for scripts.
+    /// name; nulls left out, NaN and infinities as null) instead of a
+    /// table, for scripts.
     #[arg(long)]
     json: bool,
     /// Rows to print at most (0: all); by default 100 as a table and every
@@ -307,6 +308,9 @@ pub async fn sql(args: SqlArgs) -> Result<(), String> {
     let mut client = args.server.connect().await?;
     let said = |e: flightdeck_client::ClientError| e.text_in(CLI_TERMS);
     let result = client.sql(&args.query).await.map_err(said)?;
+    if args.json {
+        json_keys(&result.schema)?;
+    }
     let limit = match args.max_rows {
         Some(0) => usize::MAX,
         Some(n) => n,
@@ -340,6 +344,20 @@ pub async fn sql(args: SqlArgs) -> Result<(), String> {
         None => print!("{}", sql_text(&result.schema, &kept, rows)?),
     }
     Ok(())
+}
+
+/// Checks that the columns of `schema` can key JSON objects: no name
+/// twice (a join's `SELECT *` of two tables with an `id` each).
+pub fn json_keys(schema: &arrow::datatypes::Schema) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    match schema.fields().iter().find(|f| !seen.insert(f.name())) {
+        Some(f) => Err(format!(
+            "the result has two columns named '{}', which JSON objects cannot key apart: \
+             name them apart in the query (`AS`), or print a table without --json",
+            f.name()
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Characters of a value `flightdeck sql` prints as a table; a longer one
@@ -1276,6 +1294,15 @@ mod tests {
         assert_eq!(none, "id  Name\n(0 rows)\n");
         let one = sql_text(&schema, &[batch.slice(1, 1)], 1).expect("text");
         assert_eq!(one, "id  Name\n12  NULL\n(1 row)\n");
+
+        assert!(json_keys(&schema).is_ok());
+        let twice = Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("x", DataType::Int64, false),
+            Field::new("id", DataType::Int64, false),
+        ]);
+        let err = json_keys(&twice).expect_err("two columns named id");
+        assert!(err.contains("two columns named 'id'"), "{err}");
 
         // An EXPLAIN's plans are printed whole, one under the other.
         let plans = Arc::new(Schema::new(vec![
