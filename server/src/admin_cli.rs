@@ -18,6 +18,7 @@
 use std::fmt::Write as _;
 
 use arrow::ipc::convert::try_schema_from_ipc_buffer;
+use arrow::util::display::{ArrayFormatter, FormatOptions};
 use flightdeck_client::{Client, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats};
 use flightdeck_server::config::show_size;
 use futures::TryStreamExt;
@@ -375,7 +376,6 @@ pub fn sql_text(
     shown: &[arrow::array::RecordBatch],
     rows: u64,
 ) -> Result<String, String> {
-    use arrow::util::display::{ArrayFormatter, FormatOptions};
     let options = FormatOptions::new().with_null("NULL");
     let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
     if names == ["plan_type", "plan"] {
@@ -383,12 +383,7 @@ pub fn sql_text(
     }
     let mut lines = Vec::new();
     for batch in shown {
-        let columns = batch
-            .columns()
-            .iter()
-            .map(|c| ArrayFormatter::try_new(c.as_ref(), &options))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("cannot print the rows: {e}"))?;
+        let columns = formatters(batch, &options)?;
         for row in 0..batch.num_rows() {
             lines.push(
                 columns
@@ -414,23 +409,30 @@ pub fn sql_text(
 /// text: each plan's kind, then the plan whole, indented.
 fn explain_text(
     shown: &[arrow::array::RecordBatch],
-    options: &arrow::util::display::FormatOptions,
+    options: &FormatOptions,
 ) -> Result<String, String> {
     let mut out = String::new();
     for batch in shown {
-        let [kind, plan] = [0, 1].map(|i| {
-            arrow::util::display::ArrayFormatter::try_new(batch.column(i).as_ref(), options)
-        });
-        let (kind, plan) = (
-            kind.map_err(|e| format!("cannot print the plan: {e}"))?,
-            plan.map_err(|e| format!("cannot print the plan: {e}"))?,
-        );
+        let columns = formatters(batch, options)?;
         for row in 0..batch.num_rows() {
-            let _ = writeln!(out, "{}:", kind.value(row));
-            indented(&mut out, &plan.value(row).to_string());
+            let _ = writeln!(out, "{}:", columns[0].value(row));
+            indented(&mut out, &columns[1].value(row).to_string());
         }
     }
     Ok(out)
+}
+
+/// A formatter of each column of `batch`.
+fn formatters<'a>(
+    batch: &'a arrow::array::RecordBatch,
+    options: &'a FormatOptions,
+) -> Result<Vec<ArrayFormatter<'a>>, String> {
+    batch
+        .columns()
+        .iter()
+        .map(|c| ArrayFormatter::try_new(c.as_ref(), options))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("cannot print the rows: {e}"))
 }
 
 /// `value` cut to [`SQL_CELL_CHARS`] characters, the last one `…`, and
