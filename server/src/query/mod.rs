@@ -17,6 +17,7 @@
 //! [`guarded`], and the caller gets an answer rather than a reset stream.
 
 mod hash_bucket;
+mod interrupt;
 
 use std::sync::{Arc, Mutex};
 
@@ -36,6 +37,7 @@ use crate::error::{Error, Result, panic_message};
 use crate::memory::arena::Arena;
 
 pub use hash_bucket::{HashBucket, bucket_of_bytes, bucket_of_int};
+pub use interrupt::Interruptible;
 
 /// Filters kept per dataset generation; the oldest is dropped past this.
 const KEPT_SELECTIONS: usize = 8;

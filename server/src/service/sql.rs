@@ -6,8 +6,10 @@
 //! and table-type listings are answered, so ADBC's and JDBC's Flight SQL
 //! drivers work. Queries are read-only: DDL, DML and statements are
 //! refused. Action `derive` keeps a query's result as a new sealed dataset.
-//! Queries run on a runtime of their own (`query_runtime`), so that one
-//! DataFusion cannot interrupt never holds a thread that serves reads.
+//! Queries run on a runtime of their own (`query_runtime`), so that a
+//! query's computing never holds a thread that serves reads, and they
+//! stop once their client has gone: every operator that may produce more
+//! rows than it reads yields to the runtime ([`crate::query::Interruptible`]).
 //!
 //! The edge sends a call here when its command, ticket or action is a
 //! Flight SQL one ([`is_sql_command`], [`is_sql_action`]); everything else
@@ -44,8 +46,8 @@ use datafusion::catalog::{Session, TableProvider};
 use datafusion::common::DFSchema;
 use datafusion::common::{DataFusionError, ParamValues, ScalarValue};
 use datafusion::datasource::TableType;
-use datafusion::execution::TaskContext;
 use datafusion::execution::context::SQLOptions;
+use datafusion::execution::{SessionStateBuilder, TaskContext};
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown};
 use datafusion::physical_expr::PhysicalExpr;
@@ -140,7 +142,13 @@ impl SqlService {
             .with_memory_pool(Arc::new(pool))
             .build_arc()
             .map_err(|e| Error::Internal(format!("cannot make a query runtime: {e}")))?;
-        let ctx = SessionContext::new_with_config_rt(config, runtime);
+        let state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_runtime_env(runtime)
+            .with_default_features()
+            .with_physical_optimizer_rule(Arc::new(crate::query::Interruptible))
+            .build();
+        let ctx = SessionContext::new_with_state(state);
         ctx.register_udf(crate::query::HashBucket::udf());
         let tables = self.tables();
         for (name, schema) in tables {
@@ -396,11 +404,12 @@ fn query_threads() -> usize {
 }
 
 /// The runtime SQL queries (statements and `derive`) run on, apart from the
-/// one serving every call. DataFusion's operators can compute for a long
-/// time without yielding (a cross join's count over 10^12 rows does not
-/// yield until it is done): such a query cannot be stopped, not even when
-/// its client has gone, and it holds one of these threads while it runs —
-/// never one of the threads that serve reads, writes and health checks.
+/// one serving every call: a query computes on these threads, never on the
+/// ones that serve reads, writes and health checks. A query yields at least
+/// once every 128 batches an operator produces (see
+/// [`crate::query::Interruptible`]) and stops there once its client has
+/// gone; only work inside one batch (one huge value through a function)
+/// holds a thread until it is done.
 fn query_runtime() -> Result<&'static tokio::runtime::Runtime> {
     static RUNTIME: std::sync::OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
         std::sync::OnceLock::new();
