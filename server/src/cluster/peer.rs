@@ -126,8 +126,8 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
         Code::Internal => Error::Internal(format!("member {location}: {msg}")),
         _ => Error::Unavailable(format!(
             "member {location} holding rows of dataset '{dataset}' is unavailable ({msg}); \
-             restart it (with --persist it serves the same rows again) and resume from \
-             start_sample"
+             restart it (with --persist it serves the same rows again), then resume a read \
+             from its start_sample or run a query again"
         )),
     }
 }
@@ -350,6 +350,7 @@ mod tests {
         );
         assert_eq!(e.code(), Code::Unavailable);
         assert!(e.to_string().contains("grpc://b:1") && e.to_string().contains("'d'"));
+        assert!(e.to_string().contains("run a query again"), "{e}");
         let e = from_peer(&Status::not_found("gone"), "grpc://b:1", "d");
         assert_eq!(e.code(), Code::FailedPrecondition);
         assert!(e.to_string().contains("drop it and write it again"), "{e}");

@@ -1106,8 +1106,8 @@ impl MergedRead {
             ))),
             Some(Err(e)) => Err(e),
             None => Err(Error::Unavailable(format!(
-                "member {location} ended its stream of dataset '{}' before batch {b}; read \
-                 again from start_sample",
+                "member {location} ended its stream of dataset '{}' before batch {b}; resume \
+                 the read from its start_sample, or run the query again",
                 self.plan.dataset
             ))),
         }
