@@ -62,11 +62,34 @@ pub struct RankLabels {
     pub rank: u32,
 }
 
-/// How a write attempt ended.
+/// How a write attempt or a SQL query ended.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// `committed` or `aborted`.
+    /// A write attempt's `committed` or `aborted`; a query's
+    /// [`QueryOutcome`] word.
     pub outcome: &'static str,
+}
+
+/// How a SQL query (a statement or a `derive`) ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueryOutcome {
+    /// It produced its whole result.
+    Done,
+    /// It failed (an error of the engine, memory), its error sent.
+    Failed,
+    /// Its client went away before its end, and it stopped there.
+    GivenUp,
+}
+
+impl QueryOutcome {
+    /// The outcome's label value.
+    pub fn word(self) -> &'static str {
+        match self {
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::GivenUp => "given_up",
+        }
+    }
 }
 
 /// One training job.
@@ -110,6 +133,9 @@ pub struct Metrics {
     spill_seconds: Histogram,
     restore_seconds: Histogram,
     pack_seconds: Histogram,
+    queries_running: Gauge,
+    queries: Family<OutcomeLabel, Counter>,
+    query_seconds: Histogram,
     in_flight: AtomicU64,
 }
 
@@ -130,6 +156,9 @@ impl Default for Metrics {
             spill_seconds: seconds_histogram(),
             restore_seconds: seconds_histogram(),
             pack_seconds: seconds_histogram(),
+            queries_running: Gauge::default(),
+            queries: Family::default(),
+            query_seconds: seconds_histogram(),
             in_flight: AtomicU64::new(0),
         }
     }
@@ -226,6 +255,18 @@ impl Metrics {
         self.pack_seconds.observe(took.as_secs_f64());
     }
 
+    /// A SQL query started running; the guard, ended with how it ended,
+    /// counts it (a guard dropped without [`QueryGuard::end`] counts the
+    /// query as given up).
+    pub fn query_started(self: &Arc<Self>) -> QueryGuard {
+        self.queries_running.inc();
+        QueryGuard {
+            metrics: self.clone(),
+            started: Instant::now(),
+            outcome: QueryOutcome::GivenUp,
+        }
+    }
+
     /// A registry holding these metrics and, read at each scrape, what
     /// `state` holds.
     pub fn registry(&self, state: Weak<State>) -> Registry {
@@ -298,8 +339,52 @@ impl Metrics {
              memory and built again)",
             self.pack_seconds.clone(),
         );
+        r.register(
+            "queries_running",
+            "SQL queries (statements and derive) running on the query threads",
+            self.queries_running.clone(),
+        );
+        r.register(
+            "queries",
+            "SQL queries ended: done, failed, or given_up (the client went away first)",
+            self.queries.clone(),
+        );
+        r.register(
+            "query_duration_seconds",
+            "SQL query run times, from the start of execution to its end",
+            self.query_seconds.clone(),
+        );
         r.register_collector(Box::new(StateCollector(state)));
         r
+    }
+}
+
+/// A running SQL query, for the query metrics.
+#[derive(Debug)]
+pub struct QueryGuard {
+    metrics: Arc<Metrics>,
+    started: Instant,
+    outcome: QueryOutcome,
+}
+
+impl QueryGuard {
+    /// The query ended so.
+    pub fn end(mut self, outcome: QueryOutcome) {
+        self.outcome = outcome;
+    }
+}
+
+impl Drop for QueryGuard {
+    fn drop(&mut self) {
+        let m = &self.metrics;
+        m.queries_running.dec();
+        m.queries
+            .get_or_create(&OutcomeLabel {
+                outcome: self.outcome.word(),
+            })
+            .inc();
+        m.query_seconds
+            .observe(self.started.elapsed().as_secs_f64());
     }
 }
 

@@ -16,6 +16,7 @@ import pytest
 
 import flightdeck
 from conftest import RunningServer, scaled
+from test_observe import scrape, value
 from test_query import ROWS, hash_bucket, read_all, table, write
 
 adbc = pytest.importorskip("adbc_driver_flightsql.dbapi")
@@ -293,7 +294,7 @@ def test_a_query_its_client_gave_up_on_stops_and_leaves_reads_alone():
     cleanly after."""
     import threading
 
-    s = RunningServer("--memory-limit", "256MiB")
+    s = RunningServer("--memory-limit", "256MiB", "--metrics-listen", "127.0.0.1:0")
     try:
         client = flightdeck.connect(s.uri)
         write(client, "events")
@@ -343,5 +344,18 @@ def test_a_query_its_client_gave_up_on_stops_and_leaves_reads_alone():
         # ... and a query gets a query thread.
         with adbc.connect(s.uri, autocommit=True) as conn:
             assert fetch(conn, "SELECT count(*) AS n FROM one").to_pydict() == {"n": [1000]}
+            with pytest.raises(Exception, match="no_such_column"):
+                fetch(conn, "SELECT no_such_column FROM one")
+            with pytest.raises(Exception, match="cannot run"):
+                # Planned, then failed while it ran.
+                fetch(conn, "SELECT arrow_cast('x' || id, 'Int64') FROM one")
+        # The metrics say so.
+        samples = scrape(s.metrics_url)
+        assert value(samples, "flightdeck_queries_running") == 0
+        assert value(samples, "flightdeck_queries_total", outcome="given_up") == 3
+        assert value(samples, "flightdeck_queries_total", outcome="done") == 1
+        assert value(samples, "flightdeck_queries_total", outcome="failed") == 1
+        assert value(samples, "flightdeck_query_duration_seconds_count") == 5
+        assert value(samples, "flightdeck_query_duration_seconds_sum") >= 3 * 2.5
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)

@@ -64,6 +64,7 @@ use crate::catalog::{ClusterState, DatasetState, SealRequest};
 use crate::convert::{self, ShardTicket};
 use crate::error::{Error, Result, panic_message};
 use crate::memory::query_pool::{BUDGET_FULL, QueryPool};
+use crate::metrics::{Metrics, QueryOutcome};
 use crate::state::State;
 
 /// The catalog every dataset is listed in.
@@ -282,7 +283,7 @@ impl SqlService {
         let ctx = self.session(None)?;
         let plan = self.plan(&ctx, sql, params).await?;
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
-        let results = start(sql, DataFrame::new(ctx.state(), plan))?;
+        let results = start(sql, DataFrame::new(ctx.state(), plan), &self.state.metrics)?;
         let declared = schema.clone();
         let batches = tokio_stream::wrappers::ReceiverStream::new(results).map(move |item| {
             item.map(|b| conform(&declared, b))
@@ -345,7 +346,11 @@ impl SqlService {
         let ctx = self.session(source)?;
         let plan = self.plan(&ctx, &req.sql, None).await?;
         let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
-        let mut results = start(&req.sql, DataFrame::new(ctx.state(), plan))?;
+        let mut results = start(
+            &req.sql,
+            DataFrame::new(ctx.state(), plan),
+            &self.state.metrics,
+        )?;
         let what = || format!("dataset '{target}' derived by `{}`", req.sql);
         let (mut batches, mut rows, mut bytes) = (Vec::new(), 0u64, 0u64);
         while let Some(batch) = results.recv().await {
@@ -429,11 +434,17 @@ fn query_runtime() -> Result<&'static tokio::runtime::Runtime> {
 /// Runs `frame`, the plan of the query `sql`, on the query runtime; its
 /// batches (then its error, if any, naming `sql`) arrive on the returned
 /// channel, two at most waiting. The query stops at its next yield once
-/// the receiver is dropped (its client gone).
-fn start(sql: &str, frame: DataFrame) -> Result<tokio::sync::mpsc::Receiver<Result<RecordBatch>>> {
+/// the receiver is dropped (its client gone). `metrics` count it.
+fn start(
+    sql: &str,
+    frame: DataFrame,
+    metrics: &Arc<Metrics>,
+) -> Result<tokio::sync::mpsc::Receiver<Result<RecordBatch>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(2);
     let sql = sql.to_string();
-    query_runtime()?.spawn(async move {
+    let runtime = query_runtime()?;
+    let running = metrics.query_started();
+    runtime.spawn(async move {
         let run = async {
             let mut stream = frame
                 .execute_stream()
@@ -441,19 +452,26 @@ fn start(sql: &str, frame: DataFrame) -> Result<tokio::sync::mpsc::Receiver<Resu
                 .map_err(|e| query_error(&sql, e))?;
             loop {
                 let item = tokio::select! {
-                    () = tx.closed() => return Ok(()),
+                    () = tx.closed() => return Ok(QueryOutcome::GivenUp),
                     item = stream.next() => item,
                 };
-                let Some(item) = item else { return Ok(()) };
+                let Some(item) = item else {
+                    return Ok(QueryOutcome::Done);
+                };
                 let batch = item.map_err(|e| query_error(&sql, e))?;
                 if tx.send(Ok(batch)).await.is_err() {
-                    return Ok(());
+                    return Ok(QueryOutcome::GivenUp);
                 }
             }
         };
-        if let Err(e) = unwound(&sql, run).await {
-            let _ = tx.send(Err(e)).await;
-        }
+        let outcome = match unwound(&sql, run).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                QueryOutcome::Failed
+            }
+        };
+        running.end(outcome);
     });
     Ok(rx)
 }
