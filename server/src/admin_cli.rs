@@ -19,7 +19,9 @@ use std::fmt::Write as _;
 
 use arrow::ipc::convert::try_schema_from_ipc_buffer;
 use arrow::util::display::{ArrayFormatter, FormatOptions};
-use flightdeck_client::{Client, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats};
+use flightdeck_client::{
+    Client, ClientError, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats,
+};
 use flightdeck_server::config::show_size;
 use futures::TryStreamExt;
 
@@ -60,9 +62,30 @@ impl ServerArg {
     /// A client of the server, or why it cannot be reached (every cause:
     /// "connection refused", not only "transport error").
     pub async fn connect(&self) -> Result<Client, String> {
-        Client::connect(&self.server)
-            .await
-            .map_err(|e| format!("cannot reach {}: {}", self.server, with_causes(&e)))
+        Client::connect(&self.server).await.map_err(|e| {
+            let hint = match e {
+                ClientError::Transport(_) => {
+                    "; is a server running there? Start one with `flightdeck serve`, or name \
+                     another with --server"
+                }
+                _ => "",
+            };
+            format!(
+                "cannot reach {}: {}{hint}",
+                named_server(&self.server),
+                with_causes(&e)
+            )
+        })
+    }
+}
+
+/// `name` as given and, where it stands for another location (`local`, a
+/// host without a scheme or port), that location: `local
+/// (grpc://127.0.0.1:50051)`.
+fn named_server(name: &str) -> String {
+    match flightdeck_client::server_location(name) {
+        Ok(location) if location != name => format!("{name} ({location})"),
+        _ => name.to_string(),
     }
 }
 
@@ -862,6 +885,35 @@ mod tests {
     use arrow::datatypes::{DataType, Field, Schema};
     use arrow::ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteOptions};
     use flightdeck_protos::{ClusterMember, DevicePlacement, PartitionInfo};
+
+    #[tokio::test]
+    async fn a_server_not_there_is_named_with_its_location_and_what_to_do() {
+        assert_eq!(named_server("grpc://127.0.0.1:1"), "grpc://127.0.0.1:1");
+        assert_eq!(named_server("h"), "h (grpc://h:50051)");
+        assert_eq!(named_server("foo://x"), "foo://x");
+        let nobody = ServerArg {
+            server: "127.0.0.1:1".into(),
+        };
+        let Err(e) = nobody.connect().await else {
+            panic!("nothing listens on port 1")
+        };
+        assert!(
+            e.starts_with("cannot reach 127.0.0.1:1 (grpc://127.0.0.1:1): "),
+            "{e}"
+        );
+        assert!(e.contains("Connection refused"), "{e}");
+        assert!(e.ends_with("Start one with `flightdeck serve`, or name another with --server"));
+        let bad = ServerArg {
+            server: "foo://x".into(),
+        };
+        let Err(e) = bad.connect().await else {
+            panic!("not a server name")
+        };
+        assert!(
+            e.contains("does not name a server") && !e.contains("Start one"),
+            "{e}"
+        );
+    }
 
     fn schema_bytes(schema: &Schema) -> Vec<u8> {
         let data = IpcDataGenerator::default().schema_to_bytes_with_dictionary_tracker(
