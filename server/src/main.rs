@@ -196,31 +196,53 @@ impl ServeArgs {
     }
 }
 
-/// Completes on SIGINT (Ctrl-C) or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            error!("cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
+/// A future that completes on SIGINT (Ctrl-C) or SIGTERM. The signals are
+/// taken over here, before the server says it listens, so that a stop sent
+/// the moment it is up (while it loads persisted datasets) drains it rather
+/// than killing it.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    let signals = {
+        use tokio::signal::unix::{SignalKind, signal};
+        [
+            (SignalKind::interrupt(), "SIGINT"),
+            (SignalKind::terminate(), "SIGTERM"),
+        ]
+        .map(|(kind, name)| {
+            let stream = signal(kind)
+                .map_err(|e| error!("cannot listen for {name}: {e}"))
+                .ok();
+            (stream, name)
+        })
+    };
+    async move {
+        #[cfg(unix)]
+        {
+            let [(int, int_name), (term, term_name)] = signals;
+            tokio::select! {
+                () = received(int) => info!("{int_name} received, shutting down"),
+                () = received(term) => info!("{term_name} received, shutting down"),
             }
-            Err(e) => {
-                error!("cannot listen for SIGTERM: {e}");
+        }
+        #[cfg(not(unix))]
+        {
+            if let Err(e) = tokio::signal::ctrl_c().await {
+                error!("cannot listen for Ctrl-C: {e}");
                 std::future::pending::<()>().await;
             }
+            info!("Ctrl-C received, shutting down");
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => info!("SIGINT received, shutting down"),
-        () = term => info!("SIGTERM received, shutting down"),
+    }
+}
+
+/// Completes when `signal` arrives; never where it could not be taken over.
+#[cfg(unix)]
+async fn received(signal: Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(mut s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
     }
 }
 
@@ -245,6 +267,7 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         Some(path) => Some(flightdeck_server::bind_unix(path).map_err(|e| e.to_string())?),
         None => None,
     };
+    let stop = shutdown_signal();
     // Machine-readable lines for scripts and tests that start the server.
     let mut out = std::io::stdout();
     let _ = writeln!(out, "flightdeck listening on {addr}");
@@ -264,7 +287,7 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         unix,
         metrics,
     };
-    flightdeck_server::serve_with(listeners, config, shutdown_signal())
+    flightdeck_server::serve_with(listeners, config, stop)
         .await
         .map_err(|e| e.to_string())
 }

@@ -96,3 +96,17 @@ def test_place_without_a_driver(flightdeck_server):
         with pytest.raises(flightdeck.FailedPrecondition, match="no CUDA driver"):
             c.place("d", ["x"])
         assert c.evict("d").placements == []
+
+
+def test_a_stop_sent_as_the_server_comes_up_drains_it(tmp_path):
+    """SIGTERM the moment a server says it listens (while it loads what it
+    persisted) stops it gracefully, exit code 0 — as Kubernetes may."""
+    store = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    server = RunningServer(*store)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "kept", table(10_000, 1))
+    finally:
+        stopped(server)
+    for _ in range(5):
+        stopped(RunningServer(*store))
