@@ -103,8 +103,10 @@ class RunningServer:
         if "--spill-url" not in extra_args:
             # Spills stay in memory: tests leave no files behind.
             extra_args = (*extra_args, "--spill-url", "memory://")
+        # A given `--listen` (a restart on the port it had) replaces the default.
+        listen = () if "--listen" in extra_args else ("--listen", "127.0.0.1:0")
         self.proc = subprocess.Popen(
-            [str(server_binary()), "serve", "--listen", "127.0.0.1:0", *extra_args],
+            [str(server_binary()), "serve", *listen, *extra_args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

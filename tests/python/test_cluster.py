@@ -160,15 +160,22 @@ def test_spark_writes_one_dataset_across_three_members(members, spark, writer):
         next(iter(again))
 
 
+def write_spread(servers, dataset: str, partitions: int, rows: int, seal_at) -> None:
+    """Writes partition p (ids p·rows to (p+1)·rows) to servers[p % n]
+    with the package's own client, and seals them as one dataset at
+    `seal_at`."""
+    layout = {}
+    for p in range(partitions):
+        m = servers[p % len(servers)]
+        table = pa.table({"id": pa.array(range(p * rows, (p + 1) * rows), pa.int64())})
+        ack = flightdeck.connect(m.uri).put_partition(dataset, p, table)
+        layout.setdefault(ack.location, {})[p] = 0
+    flightdeck.connect(seal_at.uri).seal_cluster(dataset, layout, partitions=partitions)
+
+
 def test_plain_pyarrow_reads_a_rank_by_following_the_endpoint(members, pb):
     # Written without Spark: the package's own client and cluster seal.
-    layout = {}
-    for p in range(6):
-        m = members[p % 3]
-        table = pa.table({"id": pa.array(range(p * 100, (p + 1) * 100), pa.int64())})
-        ack = flightdeck.connect(m.uri).put_partition("plain", p, table)
-        layout.setdefault(ack.location, {})[p] = 0
-    flightdeck.connect(members[2].uri).seal_cluster("plain", layout, partitions=6)
+    write_spread(members, "plain", 6, 100, seal_at=members[2])
 
     cmd = pb.ReadPlan(dataset="plain", world_size=3, shuffle=pb.SHUFFLE_GLOBAL, seed=1)
     info = flight.FlightClient(members[0].uri).get_flight_info(
@@ -194,6 +201,48 @@ def test_a_member_down_is_unavailable_naming_it(members):
     members[2].proc.wait()
     with pytest.raises(flightdeck.Unavailable, match=members[2].addr):
         flightdeck.connect(members[0].uri).plan("down", world_size=2)
+
+
+def test_a_reader_rides_out_a_restart_of_the_member_its_rows_come_from(tmp_path):
+    """A rank reading through member 0 whose rows are partly member 1's:
+    member 1 killed mid-read and started again with `--persist` on its
+    address, the reader (`reconnect_seconds`) takes the read up where it
+    stood and reads exactly the rows of an uninterrupted read."""
+    import threading
+    import time
+
+    stores = [("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / f"s{i}"))
+              for i in range(2)]
+    servers = [RunningServer(*store) for store in stores]
+    try:
+        write_spread(servers, "cut", 8, 100_000, seal_at=servers[0])
+
+        def reader() -> ShardedDataset:
+            return ShardedDataset(
+                servers[0].uri, "cut", rank=0, world_size=2, batch_rows=1000, read_rows=1000,
+                seed=3, prefetch=0, reconnect_seconds=scaled(30),
+            )
+
+        whole = [i for b in reader() for i in b.column("id").to_pylist()]
+        assert len(whole) == 400_000
+        r, got = reader(), []
+        for n, batch in enumerate(r):
+            got += batch.column("id").to_pylist()
+            if n == 9:
+                servers[1].proc.kill()
+                servers[1].proc.wait()
+                addr = servers[1].addr
+
+                def later():
+                    time.sleep(1)
+                    servers[1] = RunningServer("--listen", addr, *stores[1])
+
+                threading.Thread(target=later, daemon=True).start()
+        assert r.reconnects == 1
+        assert got == whole
+    finally:
+        for s in servers:
+            assert s.stop() == 0, "".join(s.stderr_lines)
 
 
 WORKER = textwrap.dedent(

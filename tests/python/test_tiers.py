@@ -1,16 +1,19 @@
 """Memory tiers through the `flightdeck serve` binary and the Python client:
 a server started with `--persist` serves its sealed datasets again after a
-restart, a small budget spills and brings datasets back with the same rows,
-and `place` without a CUDA driver raises FailedPrecondition."""
+restart (and readers ride the restart out), a small budget spills and
+brings datasets back with the same rows, and `place` without a CUDA driver
+raises FailedPrecondition."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
 import flightdeck
-from conftest import RunningServer
+from conftest import RunningServer, scaled
 
 
 def table(n: int, seed: int) -> pa.Table:
@@ -96,6 +99,98 @@ def test_place_without_a_driver(flightdeck_server):
         with pytest.raises(flightdeck.FailedPrecondition, match="no CUDA driver"):
             c.place("d", ["x"])
         assert c.evict("d").placements == []
+
+
+def test_a_reader_rides_out_a_restart_of_its_server(tmp_path):
+    """Killed mid-epoch and started again with `--persist` on its port, the
+    server's readers (`reconnect_seconds`) take their reads up where they
+    stood: each rank's rows are exactly those of an uninterrupted read, in
+    its order — read ahead or not, and for one of two workers of a rank."""
+    import threading
+
+    store = ("--memory-limit", "512MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    server = RunningServer(*store)
+    restarted = []
+
+    def kill_and_restart():
+        server.proc.kill()
+        server.proc.wait()
+
+        def later():
+            time.sleep(1)
+            restarted.append(RunningServer("--listen", server.addr, *store))
+
+        threading.Thread(target=later, daemon=True).start()
+
+    def reader(rank: int, **options) -> flightdeck.ShardedDataset:
+        return flightdeck.ShardedDataset(
+            server.uri,
+            "kept",
+            rank=rank,
+            world_size=2,
+            batch_rows=2000,
+            read_rows=2000,
+            seed=5,
+            **{"reconnect_seconds": scaled(30), **options},
+        )
+
+    def ids(batches) -> list[int]:
+        return [i for b in batches for i in b.column("id").to_pylist()]
+
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "kept", table(2_000_000, 1))
+        whole = [ids(reader(r)) for r in range(2)]
+        split = ids(reader(1, prefetch=0).iter_batches(split_count=2, split_index=1))
+        assert sorted(whole[0] + whole[1]) == list(range(2_000_000))
+
+        for rank, options in [(0, {}), (1, {"prefetch": 0})]:
+            r = reader(rank, **options)
+            got = []
+            for n, batch in enumerate(r):
+                got.append(batch)
+                if n == 9:
+                    kill_and_restart()
+            assert r.reconnects == 1
+            assert ids(got) == whole[rank], rank
+            server = restarted.pop()
+
+        r = reader(1, prefetch=0)
+        got = []
+        for n, batch in enumerate(r.iter_batches(split_count=2, split_index=1)):
+            got.append(batch)
+            if n == 4:
+                kill_and_restart()
+        assert r.reconnects == 1 and ids(got) == split
+        server = restarted.pop()
+
+        for bad in (-1, float("nan")):
+            with pytest.raises(flightdeck.InvalidArgument, match="reconnect_seconds must be"):
+                reader(0, reconnect_seconds=bad)
+        # Without a wait, or past it, the read raises.
+        for wait in (0, 1):
+            r = flightdeck.ShardedDataset(
+                server.uri,
+                "kept",
+                rank=0,
+                world_size=2,
+                batch_rows=2000,
+                read_rows=2000,
+                prefetch=0,
+                reconnect_seconds=wait,
+            )
+            batches = iter(r)
+            next(batches)
+            server.proc.kill()
+            server.proc.wait()
+            started = time.monotonic()
+            with pytest.raises(flightdeck.Unavailable):
+                for _ in batches:
+                    pass
+            assert time.monotonic() - started < wait + scaled(10)
+            server = RunningServer("--listen", server.addr, *store)
+    finally:
+        stopped(server)
 
 
 def test_a_stop_sent_as_the_server_comes_up_drains_it(tmp_path):

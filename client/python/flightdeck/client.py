@@ -306,6 +306,7 @@ class Client:
         options = {"generic_options": [("grpc.default_authority", "localhost")]} if unix else {}
         if tls_root_certs and not unix:
             options["tls_root_certs"] = tls_root_certs
+        self._connect_options = options
         self._connection = translate(lambda: flight.FlightClient(self.uri, **options))
         self._pid = os.getpid()
         _CONNECTED_PIDS.add(self._pid)
@@ -336,6 +337,18 @@ class Client:
         # A forked child leaves the parent's connection alone.
         if os.getpid() == self._pid:
             self._connection.close()
+
+    def _reopen(self) -> None:
+        """Opens a new connection in place of this one (and forgets those to
+        other members): after a server went away, a new connection reaches
+        it as soon as it is back, where gRPC's would wait out its backoff."""
+        self.close()
+        self._connection = translate(
+            lambda: flight.FlightClient(self.uri, **self._connect_options)
+        )
+        self._pid = os.getpid()
+        _CONNECTED_PIDS.add(self._pid)
+        self._advertised = None
 
     def __enter__(self) -> Client:
         return self

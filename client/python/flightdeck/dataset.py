@@ -20,7 +20,7 @@ from .client import (
     sealed_as,
     shuffle_mode,
 )
-from .errors import FailedPrecondition, InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument, Unavailable
 
 #: Most rows, and bytes, a message from the server carries when
 #: `ShardedDataset` chooses (its `read_rows`).
@@ -81,6 +81,14 @@ class ShardedDataset:
     all the same `sealed_as` (`FlightDeckIterableDataset` agrees on it
     under torchrun).
 
+    With `reconnect_seconds`, a read cut off because its server (or a
+    member its rows come from) went away — a restart, an upgrade — is taken
+    up again where this rank stands once the server answers again, waiting
+    up to that long: each remaining row is read once, none twice (the server
+    must come back with the same rows: started with `--persist`). Meanwhile
+    the loop waits for its next batch; past the wait, or at 0 (the default),
+    the read raises :class:`Unavailable`.
+
     `filter` and `select` read a query of the dataset (see `Client.plan`):
     `filter="hash_bucket(id) < 90"` trains on 90 % and holds out the rest.
 
@@ -117,6 +125,7 @@ class ShardedDataset:
         read_rows: int | None = None,
         burst_bytes: int = 0,
         sealed_as: int | None = None,
+        reconnect_seconds: float = 0.0,
     ) -> None:
         if world_size < 1:
             raise InvalidArgument(f"world_size must be at least 1, not {world_size}")
@@ -136,6 +145,10 @@ class ShardedDataset:
             raise InvalidArgument(
                 f"sealed_as must be a seal (see flightdeck.sealed_as), 0 (any) or None, "
                 f"not {sealed_as}"
+            )
+        if not reconnect_seconds >= 0:
+            raise InvalidArgument(
+                f"reconnect_seconds must be 0 (off) or more seconds, not {reconnect_seconds}"
             )
         if burst_bytes and prefetch:
             raise InvalidArgument(
@@ -186,6 +199,12 @@ class ShardedDataset:
         #: The seal every epoch reads (see the class's description): None
         #: until the first read takes it, 0 for any.
         self.sealed_as = sealed_as
+        #: How long a read cut off by its server going away waits for it to
+        #: answer again before it raises (0: it raises at once).
+        self.reconnect_seconds = reconnect_seconds
+        #: Reads taken up again after their server went away (see
+        #: `reconnect_seconds`), since this object was made.
+        self.reconnects = 0
 
     # Plumbing
 
@@ -218,7 +237,15 @@ class ShardedDataset:
             self._describe()
         return self.sealed_as or 0
 
-    def _plan(self, split_count: int = 0, split_index: int = 0, batch_rows: int | None = None):
+    def _plan(
+        self,
+        split_count: int = 0,
+        split_index: int = 0,
+        batch_rows: int | None = None,
+        start_sample: int | None = None,
+    ):
+        """This epoch's plan from where it resumes (`start_sample`: from
+        there instead, at this world size)."""
         seal = self.pin()
         try:
             return self.client.plan(
@@ -230,7 +257,7 @@ class ShardedDataset:
                 batch_rows=batch_rows or self.batch_rows,
                 drop_last=self.drop_last,
                 columns=self.columns,
-                start_sample=self._start_sample,
+                start_sample=self._start_sample if start_sample is None else start_sample,
                 block_rows=self.block_rows,
                 split_count=split_count,
                 split_index=split_index,
@@ -345,8 +372,51 @@ class ShardedDataset:
         tensors overlaps the loop too). With `slice_prepared(prepared,
         start, rows)` too, `prepare` runs once per message from the server
         and each batch is sliced out of its result."""
-        plan = self._plan(split_count, split_index, self._message_rows(split_count))
-        shard = plan.shards[self.rank]
+        message_rows = self._message_rows(split_count)
+        start, index = self._start_sample, split_index
+        waited_since = None
+        while True:
+            handed = 0
+            try:
+                shard = self._plan(split_count, index, message_rows, start).shards[self.rank]
+                for batch, item in self._read(shard, prepare, slice_prepared):
+                    if waited_since is not None:
+                        self.reconnects += 1
+                        waited_since = None
+                    handed += 1
+                    self._yielded += batch.num_rows
+                    yield item
+                return
+            except Unavailable:
+                if not self.reconnect_seconds:
+                    raise
+                if handed and handed == shard.batches:
+                    return  # cut off after its last batch
+                now = time.monotonic()
+                waited_since = now if waited_since is None else waited_since
+                if now - waited_since > self.reconnect_seconds:
+                    raise
+            # Take the read up again after what was handed out: this rank's
+            # samples are positions start + rank + k·W of the epoch, so
+            # from start + k·W on, at the same world size. A split's next
+            # batch is the plan's batch index + handed·split_count; the
+            # plan from it starts with that batch.
+            if split_count > 1:
+                start += (index + handed * split_count) * self.batch_rows * self.world_size
+                index = 0
+            else:
+                start += handed * self.batch_rows * self.world_size
+            self.client._reopen()
+            time.sleep(min(1.0, max(0.0, waited_since + self.reconnect_seconds - now)))
+
+    def _read(
+        self,
+        shard,
+        prepare: Callable[[pa.RecordBatch], Any] | None,
+        slice_prepared: Callable[[Any, int, int], Any] | None,
+    ) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        """`shard`'s batches, each with what to hand out for it (itself, or
+        what `prepare` makes of it), read as :meth:`iter_batches` describes."""
         if self.prefetch == 0:
             messages = _timed(self.client.read_shard(shard), self)
             if self.burst_bytes:
@@ -355,8 +425,7 @@ class ShardedDataset:
                 for batch, item in prepared_slices(
                     message, self.batch_rows, prepare, slice_prepared
                 ):
-                    self._yielded += batch.num_rows
-                    yield batch if prepare is None else item
+                    yield batch, batch if prepare is None else item
             return
         reader = Prefetched(
             self.client._do_get(shard), self.prefetch, prepare, self.batch_rows, slice_prepared
@@ -366,12 +435,10 @@ class ShardedDataset:
             before = self.stall_seconds
             for item in reader:
                 self.stall_seconds = before + reader.stall
-                batch, item = (item, item) if prepare is None else item
-                # Counted when handed out: a state taken after the caller
-                # processed this batch must not replay it (and batches read
-                # ahead but not handed out are not counted).
-                self._yielded += batch.num_rows
-                yield item
+                # Counted by the caller when handed out: a state taken after
+                # the caller processed this batch must not replay it (and
+                # batches read ahead but not handed out are not counted).
+                yield (item, item) if prepare is None else item
             self.stall_seconds = before + reader.stall
         finally:
             reader.close()

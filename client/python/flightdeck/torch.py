@@ -153,6 +153,10 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     on the CPU cores the server runs on, read in bursts instead
     (`prefetch=0, burst_bytes=64 << 20`, see `ShardedDataset`).
 
+    `reconnect_seconds=120` rides out a restart of the server (started with
+    `--persist`) mid-epoch: the read is taken up where this rank stood once
+    the server is back (see `ShardedDataset`).
+
     `pin_memory=True` (needs CUDA) copies every tensor of each batch into
     page-locked host memory on that thread, the way DataLoader's
     `pin_memory` does, so the loop's `tensor.to("cuda", non_blocking=True)`
@@ -185,6 +189,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         read_rows: int | None = None,
         burst_bytes: int = 0,
         sealed_as: int | None = None,
+        reconnect_seconds: float = 0.0,
     ) -> None:
         super().__init__()
         if pin_memory and not torch.cuda.is_available():
@@ -219,6 +224,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             read_rows=read_rows,
             burst_bytes=burst_bytes,
             sealed_as=sealed_as,
+            reconnect_seconds=reconnect_seconds,
         )
         if nodes is None:
             self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
