@@ -374,7 +374,7 @@ class ShardedDataset:
         and each batch is sliced out of its result."""
         message_rows = self._message_rows(split_count)
         start, index = self._start_sample, split_index
-        waited_since = None
+        waited_since, tries = None, 0
         while True:
             handed = 0
             try:
@@ -382,7 +382,7 @@ class ShardedDataset:
                 for batch, item in self._read(shard, prepare, slice_prepared):
                     if waited_since is not None:
                         self.reconnects += 1
-                        waited_since = None
+                        waited_since, tries = None, 0
                     handed += 1
                     self._yielded += batch.num_rows
                     yield item
@@ -407,7 +407,11 @@ class ShardedDataset:
             else:
                 start += handed * self.batch_rows * self.world_size
             self.client._reopen()
-            time.sleep(min(1.0, max(0.0, waited_since + self.reconnect_seconds - now)))
+            # At once the first time (a member may be back already), then
+            # 50 ms doubling up to a second.
+            pause = 0.0 if tries == 0 else min(1.0, 0.05 * 2 ** (tries - 1))
+            time.sleep(min(pause, max(0.0, waited_since + self.reconnect_seconds - now)))
+            tries += 1
 
     def _read(
         self,
