@@ -354,6 +354,19 @@ pub fn show_size(bytes: u64) -> String {
     }
 }
 
+/// `d` in its two largest units, for people: `40s`, `12m5s`, `5h12m`,
+/// `3d4h`.
+pub fn show_age(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    let (d_, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    match (d_, h, m) {
+        (0, 0, 0) => format!("{sec}s"),
+        (0, 0, _) => format!("{m}m{sec}s"),
+        (0, _, _) => format!("{h}h{m}m"),
+        _ => format!("{d_}d{h}h"),
+    }
+}
+
 /// Parses a byte size: a plain number of bytes, or a number with a binary
 /// unit (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`: powers of 1024) or a
 /// decimal one (`KB`, `MB`, `GB`, `TB`: powers of 1000), any case, e.g.
@@ -394,6 +407,23 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ages_read_in_their_two_largest_units() {
+        use std::time::Duration;
+        let age = |s| show_age(Duration::from_secs(s));
+        assert_eq!(
+            [
+                age(0),
+                age(59),
+                age(61),
+                age(3600),
+                age(18_720),
+                age(86_400 + 7200 + 59)
+            ],
+            ["0s", "59s", "1m1s", "1h0m", "5h12m", "1d2h"]
+        );
+    }
 
     #[test]
     fn a_unix_socket_must_be_an_absolute_path_the_kernel_can_bind() {

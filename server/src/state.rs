@@ -23,7 +23,7 @@ use crate::catalog::{
 };
 use crate::cluster::peer::Peers;
 use crate::cluster::{Layout, Member};
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, show_age, show_size};
 use crate::convert::{self, PlaceRequest};
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, ArenaStats, HostMemory, slab_bytes_for};
@@ -270,7 +270,8 @@ impl State {
     /// is full (idle slabs already given back), packed copies are given up
     /// and least-recently-read sealed datasets (other than `except`) are
     /// spilled one by one; when nothing is left to spill the arena's
-    /// `ResourceExhausted` stands.
+    /// `ResourceExhausted` stands, naming the datasets that hold memory no
+    /// spill can free (written, never sealed).
     async fn with_room<T>(
         &self,
         except: Option<&str>,
@@ -280,7 +281,8 @@ impl State {
             match attempt() {
                 Err(Error::ResourceExhausted(msg)) => {
                     if !self.spill_one(except).await? {
-                        return Err(Error::ResourceExhausted(msg));
+                        let held = unsealed_text(&self.catalog().unsealed_holders());
+                        return Err(Error::ResourceExhausted(format!("{msg}{held}")));
                     }
                 }
                 other => return other,
@@ -353,11 +355,12 @@ impl State {
         Error::ResourceExhausted(format!(
             "{} needs {bytes} bytes and the memory budget had only {} of {} free after waiting \
              {:?}; retry later, drop datasets that are no longer needed, or start the server \
-             with a larger --memory-limit (or a longer --admission-wait)",
+             with a larger --memory-limit (or a longer --admission-wait){}",
             what(),
             budget.free(),
             budget.limit(),
-            self.config.admission_wait
+            self.config.admission_wait,
+            unsealed_text(&self.catalog().unsealed_holders()),
         ))
     }
 
@@ -879,5 +882,62 @@ impl State {
         if let Err(e) = self.store.clear_session().await {
             warn!(error = %e, "could not remove spill files at shutdown");
         }
+    }
+}
+
+/// What a refusal for memory says of datasets that hold memory no spill
+/// can free (written, never sealed): the largest three, and how long ago
+/// each was last written; nothing where there are none.
+fn unsealed_text(held: &[(String, u64, std::time::Duration)]) -> String {
+    if held.is_empty() {
+        return String::new();
+    }
+    let total: u64 = held.iter().map(|h| h.1).sum();
+    let named: Vec<String> = held
+        .iter()
+        .take(3)
+        .map(|(name, bytes, idle)| {
+            format!(
+                "'{name}' ({}, last written {} ago)",
+                show_size(*bytes),
+                show_age(*idle)
+            )
+        })
+        .collect();
+    let more = match held.len() {
+        n if n > 3 => format!(" and {} more", n - 3),
+        _ => String::new(),
+    };
+    format!(
+        ". Of the budget, {} is held by datasets written but never sealed, which cannot spill: \
+         {}{more}; \
+         seal them, or drop those whose writers are gone (`flightdeck drop NAME`)",
+        show_size(total),
+        named.join(", ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::unsealed_text;
+
+    #[test]
+    fn a_refusal_names_the_unsealed_datasets_holding_memory_largest_first() {
+        assert_eq!(unsealed_text(&[]), "");
+        let held: Vec<(String, u64, Duration)> =
+            [(3 << 30, 18_720), (1 << 20, 40), (1024, 5), (1, 0)]
+                .into_iter()
+                .enumerate()
+                .map(|(i, (bytes, secs))| (format!("d{i}"), bytes, Duration::from_secs(secs)))
+                .collect();
+        assert_eq!(
+            unsealed_text(&held),
+            ". Of the budget, 3.0GiB is held by datasets written but never sealed, which cannot \
+             spill: 'd0' (3.0GiB, last written 5h12m ago), 'd1' (1.0MiB, last written 40s ago), \
+             'd2' (1.0KiB, last written 5s ago) and 1 more; seal them, or drop those whose \
+             writers are gone (`flightdeck drop NAME`)"
+        );
     }
 }

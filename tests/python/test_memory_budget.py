@@ -130,3 +130,28 @@ def test_writers_that_say_their_size_are_admitted_whole_or_refused(writers):
         assert growth <= limit + (64 << 20)
     finally:
         assert server.stop() == 0
+
+
+def test_a_refusal_names_the_unsealed_datasets_that_hold_the_memory():
+    """Open datasets cannot spill: a writer refused for memory is told which
+    ones hold it (largest first, with how long ago each was last written)
+    and what to do; sealed ones spill and are not named."""
+    server = RunningServer("--memory-limit", "16MiB", "--admission-wait", "0")
+    try:
+        c = flightdeck.connect(server.uri)
+        part = pa.table({"v": pa.array(np.arange(1 << 19, dtype=np.int64))})  # 4 MiB
+        for p in range(3):
+            c.put_partition("abandoned", p, part)
+        c.put_partition("left", 0, part.slice(0, 1 << 17))
+        c.put_partition("kept", 0, part.slice(0, 1 << 17))
+        c.seal("kept", partitions=1)
+        with pytest.raises(flightdeck.ResourceExhausted) as refused:
+            c.put_partition("next", 0, part)
+        said = str(refused.value)
+        assert "held by datasets written but never sealed" in said, said
+        assert said.index("'abandoned' (12.0MiB, last written") < said.index("'left' ("), said
+        assert "'kept'" not in said and "`flightdeck drop NAME`" in said, said
+        c.drop("abandoned")
+        c.put_partition("next", 0, part)
+    finally:
+        assert server.stop() == 0

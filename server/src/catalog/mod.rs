@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
@@ -212,6 +213,8 @@ struct Dataset {
     sealed_parts: Vec<PartitionSummary>,
     /// Set when the dataset is one member's part of a cluster dataset.
     cluster: Option<ClusterState>,
+    /// When its last attempt was committed (or it was restored).
+    written: Instant,
 }
 
 /// What `describe` tells about one partition.
@@ -463,6 +466,7 @@ impl Catalog {
                     sealed: None,
                     sealed_parts: Vec::new(),
                     cluster: None,
+                    written: Instant::now(),
                 },
             );
         }
@@ -471,6 +475,7 @@ impl Catalog {
             .get_mut(dataset)
             .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in commit")))?;
         ds.attempts.insert(key, CommittedAttempt { data, seq });
+        ds.written = Instant::now();
         Ok(())
     }
 
@@ -849,6 +854,7 @@ impl Catalog {
                 }),
                 sealed_parts: p.partitions,
                 cluster: p.cluster,
+                written: Instant::now(),
             },
         );
         Ok(())
@@ -862,6 +868,24 @@ impl Catalog {
             .ok_or_else(|| Error::DatasetNotFound {
                 dataset: name.to_string(),
             })
+    }
+
+    /// Datasets holding memory that cannot spill because they were never
+    /// sealed, largest first: name, bytes, and how long ago an attempt was
+    /// last committed to each.
+    pub fn unsealed_holders(&self) -> Vec<(String, u64, Duration)> {
+        let mut held: Vec<(String, u64, Duration)> = self
+            .datasets
+            .iter()
+            .filter(|(_, ds)| ds.sealed.is_none())
+            .map(|(name, ds)| {
+                let bytes = ds.attempts.values().map(|a| a.data.bytes).sum();
+                (name.clone(), bytes, ds.written.elapsed())
+            })
+            .filter(|(_, bytes, _)| *bytes > 0)
+            .collect();
+        held.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        held
     }
 
     /// Totals over all datasets.

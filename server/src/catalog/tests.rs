@@ -466,3 +466,31 @@ fn aborted_writes_are_remembered_up_to_a_bound() {
     c.abort_write("job-5");
     assert_eq!(c.aborted.order.len(), AbortedWrites::LIMIT);
 }
+
+#[test]
+fn unsealed_holders_are_the_open_datasets_largest_first() {
+    let mut c = Catalog::new();
+    c.commit("small", key(0, 0), schema(), attempt(key(0, 0), 2))
+        .expect("commit");
+    for (p, a) in [(0, 0), (0, 1), (1, 0)] {
+        c.commit("big", key(p, a), schema(), attempt(key(p, a), 10))
+            .expect("commit");
+    }
+    c.commit("sealed", key(0, 0), schema(), attempt(key(0, 0), 100))
+        .expect("commit");
+    c.seal(&SealRequest {
+        dataset: "sealed".into(),
+        ..Default::default()
+    })
+    .expect("seal");
+    let held: Vec<(String, u64)> = c
+        .unsealed_holders()
+        .into_iter()
+        .map(|(name, bytes, idle)| {
+            assert!(idle < Duration::from_secs(60), "{idle:?}");
+            (name, bytes)
+        })
+        .collect();
+    // Every attempt counts, losers to be included: none is freed before seal.
+    assert_eq!(held, [("big".to_string(), 240), ("small".to_string(), 16)]);
+}
