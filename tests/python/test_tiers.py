@@ -153,6 +153,8 @@ def test_a_reader_rides_out_a_restart_of_its_server(tmp_path):
                     kill_and_restart()
             assert r.reconnects == 1
             assert ids(got) == whole[rank], rank
+            # The second the server was away is time the loop waited for data.
+            assert r.stall_seconds >= 0.9, r.stall_seconds
             server = restarted.pop()
 
         r = reader(1, prefetch=0)

@@ -376,7 +376,7 @@ class ShardedDataset:
         start, index = self._start_sample, split_index
         waited_since, tries = None, 0
         while True:
-            handed = 0
+            handed = handed_rows = 0
             try:
                 shard = self._plan(split_count, index, message_rows, start).shards[self.rank]
                 for batch, item in self._read(shard, prepare, slice_prepared):
@@ -384,13 +384,14 @@ class ShardedDataset:
                         self.reconnects += 1
                         waited_since, tries = None, 0
                     handed += 1
+                    handed_rows += batch.num_rows
                     self._yielded += batch.num_rows
                     yield item
                 return
             except Unavailable:
                 if not self.reconnect_seconds:
                     raise
-                if handed and handed == shard.batches:
+                if handed and handed_rows == shard.rows:
                     return  # cut off after its last batch
                 now = time.monotonic()
                 waited_since = now if waited_since is None else waited_since
@@ -405,13 +406,15 @@ class ShardedDataset:
                 start += (index + handed * split_count) * self.batch_rows * self.world_size
                 index = 0
             else:
-                start += handed * self.batch_rows * self.world_size
+                start += handed_rows * self.world_size
             self.client._reopen()
             # At once the first time (a member may be back already), then
             # 50 ms doubling up to a second.
             pause = 0.0 if tries == 0 else min(1.0, 0.05 * 2 ** (tries - 1))
             time.sleep(min(pause, max(0.0, waited_since + self.reconnect_seconds - now)))
             tries += 1
+            # The loop waits for data meanwhile.
+            self.stall_seconds += time.monotonic() - now
 
     def _read(
         self,
