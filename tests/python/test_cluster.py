@@ -207,7 +207,8 @@ def test_a_reader_rides_out_a_restart_of_the_member_its_rows_come_from(tmp_path)
     """A rank reading through member 0 whose rows are partly member 1's:
     member 1 killed mid-read and started again with `--persist` on its
     address, the reader (`reconnect_seconds`) takes the read up where it
-    stood and reads exactly the rows of an uninterrupted read."""
+    stood and reads exactly the rows of an uninterrupted read, on a
+    connection of its own: the client it was given stays the caller's."""
     import threading
     import time
 
@@ -217,15 +218,16 @@ def test_a_reader_rides_out_a_restart_of_the_member_its_rows_come_from(tmp_path)
     try:
         write_spread(servers, "cut", 8, 100_000, seal_at=servers[0])
 
-        def reader() -> ShardedDataset:
+        def reader(at=None) -> ShardedDataset:
             return ShardedDataset(
-                servers[0].uri, "cut", rank=0, world_size=2, batch_rows=1000, read_rows=1000,
+                at or servers[0].uri, "cut", rank=0, world_size=2, batch_rows=1000, read_rows=1000,
                 seed=3, prefetch=0, reconnect_seconds=scaled(30),
             )
 
         whole = [i for b in reader() for i in b.column("id").to_pylist()]
         assert len(whole) == 400_000
-        r, got = reader(), []
+        given = flightdeck.connect(servers[0].uri)
+        r, got = reader(given), []
         for n, batch in enumerate(r):
             got += batch.column("id").to_pylist()
             if n == 9:
@@ -240,6 +242,7 @@ def test_a_reader_rides_out_a_restart_of_the_member_its_rows_come_from(tmp_path)
                 threading.Thread(target=later, daemon=True).start()
         assert r.reconnects == 1
         assert got == whole
+        assert r.client is not given and given.describe("cut").rows == 800_000
     finally:
         for s in servers:
             assert s.stop() == 0, "".join(s.stderr_lines)

@@ -306,7 +306,6 @@ class Client:
         options = {"generic_options": [("grpc.default_authority", "localhost")]} if unix else {}
         if tls_root_certs and not unix:
             options["tls_root_certs"] = tls_root_certs
-        self._connect_options = options
         self._connection = translate(lambda: flight.FlightClient(self.uri, **options))
         self._pid = os.getpid()
         _CONNECTED_PIDS.add(self._pid)
@@ -338,17 +337,19 @@ class Client:
         if os.getpid() == self._pid:
             self._connection.close()
 
-    def _reopen(self) -> None:
-        """Opens a new connection in place of this one (and forgets those to
-        other members): after a server went away, a new connection reaches
-        it as soon as it is back, where gRPC's would wait out its backoff."""
-        self.close()
-        self._connection = translate(
-            lambda: flight.FlightClient(self.uri, **self._connect_options)
+    def _reopened(self) -> Client:
+        """A new connection to the same server with the same settings (this
+        one is left as it is): after a server went away, a new connection
+        reaches it as soon as it is back, where gRPC's would wait out its
+        backoff."""
+        # The token, if any, is in the headers already.
+        return Client(
+            self.uri,
+            timeout=self._timeout,
+            headers=self._headers,
+            token="",
+            tls_root_certs=self._tls_root_certs,
         )
-        self._pid = os.getpid()
-        _CONNECTED_PIDS.add(self._pid)
-        self._advertised = None
 
     def __enter__(self) -> Client:
         return self

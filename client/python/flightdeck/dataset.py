@@ -158,6 +158,8 @@ class ShardedDataset:
         shuffle_mode(shuffle)  # validate early
         locality_mode(locality)
         self._client = uri if isinstance(uri, Client) else None
+        # Whether `_client` is this object's to close (not one it was given).
+        self._owns_client = self._client is None
         self.uri = uri.uri if isinstance(uri, Client) else uri
         self.timeout = timeout
         self.dataset = dataset
@@ -214,6 +216,7 @@ class ShardedDataset:
         as DataLoader workers do)."""
         if self._client is None:
             self._client = connect(self.uri, timeout=self.timeout)
+            self._owns_client = True
         return self._client
 
     def __getstate__(self) -> dict[str, Any]:
@@ -407,7 +410,12 @@ class ShardedDataset:
                 index = 0
             else:
                 start += handed_rows * self.world_size
-            self.client._reopen()
+            # A connection of its own: one it was given may serve other
+            # readers still, and is left to them.
+            fresh = self.client._reopened()
+            if self._owns_client:
+                self.client.close()
+            self._client, self._owns_client = fresh, True
             # At once the first time (a member may be back already), then
             # 50 ms doubling up to a second.
             pause = 0.0 if tries == 0 else min(1.0, 0.05 * 2 ** (tries - 1))
