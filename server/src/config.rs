@@ -358,12 +358,12 @@ pub fn show_size(bytes: u64) -> String {
 /// `3d4h`.
 pub fn show_age(d: std::time::Duration) -> String {
     let s = d.as_secs();
-    let (d_, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
-    match (d_, h, m) {
+    let (days, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    match (days, h, m) {
         (0, 0, 0) => format!("{sec}s"),
         (0, 0, _) => format!("{m}m{sec}s"),
         (0, _, _) => format!("{h}h{m}m"),
-        _ => format!("{d_}d{h}h"),
+        _ => format!("{days}d{h}h"),
     }
 }
 

@@ -281,7 +281,7 @@ impl State {
             match attempt() {
                 Err(Error::ResourceExhausted(msg)) => {
                     if !self.spill_one(except).await? {
-                        let held = unsealed_text(&self.catalog().unsealed_holders());
+                        let held = self.unsealed_note();
                         return Err(Error::ResourceExhausted(format!("{msg}{held}")));
                     }
                 }
@@ -360,8 +360,14 @@ impl State {
             budget.free(),
             budget.limit(),
             self.config.admission_wait,
-            unsealed_text(&self.catalog().unsealed_holders()),
+            self.unsealed_note(),
         ))
+    }
+
+    /// What a refusal for memory adds about the datasets holding memory no
+    /// spill can free (see [`unsealed_text`]).
+    fn unsealed_note(&self) -> String {
+        unsealed_text(&self.catalog().unsealed_holders())
     }
 
     /// [`Arena::copy_body`] for a writer's message body, making room as
@@ -910,8 +916,7 @@ fn unsealed_text(held: &[(String, u64, std::time::Duration)]) -> String {
     };
     format!(
         ". Of the budget, {} is held by datasets written but never sealed, which cannot spill: \
-         {}{more}; \
-         seal them, or drop those whose writers are gone (`flightdeck drop NAME`)",
+         {}{more}; seal them, or drop those whose writers are gone (`flightdeck drop NAME`)",
         show_size(total),
         named.join(", ")
     )

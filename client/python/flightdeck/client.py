@@ -337,14 +337,15 @@ class Client:
         if os.getpid() == self._pid:
             self._connection.close()
 
-    def _reopened(self) -> Client:
-        """A new connection to the same server with the same settings (this
-        one is left as it is): after a server went away, a new connection
-        reaches it as soon as it is back, where gRPC's would wait out its
-        backoff."""
+    def _sibling(self, uri: str) -> Client:
+        """A new connection to `uri` with this one's settings (timeout,
+        headers, token, TLS roots); this one is left as it is. Another
+        member's server, or this one again: after a server went away, a new
+        connection reaches it as soon as it is back, where gRPC's would wait
+        out its backoff."""
         # The token, if any, is in the headers already.
         return Client(
-            self.uri,
+            uri,
             timeout=self._timeout,
             headers=self._headers,
             token="",
@@ -716,12 +717,7 @@ class Client:
         if shard.location is None or self._serves(shard.location):
             return self
         if shard.location not in self._members:
-            self._members[shard.location] = Client(
-                shard.location,
-                timeout=self._timeout,
-                headers=self._headers,
-                tls_root_certs=self._tls_root_certs,
-            )
+            self._members[shard.location] = self._sibling(shard.location)
         return self._members[shard.location]
 
     def _serves(self, location: str) -> bool:

@@ -412,7 +412,7 @@ class ShardedDataset:
                 start += handed_rows * self.world_size
             # A connection of its own: one it was given may serve other
             # readers still, and is left to them.
-            fresh = self.client._reopened()
+            fresh = self.client._sibling(self.client.uri)
             if self._owns_client:
                 self.client.close()
             self._client, self._owns_client = fresh, True

@@ -8,8 +8,9 @@
 //! four 1 000-row tables produces 10^12 rows from the four tables' first
 //! batches, and its count never yields. [`Interruptible`] makes every
 //! operator that may produce more rows than it reads (joins, unnest,
-//! operators DataFusion knows nothing about) spend the budget too, so every
-//! query yields at least once per 128 batches any operator produces.
+//! operators DataFusion knows nothing about) spend the budget too, so a
+//! query yields at least once per 128 batches these operators and the
+//! scans produce between them.
 
 use std::sync::Arc;
 
