@@ -243,7 +243,7 @@ async fn bad_inputs_get_their_codes_and_the_server_keeps_serving() {
             dataset: "d".into(),
             partitions: 3,
             attempts: vec![],
-            members: vec![],
+            ..Default::default()
         })
         .await
         .map(|_| ());

@@ -143,7 +143,7 @@ async fn write_dataset(server: &TestServer) -> HashMap<u32, u32> {
                     attempt: 1,
                 },
             ],
-            members: vec![],
+            ..Default::default()
         })
         .await
         .expect("seal");
@@ -631,6 +631,76 @@ async fn attempts_of_an_aborted_write_are_refused() {
         .abort_write("none", "job-9")
         .await
         .expect("nothing to drop");
+    server.stop().await;
+}
+
+/// A Rust writer that replaces a dataset (`with_replacing_write`) stages
+/// its attempts: the old rows stay readable until the seal naming the write
+/// swaps the new ones in; a replacing write aborted with
+/// `abort_replacing_write` leaves the dataset as it was.
+#[tokio::test]
+async fn a_replacing_write_swaps_in_at_its_seal_or_leaves_the_dataset() {
+    let server = TestServer::start().await;
+    let mut driver = server.client().await;
+    put_ids(&mut driver, "r", 0, 0, 0..100, 50)
+        .await
+        .expect("old");
+    let seal = |replace_write: &str| SealDataset {
+        dataset: "r".into(),
+        replace_write: replace_write.into(),
+        ..Default::default()
+    };
+    driver.seal(seal("")).await.expect("seal old");
+    let rows = async |c: &mut Client| -> Vec<i64> {
+        let plan = c
+            .plan(ReadPlan {
+                dataset: "r".into(),
+                world_size: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("plan");
+        let mut ids: Vec<i64> = flightdeck_tests::read_all(c, &plan)
+            .await
+            .concat()
+            .iter()
+            .flat_map(|b| check_batch(b, &|_| 0))
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    let mut job = server.client().await.with_replacing_write("job-1");
+    put_ids(&mut job, "r", 0, 0, 1000..1030, 10)
+        .await
+        .expect("staged");
+    assert_eq!(rows(&mut driver).await, (0..100).collect::<Vec<_>>());
+    let info = driver.seal(seal("job-1")).await.expect("swap in");
+    assert_eq!(info.rows, 30);
+    assert_eq!(rows(&mut driver).await, (1000..1030).collect::<Vec<_>>());
+
+    let mut failed = server.client().await.with_replacing_write("job-2");
+    put_ids(&mut failed, "r", 0, 0, 0..10, 10)
+        .await
+        .expect("staged");
+    driver
+        .abort_replacing_write("r", "job-2")
+        .await
+        .expect("abort");
+    let err = put_ids(&mut failed, "r", 1, 0, 10..20, 10)
+        .await
+        .expect_err("an attempt of the aborted write");
+    assert_eq!(err.code(), flightdeck_client::Code::Aborted, "{err}");
+    let err = driver
+        .seal(seal("job-2"))
+        .await
+        .expect_err("nothing staged");
+    assert_eq!(
+        err.code(),
+        flightdeck_client::Code::FailedPrecondition,
+        "{err}"
+    );
+    assert_eq!(rows(&mut driver).await, (1000..1030).collect::<Vec<_>>());
+    assert_eq!(driver.list_datasets().await.expect("list"), ["r"]);
     server.stop().await;
 }
 

@@ -40,7 +40,7 @@ async fn try_write_sealed(
             dataset: ds.into(),
             partitions: PARTS,
             attempts: vec![],
-            members: vec![],
+            ..Default::default()
         }),
     )
     .await

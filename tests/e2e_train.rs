@@ -64,8 +64,7 @@ async fn write_points(
         c.seal(SealDataset {
             dataset: name.into(),
             partitions: 4,
-            attempts: vec![],
-            members: vec![],
+            ..Default::default()
         }),
     )
     .await

@@ -57,7 +57,7 @@ async fn main() -> Result<(), ClientError> {
                 partition: 2,
                 attempt: 1,
             }],
-            members: vec![],
+            ..Default::default()
         })
         .await?;
     println!(

@@ -374,6 +374,8 @@ pub struct Client {
     tls_roots: Option<Vec<u8>>,
     /// The write its attempts belong to ([`Client::with_write_id`]).
     write_id: String,
+    /// Whether that write replaces its dataset ([`Client::with_replacing_write`]).
+    replace: bool,
     /// The network location the server advertises, once asked (a client
     /// on its Unix socket compares shards' locations with it).
     advertised: Option<String>,
@@ -385,6 +387,7 @@ impl Clone for Client {
             uri: self.uri.clone(),
             tls_roots: self.tls_roots.clone(),
             write_id: self.write_id.clone(),
+            replace: self.replace,
             advertised: self.advertised.clone(),
             ..Self::from_channel(self.channel.clone())
         };
@@ -482,6 +485,18 @@ impl Client {
         self
     }
 
+    /// This client, naming `write_id` as a write that replaces its dataset
+    /// (an overwrite): the attempts it puts are staged beside the dataset,
+    /// which readers keep reading until a seal with
+    /// `SealDataset::replace_write` set to `write_id` puts the new rows in
+    /// its place at once. [`Client::abort_replacing_write`] drops only what
+    /// the write staged.
+    pub fn with_replacing_write(mut self, write_id: &str) -> Self {
+        self.write_id = write_id.to_string();
+        self.replace = true;
+        self
+    }
+
     /// Sends what `other` sends with every call (its token).
     fn share_headers(&mut self, other: &Client) {
         *self.inner.metadata_mut() = other.inner.metadata().clone();
@@ -498,6 +513,7 @@ impl Client {
             uri: None,
             tls_roots: None,
             write_id: String::new(),
+            replace: false,
             advertised: None,
         }
     }
@@ -561,6 +577,7 @@ impl Client {
             expected_bytes: expected.bytes,
             expected_rows: expected.rows,
             write_id: self.write_id.clone(),
+            replace: self.replace,
         };
         // Count rows as they go; the last message carries the count as the
         // commit marker, so the server commits only a complete attempt.
@@ -664,18 +681,46 @@ impl Client {
     /// `write_id` ([`Client::with_write_id`]) from now on, with `ABORTED`.
     /// The refusal is recorded even when there is no dataset to drop.
     pub async fn abort_write(&mut self, dataset: &str, write_id: &str) -> Result<()> {
-        let body = flightdeck_protos::DropDataset {
-            dataset: dataset.to_string(),
-            abort_write: write_id.to_string(),
-            ..Default::default()
-        };
-        let dropped: Result<DatasetInfo> = self
-            .action(actions::DROP, body.encode_to_vec().into())
-            .await;
-        match dropped {
+        self.abort(dataset, write_id, false).await
+    }
+
+    /// Ends a failed replacing write ([`Client::with_replacing_write`]):
+    /// drops what write `write_id` staged to replace `dataset`, leaving the
+    /// dataset as it was, and has the server refuse the write's attempts
+    /// from now on.
+    pub async fn abort_replacing_write(&mut self, dataset: &str, write_id: &str) -> Result<()> {
+        self.abort(dataset, write_id, true).await
+    }
+
+    /// Drops what write `write_id` staged to replace `dataset` (a
+    /// replacing write whose job is gone) and refuses the write's attempts
+    /// from now on; the dataset stays as it is. `NOT_FOUND` when the write
+    /// staged nothing on this server.
+    pub async fn drop_replacement(&mut self, dataset: &str, write_id: &str) -> Result<DatasetInfo> {
+        self.drop_for_write(dataset, write_id, true).await
+    }
+
+    async fn abort(&mut self, dataset: &str, write_id: &str, staged: bool) -> Result<()> {
+        match self.drop_for_write(dataset, write_id, staged).await {
             Err(e) if e.code() != Code::NotFound => Err(e),
             _ => Ok(()),
         }
+    }
+
+    async fn drop_for_write(
+        &mut self,
+        dataset: &str,
+        write_id: &str,
+        staged: bool,
+    ) -> Result<DatasetInfo> {
+        let body = flightdeck_protos::DropDataset {
+            dataset: dataset.to_string(),
+            abort_write: write_id.to_string(),
+            member_only: false,
+            staged,
+        };
+        self.action(actions::DROP, body.encode_to_vec().into())
+            .await
     }
 
     /// State, rows, bytes, partitions and schema of a dataset.

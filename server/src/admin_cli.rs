@@ -152,6 +152,18 @@ pub struct DatasetArgs {
     dataset: String,
 }
 
+/// Flags of `flightdeck drop`.
+#[derive(Debug, clap::Args)]
+pub struct DropArgs {
+    #[command(flatten)]
+    dataset: DatasetArgs,
+    /// Drop only what this write (an overwrite whose job is gone) staged to
+    /// replace the dataset, which stays as it is; the write's attempts are
+    /// refused from then on.
+    #[arg(long, value_name = "WRITE")]
+    staged_by: Option<String>,
+}
+
 /// Flags of `flightdeck place`.
 #[derive(Debug, clap::Args)]
 pub struct PlaceArgs {
@@ -282,10 +294,27 @@ pub async fn describe(args: DatasetArgs) -> Result<(), String> {
 }
 
 /// Runs `flightdeck drop`.
-pub async fn drop(args: DatasetArgs) -> Result<(), String> {
-    let info = on_server(&args.server, async |c| c.drop_dataset(&args.dataset).await).await?;
-    args.output
-        .print(&info, |i| format!("{}\n", dropped_text(i)), dataset_json);
+pub async fn drop(args: DropArgs) -> Result<(), String> {
+    let DropArgs {
+        dataset: args,
+        staged_by,
+    } = args;
+    let info = on_server(&args.server, async |c| match &staged_by {
+        Some(write) => c.drop_replacement(&args.dataset, write).await,
+        None => c.drop_dataset(&args.dataset).await,
+    })
+    .await?;
+    let text = |i: &DatasetInfo| match &staged_by {
+        Some(write) => format!(
+            "dropped what write '{write}' staged to replace '{}': {} rows, {} of memory freed; \
+             the dataset stays as it was\n",
+            i.dataset,
+            i.rows,
+            show_size(i.bytes)
+        ),
+        None => format!("{}\n", dropped_text(i)),
+    };
+    args.output.print(&info, text, dataset_json);
     Ok(())
 }
 

@@ -74,6 +74,37 @@ pub struct PutTarget {
     pub expected_bytes: u64,
     /// The write this attempt belongs to ("" = none).
     pub write_id: String,
+    /// The write replaces the dataset: the attempt is staged beside it.
+    pub replace: bool,
+}
+
+impl PutTarget {
+    /// The catalog entry the attempt goes to: the dataset, or what its
+    /// replacing write stages.
+    pub fn entry(&self) -> String {
+        if self.replace {
+            crate::catalog::staged_key(&self.dataset, &self.write_id)
+        } else {
+            self.dataset.clone()
+        }
+    }
+}
+
+/// A write id that a replacing write (or its seal or drop) must name.
+fn replacing_write(dataset: &str, write_id: &str, what: &str) -> Result<()> {
+    if write_id.is_empty() {
+        return Err(Error::invalid(format!(
+            "{what} of dataset '{dataset}' replaces it but names no write; send the id its \
+             writers share (PutPartition.write_id)"
+        )));
+    }
+    if write_id.len() > MAX_DATASET_NAME || write_id.chars().any(char::is_control) {
+        return Err(Error::invalid(format!(
+            "{what} of dataset '{dataset}' names a write id longer than {MAX_DATASET_NAME} bytes \
+             or holding control characters"
+        )));
+    }
+    Ok(())
 }
 
 /// The target of a `DoPut` descriptor: a `PutPartition` command, or the path
@@ -83,8 +114,12 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
         DescriptorType::Cmd => {
             let cmd: pb::PutPartition =
                 decode(&descriptor.cmd, "DoPut descriptor command", "PutPartition")?;
+            let dataset = dataset_name(&cmd.dataset)?;
+            if cmd.replace {
+                replacing_write(&dataset, &cmd.write_id, "a DoPut")?;
+            }
             Ok(PutTarget {
-                dataset: dataset_name(&cmd.dataset)?,
+                dataset,
                 key: AttemptKey {
                     partition: cmd.partition,
                     attempt: cmd.attempt,
@@ -92,6 +127,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                 explicit_commit: cmd.explicit_commit,
                 expected_bytes: cmd.expected_bytes,
                 write_id: cmd.write_id,
+                replace: cmd.replace,
             })
         }
         DescriptorType::Path => match descriptor.path.as_slice() {
@@ -111,6 +147,7 @@ pub fn put_target(descriptor: &FlightDescriptor) -> Result<PutTarget> {
                     explicit_commit: false,
                     expected_bytes: 0,
                     write_id: String::new(),
+                    replace: false,
                 })
             }
             other => Err(Error::invalid(format!(
@@ -386,11 +423,15 @@ pub fn seal_request(body: &[u8]) -> Result<SealRequest> {
             Ok((m.location.clone(), attempt_keys(&m.partitions)))
         })
         .collect::<Result<Vec<_>>>()?;
+    if !s.replace_write.is_empty() {
+        replacing_write(&dataset, &s.replace_write, "a seal")?;
+    }
     Ok(SealRequest {
         dataset,
         partitions: s.partitions,
         winners: attempt_keys(&s.attempts),
         members,
+        replace_write: s.replace_write,
     })
 }
 
@@ -432,21 +473,42 @@ fn partition_summaries(parts: &[pb::PartitionInfo]) -> Vec<PartitionSummary> {
         .collect()
 }
 
-/// The body of `member_prepare`: the dataset, this member's winners, and
-/// whether only to check.
-pub fn prepare_request(body: &[u8]) -> Result<(String, Vec<AttemptKey>, bool)> {
-    let p: pb::PrepareMember = decode(body, "body of action 'member_prepare'", "PrepareMember")?;
-    Ok((
-        dataset_name(&p.dataset)?,
-        attempt_keys(&p.partitions),
-        p.check_only,
-    ))
+/// What action `member_prepare` asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrepareRequest {
+    /// The dataset.
+    pub dataset: String,
+    /// This member's winners.
+    pub winners: Vec<AttemptKey>,
+    /// Only check that this member could seal them.
+    pub check_only: bool,
+    /// Prepare what this write staged to replace the dataset ("" = the
+    /// dataset itself).
+    pub replace_write: String,
 }
 
-/// The body of `member_prepare` for `winners` of `dataset`.
-pub fn prepare_body(dataset: &str, winners: &[AttemptKey], check_only: bool) -> pb::PrepareMember {
+/// The body of `member_prepare`.
+pub fn prepare_request(body: &[u8]) -> Result<PrepareRequest> {
+    let p: pb::PrepareMember = decode(body, "body of action 'member_prepare'", "PrepareMember")?;
+    Ok(PrepareRequest {
+        dataset: dataset_name(&p.dataset)?,
+        winners: attempt_keys(&p.partitions),
+        check_only: p.check_only,
+        replace_write: p.replace_write,
+    })
+}
+
+/// The body of `member_prepare` for `winners` of `dataset` (as staged by
+/// `replace_write`, unless "").
+pub fn prepare_body(
+    dataset: &str,
+    winners: &[AttemptKey],
+    check_only: bool,
+    replace_write: &str,
+) -> pb::PrepareMember {
     pb::PrepareMember {
         check_only,
+        replace_write: replace_write.to_string(),
         dataset: dataset.to_string(),
         partitions: winners
             .iter()
@@ -465,6 +527,7 @@ pub fn member_prepared(s: &DatasetSummary, fixed: Vec<bool>) -> Result<pb::Membe
         schema: schema_to_ipc(&s.schema)?,
         partitions: partition_infos(&s.partitions),
         fixed_columns: fixed,
+        replaces: Vec::new(),
     })
 }
 
@@ -523,8 +586,9 @@ pub fn layout_from_proto(l: &pb::ClusterLayout) -> Result<Layout> {
     Ok(layout)
 }
 
-/// The body of `member_commit`: dataset, layout and this member's index.
-pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize)> {
+/// The body of `member_commit`: dataset, layout, this member's index, and
+/// the write whose staged replacement adopts it ("" = the dataset itself).
+pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize, String)> {
     let c: pb::CommitLayout = decode(body, "body of action 'member_commit'", "CommitLayout")?;
     let layout = c
         .layout
@@ -534,6 +598,7 @@ pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize)> {
         dataset_name(&c.dataset)?,
         layout_from_proto(layout)?,
         c.member as usize,
+        c.replace_write,
     ))
 }
 
@@ -541,10 +606,15 @@ pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize)> {
 /// is to go.
 pub fn drop_request(body: &[u8]) -> Result<DropRequest> {
     let d: pb::DropDataset = decode(body, "body of action 'drop'", "DropDataset")?;
+    let dataset = dataset_name(&d.dataset)?;
+    if d.staged {
+        replacing_write(&dataset, &d.abort_write, "a drop of what a write staged")?;
+    }
     Ok(DropRequest {
-        dataset: dataset_name(&d.dataset)?,
+        dataset,
         member_only: d.member_only,
         abort_write: d.abort_write,
+        staged: d.staged,
     })
 }
 
@@ -557,6 +627,8 @@ pub struct DropRequest {
     pub member_only: bool,
     /// A failed write whose attempts are refused from now on ("" = none).
     pub abort_write: String,
+    /// Drop only what `abort_write` staged to replace the dataset.
+    pub staged: bool,
 }
 
 /// The dataset named by a `describe` body.
@@ -814,6 +886,7 @@ mod tests {
             expected_bytes: 1 << 20,
             expected_rows: 10,
             write_id: "job-7".into(),
+            replace: false,
         });
         assert_eq!(
             put_target(&d).expect("valid"),
@@ -826,8 +899,24 @@ mod tests {
                 explicit_commit: false,
                 expected_bytes: 1 << 20,
                 write_id: "job-7".into(),
+                replace: false,
             }
         );
+        // A replacing write is staged under its write id, which it must name.
+        let staged = |write_id: &str| {
+            put_target(&cmd(pb::PutPartition {
+                dataset: "d".into(),
+                write_id: write_id.into(),
+                replace: true,
+                ..Default::default()
+            }))
+        };
+        let t = staged("job-8").expect("valid");
+        assert_eq!(crate::catalog::public_name(&t.entry()), "d");
+        assert_ne!(t.entry(), "d");
+        let e = staged("").expect_err("no write id").to_string();
+        assert!(e.contains("names no write"), "{e}");
+        assert!(staged("a\u{1f}b").is_err());
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);
         assert_eq!(put_target(&d).expect("valid").key.partition, 7);
         let d = FlightDescriptor::new_path(vec!["d".into(), "seven".into()]);

@@ -54,8 +54,9 @@ pub enum Error {
 
     /// The dataset is sealed and cannot take more partitions.
     #[error(
-        "dataset '{dataset}' is sealed and accepts no more partitions; drop it and write it again \
-         to overwrite"
+        "dataset '{dataset}' is sealed and accepts no more partitions; to overwrite it, write the \
+         new rows as a replacing write (PutPartition.replace; mode(\"overwrite\") in Spark), or \
+         drop it and write it again"
     )]
     DatasetSealed {
         /// The sealed dataset.
@@ -181,7 +182,8 @@ pub fn bounded(message: String, max: usize) -> String {
 
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
-        Status::new(e.code(), bounded(e.to_string(), MAX_MESSAGE_BYTES))
+        let message = crate::catalog::readable(&e.to_string()).into_owned();
+        Status::new(e.code(), bounded(message, MAX_MESSAGE_BYTES))
     }
 }
 

@@ -39,7 +39,7 @@ enum Command {
     Describe(admin_cli::DatasetArgs),
     /// Drop a dataset from a running server (from every member, for a
     /// cluster dataset) and free its memory.
-    Drop(admin_cli::DatasetArgs),
+    Drop(admin_cli::DropArgs),
     /// Copy numeric columns of a sealed dataset to GPUs of a running server
     /// (the device tier).
     Place(admin_cli::PlaceArgs),

@@ -502,10 +502,109 @@ impl State {
         if !req.members.is_empty() {
             return self.seal_cluster(req).await;
         }
+        if !req.replace_write.is_empty() {
+            return self
+                .seal_replacing(req)
+                .await
+                .and_then(|s| convert::dataset_info(&s));
+        }
         let (summary, freed) = self.catalog().seal(req)?;
         self.sealed(summary, freed)
             .await
             .and_then(|s| convert::dataset_info(&s))
+    }
+
+    /// Seals what write `req.replace_write` staged and puts it in the
+    /// dataset's place at once (one lock: no reader sees neither); then the
+    /// replaced dataset's device copies, files and other members' parts go.
+    async fn seal_replacing(&self, req: &SealRequest) -> Result<DatasetSummary> {
+        let name = req.dataset.as_str();
+        let staged = SealRequest {
+            dataset: crate::catalog::staged_key(name, &req.replace_write),
+            replace_write: String::new(),
+            ..req.clone()
+        };
+        let (summary, replaced, freed) = {
+            let mut catalog = self.catalog();
+            if !catalog.holds(&staged.dataset) {
+                return Err(crate::catalog::nothing_staged(name, &req.replace_write));
+            }
+            let (_, freed) = catalog.seal(&staged)?;
+            let (summary, replaced) = catalog.swap_in(name, &req.replace_write)?;
+            (summary, replaced, freed)
+        };
+        // Persisted (newer generation) before the old files go, so a
+        // restart in between brings back the new dataset.
+        let sealed = self.sealed(summary, freed).await;
+        let elsewhere = self.replaced(name, replaced).await;
+        self.drop_elsewhere(name, &elsewhere).await;
+        sealed
+    }
+
+    /// After `old` gave way to a new dataset of the same name: drops its
+    /// device copies and stored files; returns the other members of its
+    /// cluster layout, if it had one (they still hold their parts of it).
+    async fn replaced(&self, name: &str, old: Option<DatasetSummary>) -> Vec<String> {
+        let Some(old) = old else {
+            return Vec::new();
+        };
+        self.placements()
+            .retain(|(n, g), _| !(n == name && *g == old.generation));
+        if let Some(stored) = &old.stored {
+            self.delete_quietly(stored).await;
+        }
+        info!(dataset = %name, rows = old.rows, generation = old.generation, "replaced dataset");
+        match &old.cluster {
+            Some(ClusterState::Member { layout, index }) => layout
+                .members
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i != index)
+                .map(|(_, m)| m.location.clone())
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Drops `name` on each of `members` (their part of a replaced cluster
+    /// dataset); a member that cannot be reached keeps its part, which a
+    /// warning names (its plans are refused: it holds another layout).
+    async fn drop_elsewhere(&self, name: &str, members: &[String]) {
+        let replies = futures::future::join_all(members.iter().map(|location| async move {
+            let body = pb::DropDataset {
+                dataset: name.to_string(),
+                member_only: true,
+                ..Default::default()
+            };
+            let reply = self
+                .peers
+                .action::<pb::DatasetInfo>(location, name, actions::DROP, body)
+                .await;
+            (location, reply)
+        }))
+        .await;
+        for (location, reply) in replies {
+            match reply {
+                Ok(_) => {}
+                Err(Error::FailedPrecondition(msg)) if msg.contains("no longer holds") => {}
+                Err(e) => warn!(
+                    dataset = %name,
+                    member = %location,
+                    error = %e,
+                    "could not drop the replaced dataset's part on a member; drop it there"
+                ),
+            }
+        }
+    }
+
+    /// The members of the cluster layout `name` belongs to here, if any.
+    fn layout_locations(&self, name: &str) -> Vec<String> {
+        match self.catalog().describe(name).map(|s| s.cluster) {
+            Ok(Some(ClusterState::Member { layout, .. })) => {
+                layout.members.iter().map(|m| m.location.clone()).collect()
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// After a local seal: logs it and, with `persist`, writes the dataset.
@@ -544,43 +643,74 @@ impl State {
 
     /// Seals this member's part of a cluster dataset (action
     /// `member_prepare`); it stays unreadable until `member_commit`. With
-    /// `check_only`, only checks that it could.
+    /// `check_only`, only checks that it could. With `replace_write`, the
+    /// part is what that write staged, and the reply names the members of
+    /// the layout it will replace.
     pub async fn prepare_member(
         &self,
-        dataset: &str,
-        winners: &[crate::catalog::AttemptKey],
-        check_only: bool,
+        req: &convert::PrepareRequest,
     ) -> Result<pb::MemberPrepared> {
-        if check_only {
-            let mut want = winners.to_vec();
-            want.sort_unstable();
+        let mut want = req.winners.clone();
+        want.sort_unstable();
+        let (entry, replaces) = if req.replace_write.is_empty() {
+            (req.dataset.clone(), Vec::new())
+        } else {
+            let key = crate::catalog::staged_key(&req.dataset, &req.replace_write);
+            let catalog = self.catalog();
+            // Sent again after this member swapped it in: it is the dataset now.
+            let swapped =
+                !catalog.holds(&key) && catalog.check_member(&req.dataset, &want).unwrap_or(false);
+            drop(catalog);
+            let entry = if swapped { req.dataset.clone() } else { key };
+            (entry, self.layout_locations(&req.dataset))
+        };
+        if req.check_only {
             let schema = {
                 let catalog = self.catalog();
-                catalog.check_member(dataset, &want)?;
-                catalog.schema(dataset)?
+                catalog.check_member(&entry, &want)?;
+                catalog.schema(&entry)?
             };
             return Ok(pb::MemberPrepared {
                 schema: convert::schema_to_ipc(&schema)?,
+                replaces,
                 ..Default::default()
             });
         }
-        let (summary, freed) = self.catalog().prepare_member(dataset, winners)?;
+        let (summary, freed) = self.catalog().prepare_member(&entry, &req.winners)?;
         let summary = self.sealed(summary, freed).await?;
-        let (_, data) = self.resident(dataset).await?;
-        convert::member_prepared(&summary, crate::read::Gather::fixed_columns(&data))
+        let (_, data) = self.resident(&entry).await?;
+        let mut reply =
+            convert::member_prepared(&summary, crate::read::Gather::fixed_columns(&data))?;
+        reply.replaces = replaces;
+        Ok(reply)
     }
 
     /// Adopts a cluster layout (action `member_commit`); with `persist`, the
     /// manifest records it, so a restarted member serves the same tickets.
+    ///
+    /// With `replace_write`, what that write staged adopts the layout and
+    /// takes the dataset's place at once (the coordinator drops the
+    /// replaced dataset on members the new layout leaves out).
     pub async fn commit_layout(
         &self,
         dataset: &str,
         layout: Layout,
         index: usize,
+        replace_write: &str,
     ) -> Result<DatasetSummary> {
-        let summary = self
-            .catalog()
-            .commit_layout(dataset, Arc::new(layout), index)?;
+        let layout = Arc::new(layout);
+        let (summary, replaced) = {
+            let mut catalog = self.catalog();
+            let key = crate::catalog::staged_key(dataset, replace_write);
+            if replace_write.is_empty() || !catalog.holds(&key) {
+                // (Sent again after the swap: the dataset holds the layout.)
+                (catalog.commit_layout(dataset, layout, index)?, None)
+            } else {
+                catalog.commit_layout(&key, layout, index)?;
+                catalog.swap_in(dataset, replace_write)?
+            }
+        };
+        self.replaced(dataset, replaced).await;
         if let Some(stored) = summary.stored.as_ref().filter(|s| s.persisted) {
             self.store
                 .write_manifest(
@@ -626,7 +756,7 @@ impl State {
                     location,
                     name,
                     actions::MEMBER_PREPARE,
-                    convert::prepare_body(name, winners, check_only),
+                    convert::prepare_body(name, winners, check_only, &req.replace_write),
                 )
             }))
         };
@@ -635,6 +765,11 @@ impl State {
             checked.push((location.as_str(), c?));
         }
         one_schema(name, &checked)?;
+        // The members of every layout this seal replaces.
+        let mut replaced: Vec<String> = checked
+            .iter()
+            .flat_map(|(_, c)| c.replaces.iter().cloned())
+            .collect();
         let mut parts = Vec::with_capacity(members.len());
         for ((location, _), p) in members.iter().zip(prepare(false).await) {
             parts.push((location.as_str(), p?));
@@ -662,6 +797,7 @@ impl State {
                         dataset: name.to_string(),
                         layout: Some(wire.clone()),
                         member: i as u32,
+                        replace_write: req.replace_write.clone(),
                     },
                 )
             }))
@@ -671,6 +807,12 @@ impl State {
             let c = c?;
             info.get_or_insert(c);
         }
+        // Members of a replaced layout that the new one leaves out still
+        // hold their parts of the old dataset.
+        replaced.sort_unstable();
+        replaced.dedup();
+        replaced.retain(|l| !layout.members.iter().any(|m| &m.location == l));
+        self.drop_elsewhere(name, &replaced).await;
         info!(
             dataset = %name,
             members = layout.members.len(),
@@ -723,17 +865,24 @@ impl State {
     /// between the drop and the refusal; recorded even with no dataset).
     pub async fn drop_dataset(&self, req: &convert::DropRequest) -> Result<DatasetSummary> {
         let name = req.dataset.as_str();
-        let (summary, freed) = {
+        // What a replacing write staged, or the dataset itself.
+        let entry = if req.staged {
+            crate::catalog::staged_key(name, &req.abort_write)
+        } else {
+            name.to_string()
+        };
+        let (mut summary, freed) = {
             let mut catalog = self.catalog();
             catalog.abort_write(&req.abort_write);
-            catalog.drop_dataset(name)?
+            catalog.drop_dataset(&entry)?
         };
+        summary.name = name.to_string();
         self.placements()
-            .retain(|(n, g), _| !(n == name && *g == summary.generation));
+            .retain(|(n, g), _| !(*n == entry && *g == summary.generation));
         if let Some(stored) = &summary.stored {
             self.delete_quietly(stored).await;
         }
-        info!(dataset = %name, rows = summary.rows, freed, "dropped dataset");
+        info!(dataset = %name, rows = summary.rows, freed, staged = req.staged, "dropped dataset");
         let Some(ClusterState::Member { layout, index }) = &summary.cluster else {
             return Ok(summary);
         };
@@ -756,6 +905,7 @@ impl State {
                         dataset: name.to_string(),
                         member_only: true,
                         abort_write: req.abort_write.clone(),
+                        staged: req.staged,
                     },
                 )
                 .await;
@@ -903,11 +1053,14 @@ fn unsealed_text(held: &[(String, u64, std::time::Duration)]) -> String {
         .iter()
         .take(3)
         .map(|(name, bytes, idle)| {
-            format!(
-                "'{name}' ({}, last written {} ago)",
-                show_size(*bytes),
-                show_age(*idle)
-            )
+            let (size, age) = (show_size(*bytes), show_age(*idle));
+            match crate::catalog::staged_parts(name) {
+                Some((dataset, write)) => format!(
+                    "what write '{write}' staged to replace '{dataset}' ({size}, last written \
+                     {age} ago; `flightdeck drop {dataset} --staged-by {write}` if its job is gone)"
+                ),
+                None => format!("'{name}' ({size}, last written {age} ago)"),
+            }
         })
         .collect();
     let more = match held.len() {
@@ -937,6 +1090,18 @@ mod tests {
                 .enumerate()
                 .map(|(i, (bytes, secs))| (format!("d{i}"), bytes, Duration::from_secs(secs)))
                 .collect();
+        let staged = [(
+            crate::catalog::staged_key("d", "w"),
+            1 << 20,
+            Duration::from_secs(90),
+        )];
+        assert_eq!(
+            unsealed_text(&staged),
+            ". Of the budget, 1.0MiB is held by datasets written but never sealed, which cannot \
+             spill: what write 'w' staged to replace 'd' (1.0MiB, last written 1m30s ago; \
+             `flightdeck drop d --staged-by w` if its job is gone); seal them, or drop those \
+             whose writers are gone (`flightdeck drop NAME`)"
+        );
         assert_eq!(
             unsealed_text(&held),
             ". Of the budget, 3.0GiB is held by datasets written but never sealed, which cannot \

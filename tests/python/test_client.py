@@ -578,3 +578,46 @@ def test_server_names_read_as_the_shared_table_says():
                 normalize_uri(name, local or "")
         else:
             assert normalize_uri(name, local or "") == want, name
+
+
+def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_nothing(
+    flightdeck_server,
+):
+    c = flightdeck.connect(flightdeck_server.uri)
+    old = pa.table({"v": pa.array(range(10), pa.int64())})
+    c.put_partition("r", 0, old)
+    c.seal("r")
+    before = c.plan("r")
+    new = pa.table({"v": pa.array(range(100, 106), pa.int64()), "w": pa.array([1.5] * 6)})
+    c.put_partition("r", 0, new.slice(0, 4), write_id="w1", replace=True)
+    c.put_partition("r", 1, new.slice(4), write_id="w1", replace=True)
+    # Staged beside the dataset: readers keep the old rows, nothing else shows.
+    assert c.describe("r").rows == 10
+    assert c.list_datasets() == ["r"] and c.stats().datasets == 1
+    assert c.read_table(before.shards[0]).equals(old)
+    with pytest.raises(flightdeck.InvalidArgument, match="names no write"):
+        c.put_partition("r", 2, new, replace=True)
+    with pytest.raises(flightdeck.FailedPrecondition, match="write 'w9' staged nothing"):
+        c.seal("r", replace_write="w9")
+
+    info = c.seal("r", partitions=2, replace_write="w1")
+    assert (info.dataset, info.rows, info.partitions[1].rows) == ("r", 6, 2)
+    assert c.read_table(c.plan("r").shards[0]).equals(new)
+    # A read planned on the old rows is refused rather than mixing the two.
+    with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
+        c.read_table(before.shards[0])
+
+    # A replacing write that fails drops what it staged, nothing more, and
+    # its late attempts are refused.
+    c.put_partition("r", 0, old, write_id="w2", replace=True)
+    c.drop("r", abort_write="w2", staged=True)
+    with pytest.raises(flightdeck.Aborted, match="write 'w2' to dataset 'r' was aborted"):
+        c.put_partition("r", 1, old, write_id="w2", replace=True)
+    assert c.read_table(c.plan("r").shards[0]).equals(new)
+    log = "".join(flightdeck_server.stderr_lines)
+    assert "committed attempt dataset=r partition=0 attempt=0 rows=10" in log
+    assert "replaced dataset dataset=r rows=10" in log
+    assert "dropped dataset dataset=r rows=10" in log and "staged=true" in log
+    stats = c.stats()
+    assert (stats.datasets, stats.rows) == (1, 6), stats
+    c.drop("r")

@@ -332,6 +332,46 @@ def test_members_with_different_schemas_refuse_the_seal_and_stay_open(members):
     assert info.rows == 4
 
 
+def test_an_overwrite_across_members_swaps_at_its_seal_and_drops_parts_left_out(members):
+    a, b, c = (flightdeck.connect(m.uri) for m in members)
+    old = pa.table({"id": pa.array(range(90), pa.int64())})
+    locations = [cl.put_partition("swapped", i, old.slice(30 * i, 30)).location
+                 for i, cl in enumerate((a, b, c))]
+    a.seal_cluster("swapped", {loc: {i: 0} for i, loc in enumerate(locations)}, partitions=3)
+    before = a.plan("swapped")
+    old_order = ids(a.read_shard(before.shards[0]))
+
+    # The replacement goes to two of the three members; until its seal,
+    # every member serves the old dataset.
+    new = pa.table({"id": pa.array(range(1000, 1040), pa.int64())})
+    layout = {
+        a.put_partition("swapped", 0, new.slice(0, 20), write_id="w", replace=True).location:
+            {0: 0},
+        b.put_partition("swapped", 1, new.slice(20), write_id="w", replace=True).location: {1: 0},
+    }
+    assert ids(c.read_shard(before.shards[0])) == old_order
+    info = c.seal_cluster("swapped", layout, partitions=2, replace_write="w")
+    assert (info.rows, len(info.layout.members)) == (40, 2)
+    # Sent again (as after a lost reply), the seal changes nothing.
+    again = a.seal_cluster("swapped", layout, partitions=2, replace_write="w")
+    assert again.layout.id == info.layout.id
+    assert sorted(ids(b.read_shard(b.plan("swapped").shards[0]))) == list(range(1000, 1040))
+    with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
+        a.read_table(before.shards[0])
+    # The member the new layout leaves out dropped its part of the old one.
+    assert c.list_datasets() == []
+    assert "replaced dataset dataset=swapped rows=30" in "".join(members[0].stderr_lines)
+
+    # A replacement that fails is dropped where it was staged; the dataset
+    # stays as the last seal left it.
+    current = a.plan("swapped")
+    for cl in (a, c):
+        cl.put_partition("swapped", 0, new, write_id="w2", replace=True)
+        cl.drop("swapped", abort_write="w2", staged=True)
+    assert sorted(ids(a.read_shard(current.shards[0]))) == list(range(1000, 1040))
+    assert c.list_datasets() == [] and c.stats().rows == 0
+
+
 def test_a_rank_on_the_unix_socket_reads_its_own_member_there(tmp_path):
     """A member started with `--unix-socket`: a client connected through the
     socket (`grpc+unix://`, as `FLIGHTDECK_URI` may name it) writes, plans

@@ -5,6 +5,7 @@ a fixed overhead, and dropping returns the memory to the arena's pool."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +14,7 @@ import pytest
 import pyarrow as pa
 
 import flightdeck
-from conftest import RunningServer
+from conftest import RunningServer, scaled, server_binary
 
 LIMIT = 64 << 20
 #: Allowance above the limit for the process itself and in-flight messages:
@@ -153,5 +154,38 @@ def test_a_refusal_names_the_unsealed_datasets_that_hold_the_memory():
         assert "'kept'" not in said and "`flightdeck drop NAME`" in said, said
         c.drop("abandoned")
         c.put_partition("next", 0, part)
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_overwrite_whose_job_is_gone_is_named_and_dropped_by_its_write():
+    """What an overwrite staged cannot spill either: a refusal names it by
+    its dataset and write, with the command that drops it alone (the
+    dataset it would have replaced stays)."""
+    server = RunningServer("--memory-limit", "16MiB", "--admission-wait", "0")
+    try:
+        c = flightdeck.connect(server.uri)
+        part = pa.table({"v": pa.array(np.arange(1 << 19, dtype=np.int64))})  # 4 MiB
+        c.put_partition("kept", 0, part.slice(0, 1 << 17))
+        c.seal("kept", partitions=1)
+        for p in range(3):
+            c.put_partition("kept", p, part, write_id="gone", replace=True)
+        with pytest.raises(flightdeck.ResourceExhausted) as refused:
+            c.put_partition("next", 0, part)
+        said = str(refused.value)
+        assert "what write 'gone' staged to replace 'kept' (12.0MiB, last written" in said, said
+        assert "`flightdeck drop kept --staged-by gone` if its job is gone" in said, said
+        run = subprocess.run(
+            [str(server_binary()), "drop", "kept", "--staged-by", "gone", "--server", server.uri],
+            capture_output=True, text=True, timeout=scaled(30),
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.startswith(
+            "dropped what write 'gone' staged to replace 'kept': 1572864 rows, 12.0MiB"
+        ), run.stdout
+        assert c.describe("kept").rows == 1 << 17
+        c.put_partition("next", 0, part)
+        with pytest.raises(flightdeck.Aborted, match="write 'gone'"):
+            c.put_partition("kept", 3, part, write_id="gone", replace=True)
     finally:
         assert server.stop() == 0

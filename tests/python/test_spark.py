@@ -390,6 +390,50 @@ def check_a_read_never_mixes_two_writes(spark, uri, fmt):
     assert sorted(r.id for r in read().collect()) == list(range(1_000, 2_000))
 
 
+def check_a_failed_overwrite_keeps_the_dataset(server, spark, write):
+    """An overwrite stages its rows beside the dataset: while it runs, and
+    after it failed, readers read the old rows through the very plan they
+    had (the dataset was not written again); what it staged is dropped."""
+    client = flightdeck.connect(server.uri)
+    write(spark.range(30, numPartitions=3), "kept")
+    plan = client.plan("kept")
+    before = client.read_table(plan.shards[0])
+    df = always_fail(spark.range(80_000, numPartitions=4).selectExpr("id", "cast(id as float) x"))
+    with pytest.raises(Exception, match="injected failure of every attempt"):
+        write(df, "kept")
+    assert client.read_table(plan.shards[0]).equals(before)
+    assert client.list_datasets() == ["kept"]
+    log = "".join(server.stderr_lines)
+    assert "dropped dataset dataset=kept " in log and "staged=true" in log, log
+    stats = client.stats()
+    assert (stats.datasets, stats.rows) == (1, 30), stats
+    # The next overwrite that succeeds replaces it.
+    write(spark.range(5, numPartitions=1), "kept")
+    assert sorted(client.read_table(client.plan("kept").shards[0]).column("id").to_pylist()) == [
+        0, 1, 2, 3, 4
+    ]
+
+
+def test_a_failed_overwrite_keeps_the_dataset(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    check_a_failed_overwrite_keeps_the_dataset(
+        flightdeck_server, spark, lambda df, name: write_dataframe(df, uri, name)
+    )
+
+
+def test_a_failed_python_source_overwrite_keeps_the_dataset(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    check_a_failed_overwrite_keeps_the_dataset(
+        flightdeck_server,
+        spark,
+        lambda df, name: df.write.format("flightdeck_py").option("uri", uri)
+        .option("dataset", name).mode("overwrite").save(),
+    )
+
+
 @contextlib.contextmanager
 def guarded_server(tmp_path):
     """A server that takes writer token `w-spark` and reader token `r-spark`."""

@@ -1,7 +1,8 @@
 """The JVM Spark connector (`connectors/spark`, on `spark.jars`) from
 PySpark, with no Python between the executor and the server: every row
 exactly once when a task fails mid-partition and is retried, the winner
-named; overwrite, append refused, a failed job leaving nothing; every type
+named; overwrite, append refused, a failed job leaving nothing (a failed
+overwrite: the dataset it would have replaced); every type
 Arrow carries round-trips (read back with the Python client and with
 `spark.read.format("flightdeck")`); a type Arrow cannot carry is refused
 before any byte is sent; a read sends only the rows its filter selects (the
@@ -18,6 +19,7 @@ import flightdeck  # noqa: E402
 from conftest import SPARK_JAR, TYPES, server_name_cases  # noqa: E402
 from test_spark import (  # noqa: E402
     always_fail,
+    check_a_failed_overwrite_keeps_the_dataset,
     check_a_read_never_mixes_two_writes,
     check_the_token_option,
     fail_first_attempt,
@@ -86,6 +88,13 @@ def test_modes_and_a_failed_job(flightdeck_server, spark):
     log = "".join(flightdeck_server.stderr_lines)
     assert "committed attempt dataset=failed " in log, "partitions had been committed"
     assert "dropped dataset dataset=failed " in log
+
+
+def test_a_failed_overwrite_keeps_the_dataset(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    check_a_failed_overwrite_keeps_the_dataset(
+        flightdeck_server, spark, lambda df, name: write(df, uri, name, batch_rows=1000)
+    )
 
 
 def test_every_type_round_trips(flightdeck_server, spark):

@@ -72,6 +72,32 @@ def test_persist_survives_a_restart(tmp_path):
         stopped(server)
 
 
+def test_a_persisted_dataset_overwritten_comes_back_as_its_replacement(tmp_path):
+    args = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "swap", table(1_000, 1))
+            c.put_partition("swap", 0, table(500, 2), write_id="w", replace=True)
+            info = c.seal("swap", replace_write="w")
+            assert (info.rows, info.persisted) == (500, True)
+            after = epoch(c, "swap", "global")
+    finally:
+        stopped(server)
+    # The replaced dataset's files went with it; the new ones are under its name.
+    assert len(list((tmp_path / "store" / "datasets").glob("*/*/manifest.json"))) == 1
+    assert len(list((tmp_path / "store" / "datasets" / "swap").glob("*/manifest.json"))) == 1
+
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            assert c.list_datasets() == ["swap"]
+            assert c.describe("swap").rows == 500
+            assert epoch(c, "swap", "global") == after
+    finally:
+        stopped(server)
+
+
 def test_a_small_budget_spills_and_reads_back():
     one = table(200_000, 2)  # ~3.2 MB in the arena
     server = RunningServer("--memory-limit", "8MiB", "--slab-size", "256KiB")

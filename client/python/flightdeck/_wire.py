@@ -235,6 +235,7 @@ PutPartition = _message(
     Field("expected_bytes", 5, "uint64"),
     Field("expected_rows", 6, "uint64"),
     Field("write_id", 7, "string"),
+    Field("replace", 8, "bool"),
 )
 PutCommit = _message("PutCommit", Field("rows", 1, "uint64", optional=True))
 PutAck = _message(
@@ -308,6 +309,7 @@ SealDataset = _message(
     Field("partitions", 2, "uint32"),
     Field("attempts", 3, "message", repeated=True, message="PartitionAttempt"),
     Field("members", 4, "message", repeated=True, message="MemberPartitions"),
+    Field("replace_write", 5, "string"),
 )
 MemberPartitions = _message(
     "MemberPartitions",
@@ -319,6 +321,7 @@ PrepareMember = _message(
     Field("dataset", 1, "string"),
     Field("partitions", 2, "message", repeated=True, message="PartitionAttempt"),
     Field("check_only", 3, "bool"),
+    Field("replace_write", 4, "string"),
 )
 MemberPrepared = _message(
     "MemberPrepared",
@@ -326,6 +329,7 @@ MemberPrepared = _message(
     Field("schema", 2, "bytes"),
     Field("partitions", 3, "message", repeated=True, message="PartitionInfo"),
     Field("fixed_columns", 4, "bool", repeated=True),
+    Field("replaces", 5, "string", repeated=True),
 )
 ClusterMember = _message(
     "ClusterMember",
@@ -346,12 +350,14 @@ CommitLayout = _message(
     Field("dataset", 1, "string"),
     Field("layout", 2, "message", message="ClusterLayout"),
     Field("member", 3, "uint32"),
+    Field("replace_write", 4, "string"),
 )
 DropDataset = _message(
     "DropDataset",
     Field("dataset", 1, "string"),
     Field("member_only", 2, "bool"),
     Field("abort_write", 3, "string"),
+    Field("staged", 4, "bool"),
 )
 DescribeDataset = _message("DescribeDataset", Field("dataset", 1, "string"))
 PartitionInfo = _message(

@@ -374,11 +374,18 @@ class Client:
         *,
         schema: pa.Schema | None = None,
         write_id: str = "",
+        replace: bool = False,
     ) -> wire.Message:
         """Streams one attempt of one partition; returns the `PutAck` once
         the server committed it. `write_id` names the write (a Spark job) the
         attempt belongs to: once `drop(..., abort_write=write_id)` has been
         sent, the server refuses every attempt of it.
+
+        With `replace`, the write (its `write_id`, which it then needs)
+        replaces the dataset: its attempts are staged beside the dataset,
+        which readers keep reading until `seal(..., replace_write=write_id)`
+        puts the new rows in its place at once; `drop(dataset,
+        abort_write=write_id, staged=True)` drops only what it staged.
 
         The stream ends with a commit marker carrying the row count, so an
         exception while producing `data` (or a lost connection) leaves
@@ -400,6 +407,7 @@ class Client:
             expected_bytes=expected_bytes,
             expected_rows=expected_rows,
             write_id=write_id,
+            replace=replace,
         )
         descriptor = flight.FlightDescriptor.for_command(cmd.encode())
         writer, reader = translate(
@@ -442,14 +450,19 @@ class Client:
         dataset: str,
         partitions: int = 0,
         attempts: Mapping[int, int] | Sequence[tuple[int, int]] | None = None,
+        *,
+        replace_write: str = "",
     ) -> wire.Message:
         """Seals `dataset`. `partitions`: expected count (0 = don't check);
-        `attempts`: winning attempt per partition (others: first committed)."""
+        `attempts`: winning attempt per partition (others: first committed).
+        `replace_write`: seal what that replacing write staged (see
+        `put_partition`'s `replace`) and put it in the dataset's place."""
         pairs = attempts.items() if isinstance(attempts, Mapping) else (attempts or [])
         body = wire.SealDataset(
             dataset=dataset,
             partitions=partitions,
             attempts=[wire.PartitionAttempt(partition=p, attempt=a) for p, a in pairs],
+            replace_write=replace_write,
         )
         return self._action("seal", body, wire.DatasetInfo)
 
@@ -458,15 +471,20 @@ class Client:
         dataset: str,
         members: Mapping[str, Mapping[int, int]],
         partitions: int = 0,
+        *,
+        replace_write: str = "",
     ) -> wire.Message:
         """Seals a dataset written to several servers. `members` maps each
         server's location (its `PutAck.location`) to the winning attempt of
         each partition it holds; this server (any, member or not) seals every
         member and hands each the whole layout. Sealing again with the same
-        layout is a no-op, so a seal cut short can simply be sent again."""
+        layout is a no-op, so a seal cut short can simply be sent again.
+        `replace_write`: as for `seal`, on every member; members of the
+        replaced dataset that the new layout leaves out drop their part."""
         body = wire.SealDataset(
             dataset=dataset,
             partitions=partitions,
+            replace_write=replace_write,
             members=[
                 wire.MemberPartitions(
                     location=location,
@@ -479,12 +497,14 @@ class Client:
         )
         return self._action("seal", body, wire.DatasetInfo)
 
-    def drop(self, dataset: str, *, abort_write: str = "") -> wire.Message:
+    def drop(self, dataset: str, *, abort_write: str = "", staged: bool = False) -> wire.Message:
         """Drops `dataset` and frees its memory (on every member, for a
         dataset sealed across servers); returns what it was. `abort_write`
         names a failed write: the server refuses its attempts from now on, so
-        a task still running cannot bring the dataset back."""
-        body = wire.DropDataset(dataset=dataset, abort_write=abort_write)
+        a task still running cannot bring the dataset back. With `staged`,
+        only what that (replacing) write staged is dropped; the dataset
+        stays as it was."""
+        body = wire.DropDataset(dataset=dataset, abort_write=abort_write, staged=staged)
         return self._action("drop", body, wire.DatasetInfo)
 
     def derive(self, target: str, sql: str, *, source: str = "") -> wire.Message:

@@ -17,8 +17,12 @@ dataset with exactly the winning attempts and the partition count, so
 retried and speculative tasks never duplicate rows. `abort` drops what the
 job wrote, naming the job's write id (made on the driver, sent with every
 attempt), so that a task still running when the job failed is refused
-rather than bringing the dataset back. `overwrite` replaces an existing dataset; `append` to an existing
-dataset fails, since a sealed dataset is immutable. A server started with
+rather than bringing the dataset back. `overwrite` replaces an existing
+dataset at the end of the job: the new rows are staged beside it while the
+job runs (readers keep reading the old ones; the memory holds both), the
+seal puts them in its place at once, and a job that fails leaves the old
+dataset as it was. `append` to an existing dataset fails, since a sealed
+dataset is immutable. A server started with
 `--auth-token-file` takes the `token` option (default: `FLIGHTDECK_TOKEN`
 in the environment of the driver and of each executor) on every call: a
 writer's token to write, a reader's to read.
@@ -83,7 +87,8 @@ def prepare_dataset(
     uri: str, dataset: str, overwrite: bool, uris: list[str] = (), token: str | None = None
 ) -> None:
     """Driver-side check before a write, on `uri` and every one of `uris`:
-    drop for overwrite, refuse append to an existing dataset."""
+    each is reachable, and (append) none holds the dataset. An overwrite
+    leaves the dataset alone: the write replaces it when sealed."""
     for target in list(dict.fromkeys(uris)) or [uri]:
         _prepare_one(target, dataset, overwrite, token)
 
@@ -95,10 +100,6 @@ def _prepare_one(uri: str, dataset: str, overwrite: bool, token: str | None) -> 
         except NotFound:
             return
         if overwrite:
-            try:
-                client.drop(dataset)
-            except NotFound:  # dropped by another member's cascade meanwhile
-                pass
             return
     state = "sealed" if info.state == wire.DATASET_STATE_SEALED else "being written"
     raise FlightDeckError(
@@ -123,6 +124,7 @@ def _put_task_partition(
     uris: list[str] = (),
     write_id: str = "",
     token: str | None = None,
+    replace: bool = False,
 ) -> tuple[int, int, int, str]:
     ctx = TaskContext.get()
     if ctx is None:
@@ -131,7 +133,7 @@ def _put_task_partition(
     target = target_uri(uri, list(uris), partition)
     with connect(target, token=token) as client:
         ack = client.put_partition(
-            dataset, partition, batches, attempt, schema=schema, write_id=write_id
+            dataset, partition, batches, attempt, schema=schema, write_id=write_id, replace=replace
         )
         # The server's own name for itself: what other members reach it at.
         location = ack.location or client.uri
@@ -144,10 +146,12 @@ def seal_winners(
     partitions: int,
     winners: dict[int, tuple[int, str]],
     token: str | None = None,
+    replace_write: str = "",
 ) -> None:
     """Seals `dataset` naming the winning attempt of every partition and the
     server that holds it: one server's seal when all are on one, else a
-    cluster seal through the first of them."""
+    cluster seal through the first of them. With `replace_write`, what that
+    write staged takes the dataset's place."""
     missing = sorted(set(range(partitions)) - set(winners))
     if missing:
         raise FlightDeckError(
@@ -159,9 +163,11 @@ def seal_winners(
     first = next(iter(members))
     with connect(first, token=token) as client:
         if len(members) == 1:
-            client.seal(dataset, partitions=partitions, attempts=members[first])
+            client.seal(
+                dataset, partitions=partitions, attempts=members[first], replace_write=replace_write
+            )
         else:
-            client.seal_cluster(dataset, members, partitions=partitions)
+            client.seal_cluster(dataset, members, partitions=partitions, replace_write=replace_write)
 
 
 def new_write_id() -> str:
@@ -170,14 +176,19 @@ def new_write_id() -> str:
 
 
 def drop_quietly(
-    uris: list[str], dataset: str, write_id: str = "", token: str | None = None
+    uris: list[str],
+    dataset: str,
+    write_id: str = "",
+    token: str | None = None,
+    staged: bool = False,
 ) -> None:
     """Drops what a failed job wrote, if anything, on every server named,
-    and has each refuse the job's attempts from now on."""
+    and has each refuse the job's attempts from now on. With `staged` (an
+    overwrite), only what the job staged goes: the dataset stays."""
     for uri in dict.fromkeys(uris):
         try:
             with connect(uri, token=token) as client:
-                client.drop(dataset, abort_write=write_id)
+                client.drop(dataset, abort_write=write_id, staged=staged)
         except FlightDeckError:
             pass
 
@@ -373,23 +384,32 @@ try:  # Spark 4: Python data sources
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.schema = _arrow_schema(schema)
             self.write_id = new_write_id()
+            self.overwrite = overwrite
             # Runs on the driver, before any task.
             prepare_dataset(self.uri, self.dataset, overwrite, self.uris, self.token)
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
             partition, attempt, rows, location = _put_task_partition(
-                self.uri, self.dataset, iterator, self.schema, self.uris, self.write_id, self.token
+                self.uri,
+                self.dataset,
+                iterator,
+                self.schema,
+                self.uris,
+                self.write_id,
+                self.token,
+                self.overwrite,
             )
             return FlightDeckCommitMessage(partition, attempt, rows, location)
 
         def commit(self, messages) -> None:
             winners = {m.partition: (m.attempt, m.location) for m in messages}
-            seal_winners(self.uri, self.dataset, len(messages), winners, self.token)
+            replace_write = self.write_id if self.overwrite else ""
+            seal_winners(self.uri, self.dataset, len(messages), winners, self.token, replace_write)
 
         def abort(self, messages) -> None:
             written = [m.location for m in messages if m is not None and m.location]
             targets = [*written, *self.uris] or [self.uri]
-            drop_quietly(targets, self.dataset, self.write_id, self.token)
+            drop_quietly(targets, self.dataset, self.write_id, self.token, self.overwrite)
 
     @dataclass
     class FlightDeckReadPartition(InputPartition):
@@ -596,13 +616,14 @@ def write_dataframe(
     if mode not in ("overwrite", "append"):
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
     targets = parse_uris(uris)
-    prepare_dataset(uri, dataset, mode == "overwrite", targets, token)
+    replace = mode == "overwrite"
+    prepare_dataset(uri, dataset, replace, targets, token)
     schema = _arrow_schema(df.schema)
     write_id = new_write_id()
 
     def put(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         partition, attempt, rows, location = _put_task_partition(
-            uri, dataset, batches, schema, targets, write_id, token
+            uri, dataset, batches, schema, targets, write_id, token, replace
         )
         yield pa.RecordBatch.from_pydict(
             {"partition": [partition], "attempt": [attempt], "rows": [rows], "location": [location]},
@@ -622,10 +643,10 @@ def write_dataframe(
             put, "partition int, attempt int, rows long, location string"
         ).collect()
     except BaseException:
-        drop_quietly(targets or [uri], dataset, write_id, token)
+        drop_quietly(targets or [uri], dataset, write_id, token, replace)
         raise
     winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
-    seal_winners(uri, dataset, partitions, winners, token)
+    seal_winners(uri, dataset, partitions, winners, token, write_id if replace else "")
     return sum(r["rows"] for r in results)
 
 

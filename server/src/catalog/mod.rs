@@ -8,6 +8,12 @@
 //! here. At seal each partition's winner is the attempt named by the caller,
 //! else its first committed attempt; losers are freed.
 //!
+//! A write that replaces a dataset (`mode("overwrite")`) stages its
+//! attempts under [`staged_key`], beside the dataset, which stays as it is
+//! (readable, if sealed) until [`Catalog::swap_in`] puts the sealed
+//! replacement in its place at once; a failed write drops only what it
+//! staged.
+//!
 //! This module is pure: no I/O, no locks, no async. The caller serialises
 //! access and returns the bytes this module reports as freed to the budget.
 
@@ -45,6 +51,41 @@ pub fn add_rows(total: u64, more: u64, what: impl FnOnce() -> String) -> Result<
                 what()
             ))
         })
+}
+
+/// Separates a dataset's name from a write's id in the catalog key of what
+/// that write stages to replace the dataset: a control character, which no
+/// client's dataset name may hold, so no client names a staged entry.
+const STAGED: char = '\u{1f}';
+
+/// The catalog key of what write `write_id` stages to replace `dataset`.
+pub fn staged_key(dataset: &str, write_id: &str) -> String {
+    format!("{dataset}{STAGED}{write_id}")
+}
+
+/// The dataset a catalog key belongs to: the key itself, or the dataset a
+/// staged write will replace.
+pub fn public_name(key: &str) -> &str {
+    key.split(STAGED).next().unwrap_or(key)
+}
+
+/// A message naming catalog keys as a person reads them: a staged entry
+/// `'d<STAGED>w'` becomes `'d' (the replacement write 'w' stages)`.
+pub fn readable(message: &str) -> std::borrow::Cow<'_, str> {
+    if message.contains(STAGED) {
+        message.replace(STAGED, "', as replaced by write '").into()
+    } else {
+        message.into()
+    }
+}
+
+/// The dataset and write of a staged entry's key; `None` for a dataset's.
+pub fn staged_parts(key: &str) -> Option<(&str, &str)> {
+    key.split_once(STAGED)
+}
+
+fn is_staged(key: &str) -> bool {
+    key.contains(STAGED)
 }
 
 /// A dataset's place in a cluster of members.
@@ -110,6 +151,9 @@ pub struct SealRequest {
     /// A cluster seal: each member's location and winners (then `winners`
     /// is empty).
     pub members: Vec<(String, Vec<AttemptKey>)>,
+    /// Seal what this write staged to replace the dataset, and swap it in
+    /// ("" = seal the dataset itself).
+    pub replace_write: String,
 }
 
 /// The immutable, readable content of a sealed dataset: the winning attempts
@@ -415,8 +459,9 @@ impl Catalog {
     pub fn check_write(&self, dataset: &str, write_id: &str) -> Result<()> {
         if self.aborted.contains(write_id) {
             return Err(Error::Aborted(format!(
-                "write '{write_id}' to dataset '{dataset}' was aborted (its job failed and \
-                 dropped what it wrote); this attempt is not stored"
+                "write '{write_id}' to dataset '{}' was aborted (its job failed and dropped \
+                 what it wrote); this attempt is not stored",
+                public_name(dataset)
             )));
         }
         Ok(())
@@ -503,6 +548,7 @@ impl Catalog {
             partitions: 0,
             winners: want,
             members: vec![],
+            replace_write: String::new(),
         };
         let (_, freed) = self.seal_winners(&req, true)?;
         let ds = self
@@ -676,6 +722,12 @@ impl Catalog {
         Ok((summary.clone(), summary.bytes))
     }
 
+    /// Whether the catalog has an entry of this name (a dataset, or what a
+    /// write stages: [`staged_key`]).
+    pub fn holds(&self, name: &str) -> bool {
+        self.datasets.contains_key(name)
+    }
+
     /// Summary of one dataset.
     pub fn describe(&self, name: &str) -> Result<DatasetSummary> {
         self.datasets
@@ -686,12 +738,46 @@ impl Catalog {
             })
     }
 
-    /// Summaries of all datasets, by name.
+    /// Summaries of all datasets, by name (not what writes stage to
+    /// replace them: that is not readable until it is swapped in).
     pub fn list(&self) -> Vec<DatasetSummary> {
         self.datasets
             .iter()
+            .filter(|(name, _)| !is_staged(name))
             .map(|(name, ds)| summarize(name, ds))
             .collect()
+    }
+
+    /// Puts what write `write_id` staged (and sealed) to replace `dataset`
+    /// in its place, at once: readers see the old dataset until now and the
+    /// new one from now on (a new generation, so tickets of the old one are
+    /// refused as written again). Returns the new summary and that of the
+    /// dataset it replaced, if there was one; the replaced dataset's bytes
+    /// go back to the budget once its last reader ends.
+    pub fn swap_in(
+        &mut self,
+        dataset: &str,
+        write_id: &str,
+    ) -> Result<(DatasetSummary, Option<DatasetSummary>)> {
+        let key = staged_key(dataset, write_id);
+        let ready = self
+            .datasets
+            .get(&key)
+            .map(|ds| ds.sealed.is_some() && !matches!(ds.cluster, Some(ClusterState::Pending)));
+        match ready {
+            None => Err(nothing_staged(dataset, write_id)),
+            Some(false) => Err(Error::Internal(format!(
+                "the replacement of dataset '{dataset}' by write '{write_id}' is not sealed"
+            ))),
+            Some(true) => {
+                let staged = self.datasets.remove(&key).ok_or_else(|| {
+                    Error::Internal(format!("the replacement of '{dataset}' vanished"))
+                })?;
+                let new = summarize(dataset, &staged);
+                let old = self.datasets.insert(dataset.to_string(), staged);
+                Ok((new, old.map(|ds| summarize(dataset, &ds))))
+            }
+        }
     }
 
     /// The readable content of a sealed dataset and its generation.
@@ -891,11 +977,14 @@ impl Catalog {
     /// Totals over all datasets.
     pub fn totals(&self) -> CatalogTotals {
         let totals = self
-            .list()
+            .datasets
             .iter()
+            .map(|(name, ds)| summarize(name, ds))
             .fold(CatalogTotals::default(), |mut t, s| {
-                t.datasets += 1;
-                t.sealed += u32::from(s.state == DatasetState::Sealed);
+                // What writes stage counts in memory, not as datasets.
+                let shown = !is_staged(&s.name);
+                t.datasets += u32::from(shown);
+                t.sealed += u32::from(shown && s.state == DatasetState::Sealed);
                 t.rows += s.rows;
                 t.bytes += s.bytes;
                 t.spilled += u32::from(!s.resident);
@@ -910,6 +999,14 @@ impl Catalog {
             ..totals
         }
     }
+}
+
+/// The refusal of a seal or swap for a replacing write with nothing staged.
+pub fn nothing_staged(dataset: &str, write_id: &str) -> Error {
+    Error::FailedPrecondition(format!(
+        "write '{write_id}' staged nothing to replace dataset '{dataset}' (it wrote no partition \
+         here, was dropped, or was swapped in already); write the dataset again"
+    ))
 }
 
 fn schema_mismatch(dataset: &str, key: AttemptKey, expected: &Schema, got: &Schema) -> Error {

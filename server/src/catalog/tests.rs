@@ -94,6 +94,7 @@ fn missing_partitions_are_listed_and_nothing_changes() {
             partitions: 6,
             winners: vec![],
             members: vec![],
+            replace_write: String::new(),
         })
         .expect_err("missing");
     match err {
@@ -107,6 +108,7 @@ fn missing_partitions_are_listed_and_nothing_changes() {
             partitions: u32::MAX,
             winners: vec![],
             members: vec![],
+            replace_write: String::new(),
         })
         .expect_err("missing");
     match err {
@@ -129,6 +131,7 @@ fn missing_partitions_are_listed_and_nothing_changes() {
             partitions: 3,
             winners: vec![],
             members: vec![],
+            replace_write: String::new(),
         })
         .expect_err("extra partition 5");
     assert!(err.to_string().contains("[5]"), "{err}");
@@ -217,6 +220,7 @@ proptest! {
             partitions: expected,
             winners: winners.clone(),
             members: vec![],
+            replace_write: String::new(),
         };
         let total_bytes: u64 = committed.values().map(|r| r * 8).sum();
 
@@ -493,4 +497,76 @@ fn unsealed_holders_are_the_open_datasets_largest_first() {
         .collect();
     // Every attempt counts, losers to be included: none is freed before seal.
     assert_eq!(held, [("big".to_string(), 240), ("small".to_string(), 16)]);
+}
+
+#[test]
+fn a_replacing_write_is_staged_beside_the_dataset_and_swapped_in_at_once() {
+    let mut c = Catalog::new();
+    c.commit("d", key(0, 0), schema(), attempt(key(0, 0), 3))
+        .expect("old");
+    seal_named(&mut c, "d");
+    let (old_generation, old) = c.sealed("d").expect("old sealed");
+    // The replacement is written and sealed beside the dataset: readers
+    // keep the old rows, listings do not show what is staged.
+    let staged = staged_key("d", "w1");
+    c.commit(&staged, key(0, 1), schema(), attempt(key(0, 1), 5))
+        .expect("staged");
+    c.commit(&staged, key(1, 0), schema(), attempt(key(1, 0), 2))
+        .expect("staged");
+    assert_eq!(c.sealed("d").expect("old still").1.rows(), 3);
+    let names: Vec<String> = c.list().into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["d"]);
+    assert_eq!(c.totals().datasets, 1);
+    assert_eq!(c.totals().bytes, (3 + 5 + 2) * 8);
+    let err = c.swap_in("d", "w1").expect_err("not sealed");
+    assert!(matches!(err, Error::Internal(_)), "{err}");
+    seal_named(&mut c, &staged);
+    let (new, replaced) = c.swap_in("d", "w1").expect("swap");
+    assert_eq!((new.name.as_str(), new.rows), ("d", 7));
+    let replaced = replaced.expect("the old dataset");
+    assert_eq!((replaced.generation, replaced.rows), (old_generation, 3));
+    let (generation, data) = c.sealed("d").expect("new");
+    assert!(
+        generation > old_generation,
+        "a new generation refuses old tickets"
+    );
+    assert_eq!(
+        all_values(&data),
+        [1_000, 1_001, 1_002, 1_003, 1_004, 1_000_000, 1_000_001]
+    );
+    // A reader that held the old rows still has them.
+    assert_eq!(all_values(&old), [0, 1, 2]);
+    assert!(!c.holds(&staged));
+    // Sent again, the swap says nothing is staged.
+    let err = c.swap_in("d", "w1").expect_err("swapped already");
+    assert!(err.to_string().contains("staged nothing"), "{err}");
+    // A replacement of a dataset that does not exist yet creates it.
+    let staged = staged_key("e", "w2");
+    c.commit(&staged, key(0, 0), schema(), attempt(key(0, 0), 1))
+        .expect("staged");
+    seal_named(&mut c, &staged);
+    let (_, replaced) = c.swap_in("e", "w2").expect("swap");
+    assert!(replaced.is_none());
+    assert_eq!(c.describe("e").expect("e").rows, 1);
+}
+
+#[test]
+fn staged_keys_read_as_their_dataset_and_write() {
+    let k = staged_key("d", "w");
+    assert_eq!(public_name(&k), "d");
+    assert_eq!(public_name("d"), "d");
+    let err = Error::DatasetNotFound { dataset: k };
+    assert_eq!(
+        readable(&err.to_string()),
+        "dataset 'd', as replaced by write 'w' does not exist; write it with DoPut, or list \
+         datasets with ListFlights"
+    );
+}
+
+fn seal_named(c: &mut Catalog, name: &str) {
+    c.seal(&SealRequest {
+        dataset: name.into(),
+        ..Default::default()
+    })
+    .expect("seal");
 }

@@ -259,7 +259,10 @@ impl Store {
         } else {
             self.root.clone().join("spill").join(self.session.as_str())
         };
-        base.join(PathPart::from(name)).join(generation.to_string())
+        // What a write stages goes under its dataset's name too (the
+        // generation, unique per server, keeps the two apart).
+        base.join(PathPart::from(crate::catalog::public_name(name)))
+            .join(generation.to_string())
     }
 
     /// Writes `data` as Parquet; with `manifest` (persisting), also the

@@ -100,16 +100,14 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             Ok(convert::dataset_info(&summary)?.encode_to_vec().into())
         }
         actions::MEMBER_PREPARE => {
-            let (name, winners, check_only) = convert::prepare_request(&action.body)?;
-            Ok(state
-                .prepare_member(&name, &winners, check_only)
-                .await?
-                .encode_to_vec()
-                .into())
+            let req = convert::prepare_request(&action.body)?;
+            Ok(state.prepare_member(&req).await?.encode_to_vec().into())
         }
         actions::MEMBER_COMMIT => {
-            let (name, layout, index) = convert::commit_request(&action.body)?;
-            let summary = state.commit_layout(&name, layout, index).await?;
+            let (name, layout, index, replace_write) = convert::commit_request(&action.body)?;
+            let summary = state
+                .commit_layout(&name, layout, index, &replace_write)
+                .await?;
             info(state, &summary)
         }
         actions::MEMBER_SELECT => {

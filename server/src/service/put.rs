@@ -94,13 +94,17 @@ where
             "the first DoPut message carries no flight descriptor; name the dataset and partition",
         )
     })?;
+    let target = convert::put_target(&descriptor)?;
+    // The catalog entry: the dataset, or what a replacing write stages.
+    let entry = target.entry();
     let convert::PutTarget {
         dataset,
         key,
         explicit_commit,
         expected_bytes,
         write_id,
-    } = convert::put_target(&descriptor)?;
+        replace,
+    } = target;
     let what = || {
         format!(
             "attempt {} of partition {} of dataset '{dataset}'",
@@ -214,7 +218,7 @@ where
                 {
                     let catalog = state.catalog();
                     catalog.check_write(&dataset, &write_id)?;
-                    catalog.check_put(&dataset, key, &s)?;
+                    catalog.check_put(&entry, key, &s)?;
                 }
                 schema = Some(s);
             }
@@ -251,7 +255,7 @@ where
         check_commit_marker(&last_metadata, rows, &what())?;
     }
     state.catalog().commit_write(
-        &dataset,
+        &entry,
         key,
         &write_id,
         schema,
@@ -267,6 +271,7 @@ where
         attempt = key.attempt,
         rows,
         bytes,
+        replace,
         "committed attempt"
     );
     Ok(pb::PutAck {

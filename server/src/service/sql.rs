@@ -384,6 +384,7 @@ impl SqlService {
                 partitions: 1,
                 winners: Vec::new(),
                 members: Vec::new(),
+                replace_write: String::new(),
             })
             .await;
         if let Err(e) = sealed {

@@ -40,9 +40,11 @@ import org.apache.spark.sql.util.ArrowUtils;
  * attempt and the server holding it. The driver's commit seals the dataset
  * with exactly those winners (a cluster seal when they are on several
  * servers), so retried and speculative tasks never duplicate rows; abort
- * drops what the job wrote. {@code overwrite} replaces a dataset;
- * {@code append} creates one and refuses an existing one (a sealed dataset
- * is immutable).
+ * drops what the job wrote. {@code overwrite} replaces a dataset at the end
+ * of the job: its rows are staged beside the dataset, which readers keep
+ * reading, and the seal swaps them in at once; a failed job leaves the old
+ * dataset as it was. {@code append} creates a dataset and refuses an
+ * existing one (a sealed dataset is immutable).
  */
 final class FlightDeckWrite {
   private FlightDeckWrite() {}
@@ -87,7 +89,8 @@ final class FlightDeckWrite {
           prepare(o, replace);
           SQLConf conf = SQLConf.get();
           return new Batch(o.withDefaultBatchRows(conf.arrowMaxRecordsPerBatch()), s,
-              conf.sessionLocalTimeZone(), java.util.UUID.randomUUID().toString().replace("-", ""));
+              conf.sessionLocalTimeZone(), java.util.UUID.randomUUID().toString().replace("-", ""),
+              replace);
         }
       };
     }
@@ -108,7 +111,11 @@ final class FlightDeckWrite {
     }
   }
 
-  /** On the driver, before any task: drop for overwrite, refuse append to an existing dataset. */
+  /**
+   * On the driver, before any task: every server is reachable, and (append)
+   * none holds the dataset. An overwrite leaves the dataset alone: the write
+   * replaces it when sealed.
+   */
   static void prepare(Options options, boolean overwrite) {
     for (String target : new LinkedHashSet<>(options.targets())) {
       try (Server server = Server.open(target, options.token())) {
@@ -117,7 +124,6 @@ final class FlightDeckWrite {
           continue;
         }
         if (overwrite) {
-          server.drop(options.dataset(), "");
           continue;
         }
         throw new FlightDeckException(
@@ -141,17 +147,20 @@ final class FlightDeckWrite {
     private final String timeZone;
     /** This job's id, sent with every attempt and named when it aborts. */
     private final String writeId;
+    /** Whether the job replaces the dataset (an overwrite). */
+    private final boolean replace;
 
-    Batch(Options options, StructType schema, String timeZone, String writeId) {
+    Batch(Options options, StructType schema, String timeZone, String writeId, boolean replace) {
       this.options = options;
       this.schema = schema;
       this.timeZone = timeZone;
       this.writeId = writeId;
+      this.replace = replace;
     }
 
     @Override
     public DataWriterFactory createBatchWriterFactory(PhysicalWriteInfo info) {
-      return new Factory(options, schema, timeZone, writeId);
+      return new Factory(options, schema, timeZone, writeId, replace);
     }
 
     @Override
@@ -176,7 +185,8 @@ final class FlightDeckWrite {
       }
       String through = members.isEmpty() ? options.target(0) : members.firstKey();
       try (Server server = Server.open(through, options.token())) {
-        server.action("seal", Wire.seal(options.dataset(), messages.length, members));
+        server.action(
+            "seal", Wire.seal(options.dataset(), messages.length, members, replace ? writeId : ""));
       }
     }
 
@@ -193,7 +203,7 @@ final class FlightDeckWrite {
         try (Server server = Server.open(target, options.token())) {
           // Naming the write: a task still running is refused, not left
           // to bring the dataset back.
-          server.drop(options.dataset(), writeId);
+          server.drop(options.dataset(), writeId, replace);
         } catch (RuntimeException e) {
           // Best effort: the job's own failure is what the user sees.
         }
@@ -202,13 +212,14 @@ final class FlightDeckWrite {
   }
 
   /** Serialized to the executors: makes each task's writer. */
-  record Factory(Options options, StructType schema, String timeZone, String writeId)
+  record Factory(
+      Options options, StructType schema, String timeZone, String writeId, boolean replace)
       implements DataWriterFactory {
     @Override
     public DataWriter<InternalRow> createWriter(int partitionId, long taskId) {
       TaskContext ctx = TaskContext.get();
       int attempt = ctx == null ? 0 : ctx.attemptNumber();
-      return new TaskWriter(options, schema, timeZone, writeId, partitionId, attempt);
+      return new TaskWriter(options, schema, timeZone, writeId, replace, partitionId, attempt);
     }
   }
 
@@ -227,8 +238,8 @@ final class FlightDeckWrite {
     private int inBatch;
     private boolean ended;
 
-    TaskWriter(Options options, StructType schema, String timeZone, String writeId, int partition,
-        int attempt) {
+    TaskWriter(Options options, StructType schema, String timeZone, String writeId,
+        boolean replace, int partition, int attempt) {
       this.options = options;
       this.partition = partition;
       this.attempt = attempt;
@@ -240,7 +251,8 @@ final class FlightDeckWrite {
         r = VectorSchemaRoot.create(ArrowUtils.toArrowSchema(schema, timeZone, true), a);
         s = Server.connect(options.target(partition), options.token(), a);
         FlightDescriptor descriptor =
-            FlightDescriptor.command(Wire.putPartition(options.dataset(), partition, attempt, writeId));
+            FlightDescriptor.command(
+                Wire.putPartition(options.dataset(), partition, attempt, writeId, replace));
         this.stream = s.client.startPut(descriptor, r, acks, s.options);
       } catch (RuntimeException e) {
         // Spark closes only a writer it got: free what was made.

@@ -109,11 +109,12 @@ final class Server implements AutoCloseable {
 
   /**
    * Drops the dataset; true if there was one. {@code abortWrite} (may be
-   * empty) names a failed write whose attempts the server refuses from now on.
+   * empty) names a failed write whose attempts the server refuses from now
+   * on; with {@code staged}, only what that write staged goes.
    */
-  boolean drop(String dataset, String abortWrite) {
+  boolean drop(String dataset, String abortWrite, boolean staged) {
     try {
-      action("drop", Wire.drop(dataset, abortWrite));
+      action("drop", Wire.drop(dataset, abortWrite, staged));
       return true;
     } catch (FlightDeckException e) {
       if (e.code.equals(FlightStatusCode.NOT_FOUND.name())) {

@@ -92,23 +92,30 @@ final class Wire {
     }
   }
 
-  /** {@code PutPartition}: the descriptor command of a {@code DoPut}. */
-  static byte[] putPartition(String dataset, int partition, int attempt, String writeId) {
+  /**
+   * {@code PutPartition}: the descriptor command of a {@code DoPut}; with
+   * {@code replace}, the attempt is staged beside the dataset for write
+   * {@code writeId} to replace it when sealed.
+   */
+  static byte[] putPartition(
+      String dataset, int partition, int attempt, String writeId, boolean replace) {
     return new Out()
         .string(1, dataset)
         .uint32(2, partition)
         .uint32(3, attempt)
         .bool(4, true) // explicit commit: PutCommit{rows} on the last message
         .string(7, writeId)
+        .bool(8, replace)
         .bytes();
   }
 
   /**
    * {@code DropDataset}, naming the failed write {@code abortWrite} (may be
-   * empty): the server refuses that write's attempts from then on.
+   * empty): the server refuses that write's attempts from then on. With
+   * {@code staged}, only what that write staged to replace the dataset goes.
    */
-  static byte[] drop(String dataset, String abortWrite) {
-    return new Out().string(1, dataset).string(3, abortWrite).bytes();
+  static byte[] drop(String dataset, String abortWrite, boolean staged) {
+    return new Out().string(1, dataset).string(3, abortWrite).bool(4, staged).bytes();
   }
 
   /** {@code PutCommit{rows}}: the writer's marker on the last message. */
@@ -123,11 +130,16 @@ final class Wire {
   /**
    * {@code SealDataset}: the winning attempt of every partition, on one
    * server ({@code members} of one location: named in {@code attempts}) or
-   * on several (a cluster seal, {@code members} by location).
+   * on several (a cluster seal, {@code members} by location); with
+   * {@code replaceWrite} (may be empty), what that write staged takes the
+   * dataset's place.
    */
   static byte[] seal(
-      String dataset, int partitions, SortedMap<String, SortedMap<Integer, Integer>> members) {
-    Out seal = new Out().string(1, dataset).uint32(2, partitions);
+      String dataset,
+      int partitions,
+      SortedMap<String, SortedMap<Integer, Integer>> members,
+      String replaceWrite) {
+    Out seal = new Out().string(1, dataset).uint32(2, partitions).string(5, replaceWrite);
     if (members.size() == 1) {
       for (Map.Entry<Integer, Integer> w : members.values().iterator().next().entrySet()) {
         seal.message(3, partitionAttempt(w.getKey(), w.getValue()));
