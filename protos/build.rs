@@ -12,6 +12,7 @@ const PRINTED: &[&str] = &[
     ".flightdeck.v1.ClusterLayout",
     ".flightdeck.v1.ClusterMember",
     ".flightdeck.v1.ServerStats",
+    ".flightdeck.v1.StagedWrite",
     ".flightdeck.v1.JobStatus",
     ".flightdeck.v1.TrainProgress",
 ];

@@ -69,7 +69,7 @@ use tonic::transport::{Channel, Endpoint};
 pub use flightdeck_protos::{
     ClusterLayout, DatasetInfo, DatasetState, JobList, JobStatus, Locality, MemberPartitions,
     OptimizerKind, PartitionAttempt, PlanInfo, PutAck, PutPartition, ReadPlan, SealDataset,
-    ServerStats, ShardInfo, Shuffle, Task, TrainJob, TrainProgress, actions,
+    ServerStats, ShardInfo, Shuffle, StagedWrite, Task, TrainJob, TrainProgress, actions,
 };
 
 /// Largest message the client accepts: shards stream whole batches of

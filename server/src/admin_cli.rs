@@ -21,8 +21,9 @@ use arrow::ipc::convert::try_schema_from_ipc_buffer;
 use arrow::util::display::{ArrayFormatter, FormatOptions};
 use flightdeck_client::{
     Client, ClientError, ClusterLayout, DatasetInfo, DatasetState, JobStatus, ServerStats,
+    StagedWrite,
 };
-use flightdeck_server::config::show_size;
+use flightdeck_server::config::{show_age, show_size};
 use futures::TryStreamExt;
 
 /// The server's advice (in Flight's words, left) as a person at the command
@@ -267,7 +268,7 @@ async fn on_server<T>(
 
 /// Runs `flightdeck datasets`: one line a dataset.
 pub async fn datasets(args: DatasetsArgs) -> Result<(), String> {
-    let infos = on_server(&args.server, async |c| {
+    let (infos, staged) = on_server(&args.server, async |c| {
         let mut infos = Vec::new();
         for name in c.list_datasets_starting_with(&args.prefix).await? {
             match c.describe(&name).await {
@@ -277,12 +278,16 @@ pub async fn datasets(args: DatasetsArgs) -> Result<(), String> {
                 Err(e) => return Err(e),
             }
         }
-        Ok(infos)
+        let mut staged = c.stats().await?.staged;
+        staged.retain(|w| w.dataset.starts_with(&args.prefix));
+        Ok((infos, staged))
     })
     .await?;
-    args.output.print(&infos[..], datasets_text, |i| {
-        i.iter().map(dataset_json).collect()
-    });
+    args.output.print(
+        &infos[..],
+        |i| datasets_text(i) + &staged_text(&staged),
+        |i| i.iter().map(dataset_json).collect(),
+    );
     Ok(())
 }
 
@@ -631,6 +636,44 @@ pub fn datasets_text(infos: &[DatasetInfo]) -> String {
     )
 }
 
+/// What `flightdeck datasets` adds under its table while overwrites are
+/// being written: each write staging rows to replace a dataset.
+pub fn staged_text(staged: &[StagedWrite]) -> String {
+    if staged.is_empty() {
+        return String::new();
+    }
+    let rows: Vec<Vec<String>> = staged
+        .iter()
+        .map(|w| {
+            vec![
+                w.dataset.clone(),
+                w.write_id.clone(),
+                w.rows.to_string(),
+                w.committed_partitions.to_string(),
+                show_size(w.bytes),
+                format!("{} ago", seconds_ago(w.written_seconds_ago)),
+            ]
+        })
+        .collect();
+    let header = [
+        "REPLACES",
+        "WRITE",
+        "ROWS",
+        "PARTITIONS",
+        "MEMORY",
+        "LAST WRITTEN",
+    ];
+    format!(
+        "\nbeing written (each takes its dataset's place when sealed):\n{}",
+        table(&header, &rows)
+    )
+}
+
+/// A reply's `*_seconds_ago` as a person reads it.
+fn seconds_ago(seconds: f64) -> String {
+    show_age(std::time::Duration::from_secs_f64(seconds.max(0.0)))
+}
+
 /// `reply` as JSON: its fields by their .proto names.
 pub fn to_json<T: serde::Serialize + ?Sized>(reply: &T) -> serde_json::Value {
     // The messages hold numbers, strings, lists and messages: nothing that
@@ -723,6 +766,24 @@ pub fn describe_text(info: &DatasetInfo) -> String {
         ("memory", show_size(info.bytes)),
         ("held", held(info)),
     ];
+    if info.state == DatasetState::Open as i32 {
+        let quiet = seconds_ago(info.written_seconds_ago);
+        lines.push(("written", format!("last attempt committed {quiet} ago")));
+    }
+    for w in &info.replacements {
+        lines.push((
+            "replacing",
+            format!(
+                "write '{}' has staged {} rows in {} partitions ({}), last written {} ago; \
+                 sealed, it takes this dataset's place",
+                w.write_id,
+                w.rows,
+                w.committed_partitions,
+                show_size(w.bytes),
+                seconds_ago(w.written_seconds_ago)
+            ),
+        ));
+    }
     if info.spilled {
         let note = "(in the spill store only: the next read brings it back)";
         lines.push(("", note.into()));
@@ -859,6 +920,17 @@ pub fn stats_text(s: &ServerStats) -> String {
                 plural(s.restores, "restore")
             ),
         ),
+        (
+            "overwrites",
+            match s.staged.len() {
+                0 => "none being written".into(),
+                n => format!(
+                    "{n} being written: {} rows, {} staged",
+                    s.staged.iter().map(|w| w.rows).sum::<u64>(),
+                    show_size(s.staged.iter().map(|w| w.bytes).sum())
+                ),
+            },
+        ),
         ("to ranks", traffic(s.rows_served, s.bytes_served)),
         (
             "to peers",
@@ -971,6 +1043,48 @@ mod tests {
             bytes: rows * 12,
             committed_attempts: attempt + 1,
         }
+    }
+
+    fn staged_write(dataset: &str, write_id: &str, rows: u64) -> StagedWrite {
+        StagedWrite {
+            dataset: dataset.into(),
+            write_id: write_id.into(),
+            rows,
+            bytes: rows * 12,
+            committed_partitions: 2,
+            written_seconds_ago: 95.5,
+        }
+    }
+
+    #[test]
+    fn overwrites_under_way_show_under_the_listing_and_in_their_dataset() {
+        assert_eq!(staged_text(&[]), "");
+        let text = staged_text(&[staged_write("clicks", "job-1", 300)]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_eq!(
+            lines[1],
+            "being written (each takes its dataset's place when sealed):"
+        );
+        let words = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            words(lines[3]),
+            ["clicks", "job-1", "300", "2", "3.5KiB", "1m35s", "ago"]
+        );
+        let mut info = sealed("clicks", 1000);
+        info.replacements = vec![staged_write("clicks", "job-1", 300)];
+        assert_has_line(
+            &describe_text(&info),
+            "replacing   write 'job-1' has staged 300 rows in 2 partitions (3.5KiB), last written \
+             1m35s ago; sealed, it takes this dataset's place",
+        );
+        assert!(!describe_text(&info).contains("last attempt committed"));
+        info.state = DatasetState::Open.into();
+        info.written_seconds_ago = 4.2;
+        assert_has_line(
+            &describe_text(&info),
+            "written     last attempt committed 4s ago",
+        );
     }
 
     fn sealed(name: &str, rows: u64) -> DatasetInfo {
@@ -1242,9 +1356,18 @@ mod tests {
             "datasets    2 (1 sealed, 0 spilled): 10 rows, 0B in memory",
             "spill store memory://; persist no; 1 spill and 2 restores since start",
             "to peers    7 rows, 0B",
+            "overwrites  none being written",
         ] {
             assert_has_line(&text, line);
         }
+        let staged = stats_text(&ServerStats {
+            staged: vec![staged_write("a", "w1", 100), staged_write("b", "w2", 20)],
+            ..stats.clone()
+        });
+        assert_has_line(
+            &staged,
+            "overwrites  2 being written: 120 rows, 1.4KiB staged",
+        );
         let with_rss = stats_text(&ServerStats {
             resident_peak_bytes: 2 << 30,
             ..stats

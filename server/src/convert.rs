@@ -713,7 +713,21 @@ fn local_dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
         persisted: s.stored.as_ref().is_some_and(|st| st.persisted),
         placements: Vec::new(),
         layout: None,
+        written_seconds_ago: s.idle.as_secs_f64(),
+        replacements: Vec::new(),
     })
+}
+
+/// What a replacing write staged, as `describe` and `stats` show it.
+pub fn staged_write(s: &crate::catalog::StagedSummary) -> pb::StagedWrite {
+    pb::StagedWrite {
+        dataset: s.dataset.clone(),
+        write_id: s.write_id.clone(),
+        rows: s.summary.rows,
+        bytes: s.summary.bytes,
+        committed_partitions: s.summary.partitions.len() as u32,
+        written_seconds_ago: s.summary.idle.as_secs_f64(),
+    }
 }
 
 /// A `place` request in domain terms.

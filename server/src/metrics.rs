@@ -600,9 +600,9 @@ impl Collector for StateCollector {
             return Ok(());
         };
         let tiers = state.tier_stats();
-        let (datasets, totals) = {
+        let (datasets, totals, staged) = {
             let catalog = state.catalog();
-            (catalog.list(), catalog.totals())
+            (catalog.list(), catalog.totals(), catalog.staged(None))
         };
         let t = &state.traffic;
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -723,6 +723,29 @@ impl Collector for StateCollector {
             "1 for a sealed dataset, 0 for an open one",
             MetricType::Gauge,
             &per_dataset(&|d| u64::from(d.state == crate::catalog::DatasetState::Sealed)),
+        )?;
+        // Overwrites under way: what each has staged, by the dataset it
+        // replaces (several writes of one dataset add up).
+        let mut replacing: std::collections::BTreeMap<&str, u64> = Default::default();
+        for w in &staged {
+            *replacing.entry(w.dataset.as_str()).or_default() += w.summary.bytes;
+        }
+        let replacing: Vec<_> = replacing
+            .into_iter()
+            .map(|(dataset, bytes)| {
+                let label = DatasetLabel {
+                    dataset: dataset.to_string(),
+                };
+                (label, gauge(bytes))
+            })
+            .collect();
+        family(
+            &mut e,
+            "overwrite_staged_bytes",
+            "bytes that overwrites under way have staged to replace each dataset (shown once \
+             sealed; part of memory_used_bytes)",
+            MetricType::Gauge,
+            &replacing,
         )?;
         for (name, help, rows, bytes) in [
             (

@@ -594,6 +594,10 @@ def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_not
     # Staged beside the dataset: readers keep the old rows, nothing else shows.
     assert c.describe("r").rows == 10
     assert c.list_datasets() == ["r"] and c.stats().datasets == 1
+    # ... but describe and stats say what is under way.
+    (staged,) = c.describe("r").replacements
+    assert (staged.write_id, staged.rows, staged.committed_partitions) == ("w1", 6, 2)
+    assert [(w.dataset, w.write_id) for w in c.stats().staged] == [("r", "w1")]
     assert c.read_table(before.shards[0]).equals(old)
     with pytest.raises(flightdeck.InvalidArgument, match="names no write"):
         c.put_partition("r", 2, new, replace=True)
@@ -619,5 +623,6 @@ def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_not
     assert "replaced dataset dataset=r rows=10" in log
     assert "dropped dataset dataset=r rows=10" in log and "staged=true" in log
     stats = c.stats()
-    assert (stats.datasets, stats.rows) == (1, 6), stats
+    assert (stats.datasets, stats.rows, list(stats.staged)) == (1, 6, []), stats
+    assert not c.describe("r").replacements
     c.drop("r")

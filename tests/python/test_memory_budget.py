@@ -175,15 +175,23 @@ def test_an_overwrite_whose_job_is_gone_is_named_and_dropped_by_its_write():
         said = str(refused.value)
         assert "what write 'gone' staged to replace 'kept' (12.0MiB, last written" in said, said
         assert "`flightdeck drop kept --staged-by gone` if its job is gone" in said, said
-        run = subprocess.run(
-            [str(server_binary()), "drop", "kept", "--staged-by", "gone", "--server", server.uri],
-            capture_output=True, text=True, timeout=scaled(30),
-        )
+        def cli(*args):
+            return subprocess.run(
+                [str(server_binary()), *args, "--server", server.uri],
+                capture_output=True, text=True, timeout=scaled(30),
+            )
+
+        listed = cli("datasets")
+        assert "being written (each takes its dataset's place when sealed)" in listed.stdout
+        assert listed.stdout.split("\n")[-2].split()[:5] == ["kept", "gone", "1572864", "3",
+                                                             "12.0MiB"], listed.stdout
+        run = cli("drop", "kept", "--staged-by", "gone")
         assert run.returncode == 0, run.stderr
         assert run.stdout.startswith(
             "dropped what write 'gone' staged to replace 'kept': 1572864 rows, 12.0MiB"
         ), run.stdout
         assert c.describe("kept").rows == 1 << 17
+        assert "being written" not in cli("datasets").stdout
         c.put_partition("next", 0, part)
         with pytest.raises(flightdeck.Aborted, match="write 'gone'"):
             c.put_partition("kept", 3, part, write_id="gone", replace=True)

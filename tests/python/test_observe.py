@@ -246,3 +246,20 @@ def test_metrics_show_a_packed_copy_built_once_for_shuffled_epochs():
         assert packed == rows * (8 + 4 * 4)
     finally:
         assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_an_overwrite_under_way_shows_what_it_staged(observed):
+    c = flightdeck.connect(observed.uri)
+    c.put_partition("o", 0, pa.table({"v": pa.array(range(100), pa.int64())}))
+    c.seal("o")
+    staged = c.put_partition(
+        "o", 0, pa.table({"v": pa.array(range(5000), pa.int64())}), write_id="w", replace=True
+    )
+    m = scrape(observed.metrics_url)
+    assert value(m, "flightdeck_overwrite_staged_bytes", dataset="o") == staged.bytes
+    assert value(m, "flightdeck_datasets") == 1
+    assert value(m, "flightdeck_dataset_rows", dataset="o") == 100
+    c.seal("o", replace_write="w")
+    m = scrape(observed.metrics_url)
+    assert not [k for k in m if k[0] == "flightdeck_overwrite_staged_bytes"]
+    assert value(m, "flightdeck_dataset_rows", dataset="o") == 5000

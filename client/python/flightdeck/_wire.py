@@ -382,6 +382,17 @@ DatasetInfo = _message(
     Field("persisted", 10, "bool"),
     Field("placements", 11, "message", repeated=True, message="DevicePlacement"),
     Field("layout", 12, "message", message="ClusterLayout"),
+    Field("written_seconds_ago", 13, "double"),
+    Field("replacements", 14, "message", repeated=True, message="StagedWrite"),
+)
+StagedWrite = _message(
+    "StagedWrite",
+    Field("dataset", 1, "string"),
+    Field("write_id", 2, "string"),
+    Field("rows", 3, "uint64"),
+    Field("bytes", 4, "uint64"),
+    Field("committed_partitions", 5, "uint32"),
+    Field("written_seconds_ago", 6, "double"),
 )
 DevicePlacement = _message(
     "DevicePlacement",
@@ -429,6 +440,7 @@ ServerStats = _message(
     Field("packed_bytes", 25, "uint64"),
     Field("memory_used_peak", 26, "uint64"),
     Field("resident_peak_bytes", 27, "uint64"),
+    Field("staged", 28, "message", repeated=True, message="StagedWrite"),
 )
 TrainJob = _message(
     "TrainJob",

@@ -297,6 +297,19 @@ pub struct DatasetSummary {
     pub stored: Option<Stored>,
     /// Its place in a cluster, if it is part of one.
     pub cluster: Option<ClusterState>,
+    /// Time since its last attempt was committed (or it was restored).
+    pub idle: Duration,
+}
+
+/// What one replacing write has staged so far.
+#[derive(Debug, Clone)]
+pub struct StagedSummary {
+    /// The dataset it replaces.
+    pub dataset: String,
+    /// The write.
+    pub write_id: String,
+    /// The staged entry as a dataset (named by its catalog key).
+    pub summary: DatasetSummary,
 }
 
 /// A sealed dataset as a reader finds it.
@@ -722,6 +735,22 @@ impl Catalog {
         Ok((summary.clone(), summary.bytes))
     }
 
+    /// What replacing writes have staged: of `dataset`, or of every
+    /// dataset; by dataset, then write.
+    pub fn staged(&self, dataset: Option<&str>) -> Vec<StagedSummary> {
+        self.datasets
+            .iter()
+            .filter_map(|(key, ds)| {
+                let (name, write) = staged_parts(key)?;
+                dataset.is_none_or(|d| d == name).then(|| StagedSummary {
+                    dataset: name.to_string(),
+                    write_id: write.to_string(),
+                    summary: summarize(key, ds),
+                })
+            })
+            .collect()
+    }
+
     /// Whether the catalog has an entry of this name (a dataset, or what a
     /// write stages: [`staged_key`]).
     pub fn holds(&self, name: &str) -> bool {
@@ -1120,6 +1149,7 @@ fn summarize(name: &str, ds: &Dataset) -> DatasetSummary {
         resident: ds.sealed.as_ref().is_none_or(|s| s.data.is_some()),
         stored: ds.sealed.as_ref().and_then(|s| s.stored.clone()),
         cluster: ds.cluster.clone(),
+        idle: ds.written.elapsed(),
     }
 }
 

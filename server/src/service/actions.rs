@@ -73,6 +73,12 @@ pub(super) fn list() -> Vec<ActionType> {
 /// The reply for a dataset: its summary and its device placements.
 fn info(state: &State, summary: &DatasetSummary) -> Result<Bytes> {
     let mut info = convert::dataset_info(summary)?;
+    info.replacements = state
+        .catalog()
+        .staged(Some(&summary.name))
+        .iter()
+        .map(convert::staged_write)
+        .collect();
     info.placements = state
         .placements_of(&summary.name, summary.generation)
         .into_iter()
@@ -156,6 +162,12 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 packed_bytes: totals.packed_bytes,
                 memory_used_peak: tiers.budget_peak,
                 resident_peak_bytes: resident_peak(),
+                staged: state
+                    .catalog()
+                    .staged(None)
+                    .iter()
+                    .map(convert::staged_write)
+                    .collect(),
             }
             .encode_to_vec()
             .into())
