@@ -197,3 +197,25 @@ def test_an_overwrite_whose_job_is_gone_is_named_and_dropped_by_its_write():
             c.put_partition("kept", 3, part, write_id="gone", replace=True)
     finally:
         assert server.stop() == 0
+
+
+def test_an_overwrite_larger_than_the_room_left_spills_the_dataset_it_replaces():
+    """Old and new rows are both held while an overwrite runs: when the
+    budget cannot hold both, the old (sealed) dataset spills, stays
+    readable from the store, and the overwrite goes through."""
+    server = RunningServer("--memory-limit", "16MiB", "--admission-wait", "0")
+    try:
+        c = flightdeck.connect(server.uri)
+        part = pa.table({"v": pa.array(np.arange(1 << 20, dtype=np.int64))})  # 8 MiB
+        c.put_partition("big", 0, part)
+        c.seal("big")
+        before = c.plan("big")
+        new = pa.table({"v": pa.array(np.arange(1 << 20, dtype=np.int64) * 2)})
+        c.put_partition("big", 0, new, write_id="w", replace=True)
+        assert c.describe("big").spilled and c.stats().spills == 1
+        assert c.read_table(before.shards[0]).equals(part)
+        c.seal("big", replace_write="w")
+        assert c.read_table(c.plan("big").shards[0]).equals(new)
+        assert c.stats().datasets == 1
+    finally:
+        assert server.stop() == 0
