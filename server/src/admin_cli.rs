@@ -931,6 +931,13 @@ pub fn stats_text(s: &ServerStats) -> String {
                 ),
             },
         ),
+        (
+            "sql queries",
+            format!(
+                "{} running; {} done, {} failed, {} given up since start",
+                s.queries_running, s.queries_done, s.queries_failed, s.queries_given_up
+            ),
+        ),
         ("to ranks", traffic(s.rows_served, s.bytes_served)),
         (
             "to peers",
@@ -1346,6 +1353,9 @@ mod tests {
             spill_url: "memory://".into(),
             location: "grpc://127.0.0.1:1".into(),
             rows_served_to_peers: 7,
+            queries_running: 1,
+            queries_done: 4,
+            queries_given_up: 2,
             ..Default::default()
         };
         let text = stats_text(&stats);
@@ -1357,6 +1367,7 @@ mod tests {
             "spill store memory://; persist no; 1 spill and 2 restores since start",
             "to peers    7 rows, 0B",
             "overwrites  none being written",
+            "sql queries 1 running; 4 done, 0 failed, 2 given up since start",
         ] {
             assert_has_line(&text, line);
         }

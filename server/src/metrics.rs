@@ -267,6 +267,22 @@ impl Metrics {
         }
     }
 
+    /// SQL queries running now, and those ended since start by outcome
+    /// (`[done, failed, given_up]`).
+    pub fn query_counts(&self) -> (u64, [u64; 3]) {
+        let ended = [
+            QueryOutcome::Done,
+            QueryOutcome::Failed,
+            QueryOutcome::GivenUp,
+        ]
+        .map(|o| {
+            self.queries
+                .get_or_create(&OutcomeLabel { outcome: o.word() })
+                .get()
+        });
+        (self.queries_running.get().max(0) as u64, ended)
+    }
+
     /// A registry holding these metrics and, read at each scrape, what
     /// `state` holds.
     pub fn registry(&self, state: Weak<State>) -> Registry {

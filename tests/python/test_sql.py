@@ -357,5 +357,10 @@ def test_a_query_its_client_gave_up_on_stops_and_leaves_reads_alone():
         assert value(samples, "flightdeck_queries_total", outcome="failed") == 1
         assert value(samples, "flightdeck_query_duration_seconds_count") == 5
         assert value(samples, "flightdeck_query_duration_seconds_sum") >= 3 * 2.5
+        # ... and so does stats.
+        stats = flightdeck.connect(s.uri).stats()
+        counts = (stats.queries_running, stats.queries_done, stats.queries_failed,
+                  stats.queries_given_up)
+        assert counts == (0, 1, 1, 3), stats
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)

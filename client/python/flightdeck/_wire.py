@@ -441,6 +441,10 @@ ServerStats = _message(
     Field("memory_used_peak", 26, "uint64"),
     Field("resident_peak_bytes", 27, "uint64"),
     Field("staged", 28, "message", repeated=True, message="StagedWrite"),
+    Field("queries_running", 29, "uint64"),
+    Field("queries_done", 30, "uint64"),
+    Field("queries_failed", 31, "uint64"),
+    Field("queries_given_up", 32, "uint64"),
 )
 TrainJob = _message(
     "TrainJob",

@@ -134,6 +134,8 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
             let t = &state.traffic;
             let load =
                 |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+            let (queries_running, [queries_done, queries_failed, queries_given_up]) =
+                state.metrics.query_counts();
             Ok(pb::ServerStats {
                 memory_used: tiers.budget_used,
                 memory_limit: tiers.budget_limit,
@@ -168,6 +170,10 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                     .iter()
                     .map(convert::staged_write)
                     .collect(),
+                queries_running,
+                queries_done,
+                queries_failed,
+                queries_given_up,
             }
             .encode_to_vec()
             .into())
