@@ -490,8 +490,12 @@ pub struct PrepareRequest {
 /// The body of `member_prepare`.
 pub fn prepare_request(body: &[u8]) -> Result<PrepareRequest> {
     let p: pb::PrepareMember = decode(body, "body of action 'member_prepare'", "PrepareMember")?;
+    let dataset = dataset_name(&p.dataset)?;
+    if !p.replace_write.is_empty() {
+        replacing_write(&dataset, &p.replace_write, "a member_prepare")?;
+    }
     Ok(PrepareRequest {
-        dataset: dataset_name(&p.dataset)?,
+        dataset,
         winners: attempt_keys(&p.partitions),
         check_only: p.check_only,
         replace_write: p.replace_write,
@@ -594,8 +598,12 @@ pub fn commit_request(body: &[u8]) -> Result<(String, Layout, usize, String)> {
         .layout
         .as_ref()
         .ok_or_else(|| Error::invalid("member_commit carries no layout"))?;
+    let dataset = dataset_name(&c.dataset)?;
+    if !c.replace_write.is_empty() {
+        replacing_write(&dataset, &c.replace_write, "a member_commit")?;
+    }
     Ok((
-        dataset_name(&c.dataset)?,
+        dataset,
         layout_from_proto(layout)?,
         c.member as usize,
         c.replace_write,
@@ -931,6 +939,27 @@ mod tests {
         let e = staged("").expect_err("no write id").to_string();
         assert!(e.contains("names no write"), "{e}");
         assert!(staged("a\u{1f}b").is_err());
+        // Every body that names a replacing write checks its id.
+        let bad = "a\u{1f}b".to_string();
+        let seal = pb::SealDataset {
+            dataset: "d".into(),
+            replace_write: bad.clone(),
+            ..Default::default()
+        };
+        assert!(seal_request(&seal.encode_to_vec()).is_err());
+        let prepare = pb::PrepareMember {
+            dataset: "d".into(),
+            replace_write: bad.clone(),
+            ..Default::default()
+        };
+        assert!(prepare_request(&prepare.encode_to_vec()).is_err());
+        let drop = pb::DropDataset {
+            dataset: "d".into(),
+            staged: true,
+            ..Default::default()
+        };
+        let e = drop_request(&drop.encode_to_vec()).expect_err("no write named");
+        assert!(e.to_string().contains("names no write"), "{e}");
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);
         assert_eq!(put_target(&d).expect("valid").key.partition, 7);
         let d = FlightDescriptor::new_path(vec!["d".into(), "seven".into()]);
