@@ -609,12 +609,16 @@ impl State {
 
     /// After a local seal: logs it and, with `persist`, writes the dataset.
     async fn sealed(&self, summary: DatasetSummary, freed: u64) -> Result<DatasetSummary> {
+        // What a replacing write staged is logged under its dataset's name.
+        let (dataset, write) =
+            crate::catalog::staged_parts(&summary.name).unwrap_or((summary.name.as_str(), ""));
         info!(
-            dataset = %summary.name,
+            dataset = %dataset,
             partitions = summary.partitions.len(),
             rows = summary.rows,
             bytes = summary.bytes,
             freed,
+            replacing_write = %write,
             "sealed dataset"
         );
         if !self.config.persist || summary.stored.is_some() {
@@ -658,8 +662,13 @@ impl State {
             let key = crate::catalog::staged_key(&req.dataset, &req.replace_write);
             let catalog = self.catalog();
             // Sent again after this member swapped it in: it is the dataset now.
-            let swapped =
-                !catalog.holds(&key) && catalog.check_member(&req.dataset, &want).unwrap_or(false);
+            let swapped = catalog.swapped_in_by(&req.dataset, &req.replace_write);
+            if !swapped && !catalog.holds(&key) {
+                return Err(crate::catalog::nothing_staged(
+                    &req.dataset,
+                    &req.replace_write,
+                ));
+            }
             drop(catalog);
             let entry = if swapped { req.dataset.clone() } else { key };
             (entry, self.layout_locations(&req.dataset))
@@ -702,15 +711,28 @@ impl State {
         let (summary, replaced) = {
             let mut catalog = self.catalog();
             let key = crate::catalog::staged_key(dataset, replace_write);
-            if replace_write.is_empty() || !catalog.holds(&key) {
+            if replace_write.is_empty() || catalog.swapped_in_by(dataset, replace_write) {
                 // (Sent again after the swap: the dataset holds the layout.)
                 (catalog.commit_layout(dataset, layout, index)?, None)
-            } else {
+            } else if catalog.holds(&key) {
                 catalog.commit_layout(&key, layout, index)?;
                 catalog.swap_in(dataset, replace_write)?
+            } else {
+                return Err(crate::catalog::nothing_staged(dataset, replace_write));
             }
         };
+        // The new manifest first, then the old files: a restart in between
+        // finds the new dataset.
+        let written = self.write_layout_manifest(dataset, &summary).await;
         self.replaced(dataset, replaced).await;
+        written?;
+        info!(dataset = %dataset, member = index, "joined cluster layout");
+        Ok(summary)
+    }
+
+    /// Rewrites a persisted dataset's manifest (its cluster layout, its
+    /// name after a swap).
+    async fn write_layout_manifest(&self, dataset: &str, summary: &DatasetSummary) -> Result<()> {
         if let Some(stored) = summary.stored.as_ref().filter(|s| s.persisted) {
             self.store
                 .write_manifest(
@@ -723,8 +745,7 @@ impl State {
                 )
                 .await?;
         }
-        info!(dataset = %dataset, member = index, "joined cluster layout");
-        Ok(summary)
+        Ok(())
     }
 
     /// Seals a dataset across members: each seals its part (`member_prepare`,

@@ -259,6 +259,9 @@ struct Dataset {
     cluster: Option<ClusterState>,
     /// When its last attempt was committed (or it was restored).
     written: Instant,
+    /// The replacing write that swapped it in ("" = none, or before a
+    /// restart), so that the same seal sent again finds it done.
+    swapped_in_by: String,
 }
 
 /// What `describe` tells about one partition.
@@ -525,6 +528,7 @@ impl Catalog {
                     sealed_parts: Vec::new(),
                     cluster: None,
                     written: Instant::now(),
+                    swapped_in_by: String::new(),
                 },
             );
         }
@@ -751,6 +755,14 @@ impl Catalog {
             .collect()
     }
 
+    /// Whether `dataset` is what write `write_id` staged, swapped in
+    /// already (since this server started).
+    pub fn swapped_in_by(&self, dataset: &str, write_id: &str) -> bool {
+        self.datasets
+            .get(dataset)
+            .is_some_and(|ds| !write_id.is_empty() && ds.swapped_in_by == write_id)
+    }
+
     /// Whether the catalog has an entry of this name (a dataset, or what a
     /// write stages: [`staged_key`]).
     pub fn holds(&self, name: &str) -> bool {
@@ -799,9 +811,10 @@ impl Catalog {
                 "the replacement of dataset '{dataset}' by write '{write_id}' is not sealed"
             ))),
             Some(true) => {
-                let staged = self.datasets.remove(&key).ok_or_else(|| {
+                let mut staged = self.datasets.remove(&key).ok_or_else(|| {
                     Error::Internal(format!("the replacement of '{dataset}' vanished"))
                 })?;
+                staged.swapped_in_by = write_id.to_string();
                 let new = summarize(dataset, &staged);
                 let old = self.datasets.insert(dataset.to_string(), staged);
                 Ok((new, old.map(|ds| summarize(dataset, &ds))))
@@ -970,6 +983,7 @@ impl Catalog {
                 sealed_parts: p.partitions,
                 cluster: p.cluster,
                 written: Instant::now(),
+                swapped_in_by: String::new(),
             },
         );
         Ok(())
