@@ -597,6 +597,9 @@ def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_not
     # ... but describe and stats say what is under way.
     (staged,) = c.describe("r").replacements
     assert (staged.write_id, staged.rows, staged.committed_partitions) == ("w1", 6, 2)
+    assert str(c.describe("r")).splitlines()[0].endswith(
+        " 1 partitions, being replaced by write 'w1' (6 rows staged)"
+    )
     assert [(w.dataset, w.write_id) for w in c.stats().staged] == [("r", "w1")]
     assert c.read_table(before.shards[0]).equals(old)
     with pytest.raises(flightdeck.InvalidArgument, match="names no write"):

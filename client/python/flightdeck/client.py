@@ -219,6 +219,8 @@ def _describe_dataset(info: wire.Message) -> str:
         where.append(f"on GPUs {sorted(p.device for p in info.placements)}")
     if info.layout is not None:
         where.append(f"across {len(info.layout.members)} servers")
+    for w in info.replacements:
+        where.append(f"being replaced by write {w.write_id!r} ({w.rows:,} rows staged)")
     line = (
         f"dataset {info.dataset!r}: {state}, {info.rows:,} rows, {info.bytes:,} bytes in memory, "
         f"{info.committed_partitions} partitions" + "".join(f", {w}" for w in where)
