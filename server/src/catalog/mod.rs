@@ -70,7 +70,7 @@ pub fn public_name(key: &str) -> &str {
 }
 
 /// A message naming catalog keys as a person reads them: a staged entry
-/// `'d<STAGED>w'` becomes `'d' (the replacement write 'w' stages)`.
+/// `'d<STAGED>w'` becomes `'d', as replaced by write 'w'`.
 pub fn readable(message: &str) -> std::borrow::Cow<'_, str> {
     if message.contains(STAGED) {
         message.replace(STAGED, "', as replaced by write '").into()

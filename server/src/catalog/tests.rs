@@ -570,3 +570,62 @@ fn seal_named(c: &mut Catalog, name: &str) {
     })
     .expect("seal");
 }
+
+proptest! {
+    /// Whatever an overwrite stages and however it ends, the dataset reads
+    /// exactly its old rows until the swap, and exactly the replacement's
+    /// winners after it; a replacement dropped instead leaves the dataset
+    /// as it was and frees every staged byte. Listings never show what is
+    /// staged.
+    #[test]
+    fn an_overwrite_leaves_the_old_rows_or_puts_exactly_the_new_ones(
+        old in ops(),
+        staged in ops(),
+        swap in any::<bool>(),
+    ) {
+        let mut c = Catalog::new();
+        for Op::Commit { partition, attempt: a, rows } in &old {
+            let _ = c.commit("d", key(*partition, *a), schema(), attempt(key(*partition, *a), *rows));
+        }
+        let old_values = (!old.is_empty()).then(|| {
+            seal_named(&mut c, "d");
+            all_values(&c.sealed("d").expect("old").1)
+        });
+        let entry = staged_key("d", "w");
+        let mut fresh = Catalog::new();
+        for Op::Commit { partition, attempt: a, rows } in &staged {
+            let (k, rows) = (key(*partition, *a), *rows);
+            let here = c.commit(&entry, k, schema(), attempt(k, rows));
+            let alone = fresh.commit("d", k, schema(), attempt(k, rows));
+            prop_assert_eq!(here.is_ok(), alone.is_ok());
+            let shown: Vec<String> = c.list().into_iter().map(|s| s.name).collect();
+            prop_assert_eq!(shown, old_values.iter().map(|_| "d".to_string()).collect::<Vec<_>>());
+            prop_assert_eq!(
+                old_values.clone(),
+                c.sealed("d").ok().map(|(_, data)| all_values(&data))
+            );
+        }
+        if staged.is_empty() {
+            prop_assert!(c.swap_in("d", "w").is_err());
+            return Ok(());
+        }
+        if swap {
+            seal_named(&mut c, &entry);
+            seal_named(&mut fresh, "d");
+            let (summary, replaced) = c.swap_in("d", "w").expect("swap");
+            prop_assert_eq!(replaced.is_some(), old_values.is_some());
+            let want = all_values(&fresh.sealed("d").expect("alone").1);
+            prop_assert_eq!(all_values(&c.sealed("d").expect("new").1), want);
+            prop_assert_eq!(summary.bytes, c.totals().bytes);
+        } else {
+            let (_, freed) = c.drop_dataset(&entry).expect("drop staged");
+            prop_assert_eq!(freed, fresh.totals().bytes);
+            prop_assert_eq!(
+                old_values.clone(),
+                c.sealed("d").ok().map(|(_, data)| all_values(&data))
+            );
+            prop_assert_eq!(c.totals().datasets, u32::from(old_values.is_some()));
+        }
+        prop_assert!(c.staged(None).is_empty());
+    }
+}
