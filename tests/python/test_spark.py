@@ -434,6 +434,52 @@ def test_a_failed_python_source_overwrite_keeps_the_dataset(flightdeck_server, s
     )
 
 
+def check_an_empty_dataframe_writes_an_empty_dataset(uri, spark, fmt, write):
+    """A DataFrame with no rows — with no partitions at all, or with
+    partitions that are all empty — writes a sealed dataset of no rows with
+    its schema, which reads back as an empty DataFrame and an epoch of no
+    batches; as an overwrite it empties the dataset it replaces."""
+    client = flightdeck.connect(uri)
+    no_partitions = spark.createDataFrame(spark.sparkContext.emptyRDD(), "id long, x float")
+    assert no_partitions.rdd.getNumPartitions() == 0
+    empty_partitions = spark.range(100, numPartitions=4).selectExpr("id", "cast(id as float) x")
+    empty_partitions = empty_partitions.where("id < 0")
+    write(spark.range(30, numPartitions=3).selectExpr("id", "cast(id as float) x"), "emptied")
+    cases = (("none", no_partitions), ("empty", empty_partitions), ("emptied", empty_partitions))
+    for name, df in cases:
+        write(df, name)
+        info = client.describe(name)
+        assert (info.state, info.rows) == (2, 0), (name, info)
+        back = spark.read.format(fmt).option("uri", uri).option("dataset", name).load()
+        assert back.columns == ["id", "x"] and back.count() == 0, name
+        assert list(ShardedDataset(uri, name, rank=0, world_size=2, seed=3)) == [], name
+    assert sorted(client.list_datasets()) == ["emptied", "empty", "none"]
+
+
+def test_an_empty_dataframe_writes_an_empty_dataset(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    check_an_empty_dataframe_writes_an_empty_dataset(
+        uri,
+        spark,
+        "flightdeck_py",
+        lambda df, name: df.write.format("flightdeck_py").option("uri", uri)
+        .option("dataset", name).mode("overwrite").save(),
+    )
+
+
+def test_write_dataframe_writes_an_empty_dataframe(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("reads back through the Python data source, which needs Spark 4")
+    register(spark, "flightdeck_py")
+    uri = flightdeck_server.uri
+    check_an_empty_dataframe_writes_an_empty_dataset(
+        uri, spark, "flightdeck_py", lambda df, name: write_dataframe(df, uri, name)
+    )
+
+
 @contextlib.contextmanager
 def guarded_server(tmp_path):
     """A server that takes writer token `w-spark` and reader token `r-spark`."""

@@ -20,6 +20,7 @@ from conftest import SPARK_JAR, TYPES, server_name_cases  # noqa: E402
 from test_spark import (  # noqa: E402
     always_fail,
     check_a_failed_overwrite_keeps_the_dataset,
+    check_an_empty_dataframe_writes_an_empty_dataset,
     check_a_read_never_mixes_two_writes,
     check_the_token_option,
     fail_first_attempt,
@@ -94,6 +95,13 @@ def test_a_failed_overwrite_keeps_the_dataset(flightdeck_server, spark):
     uri = flightdeck_server.uri
     check_a_failed_overwrite_keeps_the_dataset(
         flightdeck_server, spark, lambda df, name: write(df, uri, name, batch_rows=1000)
+    )
+
+
+def test_an_empty_dataframe_writes_an_empty_dataset(flightdeck_server, spark):
+    uri = flightdeck_server.uri
+    check_an_empty_dataframe_writes_an_empty_dataset(
+        uri, spark, "flightdeck", lambda df, name: write(df, uri, name)
     )
 
 

@@ -157,6 +157,8 @@ def seal_winners(
         raise FlightDeckError(
             f"no committed task for partitions {missing} of dataset '{dataset}'", "INTERNAL"
         )
+    if not winners:
+        raise FlightDeckError(f"no task committed a partition of dataset '{dataset}'", "INTERNAL")
     members: dict[str, dict[int, int]] = {}
     for p, (attempt, location) in sorted(winners.items()):
         members.setdefault(location or uri, {})[p] = attempt
@@ -638,6 +640,13 @@ def write_dataframe(
         )
 
     partitions = df.rdd.getNumPartitions()
+    if partitions == 0:
+        # A DataFrame without partitions (one built from no rows) still
+        # writes one empty partition, as Spark's own writers do, so that
+        # the dataset exists, with its schema, and holds no rows.
+        spark = df.sparkSession
+        df = spark.createDataFrame(spark.sparkContext.parallelize([], 1), df.schema)
+        partitions = 1
     try:
         results = df.mapInArrow(
             put, "partition int, attempt int, rows long, location string"
