@@ -716,8 +716,8 @@ impl Client {
         let body = flightdeck_protos::DropDataset {
             dataset: dataset.to_string(),
             abort_write: write_id.to_string(),
-            member_only: false,
             staged,
+            ..Default::default()
         };
         self.action(actions::DROP, body.encode_to_vec().into())
             .await

@@ -618,11 +618,19 @@ pub fn drop_request(body: &[u8]) -> Result<DropRequest> {
     if d.staged {
         replacing_write(&dataset, &d.abort_write, "a drop of what a write staged")?;
     }
+    if !d.keep_write.is_empty() {
+        replacing_write(
+            &dataset,
+            &d.keep_write,
+            "a drop that keeps a write's dataset",
+        )?;
+    }
     Ok(DropRequest {
         dataset,
         member_only: d.member_only,
         abort_write: d.abort_write,
         staged: d.staged,
+        keep_write: d.keep_write,
     })
 }
 
@@ -637,6 +645,9 @@ pub struct DropRequest {
     pub abort_write: String,
     /// Drop only what `abort_write` staged to replace the dataset.
     pub staged: bool,
+    /// Leave the dataset alone where this write swapped it in ("" = drop
+    /// whatever it is).
+    pub keep_write: String,
 }
 
 /// The dataset named by a `describe` body.
@@ -960,6 +971,12 @@ mod tests {
         };
         let e = drop_request(&drop.encode_to_vec()).expect_err("no write named");
         assert!(e.to_string().contains("names no write"), "{e}");
+        let drop = pb::DropDataset {
+            dataset: "d".into(),
+            keep_write: bad.clone(),
+            ..Default::default()
+        };
+        assert!(drop_request(&drop.encode_to_vec()).is_err());
         let d = FlightDescriptor::new_path(vec!["d".into(), "7".into()]);
         assert_eq!(put_target(&d).expect("valid").key.partition, 7);
         let d = FlightDescriptor::new_path(vec!["d".into(), "seven".into()]);

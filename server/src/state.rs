@@ -884,6 +884,8 @@ impl State {
     /// With `abort_write`, that write's attempts are refused from now on
     /// (recorded first, under the same lock, so no attempt of it can land
     /// between the drop and the refusal; recorded even with no dataset).
+    /// With `keep_write`, a dataset that write swapped in stays (refused
+    /// as `FAILED_PRECONDITION`, checked under the same lock).
     pub async fn drop_dataset(&self, req: &convert::DropRequest) -> Result<DatasetSummary> {
         let name = req.dataset.as_str();
         // What a replacing write staged, or the dataset itself.
@@ -895,6 +897,12 @@ impl State {
         let (mut summary, freed) = {
             let mut catalog = self.catalog();
             catalog.abort_write(&req.abort_write);
+            if catalog.swapped_in_by(&entry, &req.keep_write) {
+                return Err(Error::FailedPrecondition(format!(
+                    "dataset '{name}' here is what write '{}' swapped in: left as it is",
+                    req.keep_write
+                )));
+            }
             catalog.drop_dataset(&entry)?
         };
         summary.name = name.to_string();
@@ -927,6 +935,7 @@ impl State {
                         member_only: true,
                         abort_write: req.abort_write.clone(),
                         staged: req.staged,
+                        keep_write: req.keep_write.clone(),
                     },
                 )
                 .await;

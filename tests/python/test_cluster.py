@@ -412,3 +412,45 @@ def test_a_rank_on_the_unix_socket_reads_its_own_member_there(tmp_path):
         for server in (near, far):
             assert server.stop() == 0, "".join(server.stderr_lines)
     assert not sock.exists(), "the socket file goes with the server"
+
+
+@pytest.mark.parametrize("writer", ["flightdeck_py", "flightdeck", "write_dataframe"])
+def test_an_overwrite_leaves_no_older_copy_on_servers_it_wrote_nothing_to(members, spark, writer):
+    """An overwrite routed to three servers whose rows all land on two: the
+    third's older copy of the dataset (written there alone) goes at the
+    seal, so readers there find no dataset rather than the rows the
+    overwrite replaced; a server named twice (another spelling of a member)
+    keeps the member's part of the new dataset."""
+    pytest.importorskip("pyspark")
+    from flightdeck.spark import register, write_dataframe
+
+    if writer == "flightdeck_py":
+        register(spark, writer)
+    a, b, c = (flightdeck.connect(m.uri) for m in members)
+    c.put_partition("moved", 0, pa.table({"id": pa.array(range(10), pa.int64())}))
+    c.seal("moved", partitions=1)
+    also_a = members[0].uri.replace("grpc://", "grpc+tcp://")
+    assert also_a != members[0].uri
+
+    def overwrite(first, uris):
+        df = spark.range(first, first + 40, numPartitions=2)
+        if writer == "write_dataframe":
+            write_dataframe(df, uris[0], "moved", uris=uris)
+            return
+        df.write.format(writer).option("uris", ",".join(uris)).option(
+            "dataset", "moved"
+        ).mode("overwrite").save()
+
+    # Partition p goes to uris[p % 3]: the third gets none.
+    overwrite(100, [members[0].uri, members[1].uri, members[2].uri])
+    assert c.list_datasets() == [], "the older copy on the server left out is gone"
+    info = a.describe("moved")
+    assert (info.rows, len(info.layout.members)) == (40, 2)
+    read = a.read_table(a.plan("moved").shards[0])
+    assert sorted(read.column("id").to_pylist()) == list(range(100, 140))
+
+    overwrite(200, [members[0].uri, members[1].uri, also_a])
+    with flightdeck.connect(also_a) as again:
+        read = again.read_table(again.plan("moved").shards[0])
+        assert sorted(read.column("id").to_pylist()) == list(range(200, 240))
+    assert a.describe("moved").rows == 40

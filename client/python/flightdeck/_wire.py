@@ -358,6 +358,7 @@ DropDataset = _message(
     Field("member_only", 2, "bool"),
     Field("abort_write", 3, "string"),
     Field("staged", 4, "bool"),
+    Field("keep_write", 5, "string"),
 )
 DescribeDataset = _message("DescribeDataset", Field("dataset", 1, "string"))
 PartitionInfo = _message(

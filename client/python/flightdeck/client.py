@@ -499,14 +499,20 @@ class Client:
         )
         return self._action("seal", body, wire.DatasetInfo)
 
-    def drop(self, dataset: str, *, abort_write: str = "", staged: bool = False) -> wire.Message:
+    def drop(
+        self, dataset: str, *, abort_write: str = "", staged: bool = False, keep_write: str = ""
+    ) -> wire.Message:
         """Drops `dataset` and frees its memory (on every member, for a
         dataset sealed across servers); returns what it was. `abort_write`
         names a failed write: the server refuses its attempts from now on, so
         a task still running cannot bring the dataset back. With `staged`,
         only what that (replacing) write staged is dropped; the dataset
-        stays as it was."""
-        body = wire.DropDataset(dataset=dataset, abort_write=abort_write, staged=staged)
+        stays as it was. With `keep_write`, a dataset that (replacing) write
+        swapped in is left as it is (`FailedPrecondition`): only an older
+        copy goes."""
+        body = wire.DropDataset(
+            dataset=dataset, abort_write=abort_write, staged=staged, keep_write=keep_write
+        )
         return self._action("drop", body, wire.DatasetInfo)
 
     def derive(self, target: str, sql: str, *, source: str = "") -> wire.Message:

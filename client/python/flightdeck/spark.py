@@ -63,6 +63,7 @@ with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
 from __future__ import annotations
 
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
@@ -147,11 +148,14 @@ def seal_winners(
     winners: dict[int, tuple[int, str]],
     token: str | None = None,
     replace_write: str = "",
+    uris: list[str] = (),
 ) -> None:
     """Seals `dataset` naming the winning attempt of every partition and the
     server that holds it: one server's seal when all are on one, else a
     cluster seal through the first of them. With `replace_write`, what that
-    write staged takes the dataset's place."""
+    write staged takes the dataset's place, and the servers of `uris` the
+    write routed no partition to lose their older copies of it (see
+    `drop_older_copies`)."""
     missing = sorted(set(range(partitions)) - set(winners))
     if missing:
         raise FlightDeckError(
@@ -170,6 +174,32 @@ def seal_winners(
             )
         else:
             client.seal_cluster(dataset, members, partitions=partitions, replace_write=replace_write)
+    if replace_write:
+        used = {target_uri(uri, list(uris), p) for p in winners}
+        unused = [u for u in dict.fromkeys(uris) if u not in used]
+        drop_older_copies(unused, dataset, replace_write, token)
+
+
+def drop_older_copies(uris: list[str], dataset: str, write_id: str, token: str | None) -> None:
+    """After overwrite `write_id` sealed `dataset`: drops the copies of it
+    on `uris` (servers the write routed no rows to), which would otherwise
+    go on serving the rows it replaced to readers there — a copy written
+    there alone, or a cluster layout of other servers. The swap already
+    dropped every layout one of its own servers was part of; a server that
+    holds what `write_id` swapped in (a member named twice) keeps it. A
+    server that cannot be reached keeps its copy, with a warning."""
+    for target in uris:
+        try:
+            with connect(target, token=token) as client:
+                client.drop(dataset, keep_write=write_id)
+        except (NotFound, FailedPrecondition):
+            pass
+        except FlightDeckError as e:
+            warnings.warn(
+                f"dataset '{dataset}' was overwritten, but the older copy on {target} could not "
+                f"be dropped ({e}); drop it there: flightdeck drop {dataset} --server {target}",
+                stacklevel=2,
+            )
 
 
 def new_write_id() -> str:
@@ -406,7 +436,15 @@ try:  # Spark 4: Python data sources
         def commit(self, messages) -> None:
             winners = {m.partition: (m.attempt, m.location) for m in messages}
             replace_write = self.write_id if self.overwrite else ""
-            seal_winners(self.uri, self.dataset, len(messages), winners, self.token, replace_write)
+            seal_winners(
+                self.uri,
+                self.dataset,
+                len(messages),
+                winners,
+                self.token,
+                replace_write,
+                self.uris,
+            )
 
         def abort(self, messages) -> None:
             written = [m.location for m in messages if m is not None and m.location]
@@ -655,7 +693,7 @@ def write_dataframe(
         drop_quietly(targets or [uri], dataset, write_id, token, replace)
         raise
     winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
-    seal_winners(uri, dataset, partitions, winners, token, write_id if replace else "")
+    seal_winners(uri, dataset, partitions, winners, token, write_id if replace else "", targets)
     return sum(r["rows"] for r in results)
 
 

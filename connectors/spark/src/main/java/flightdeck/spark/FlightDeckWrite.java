@@ -188,6 +188,46 @@ final class FlightDeckWrite {
         server.action(
             "seal", Wire.seal(options.dataset(), messages.length, members, replace ? writeId : ""));
       }
+      if (replace) {
+        dropOlderCopies(seen);
+      }
+    }
+
+    /**
+     * After the overwrite's seal: drops the copies of the dataset on the
+     * servers of {@code uris} the job routed none of {@code partitions} to,
+     * which would otherwise go on serving the rows it replaced to readers
+     * there (a copy written there alone, or a cluster layout of other
+     * servers; the swap already dropped every layout one of its own servers
+     * was part of). A server holding what this write swapped in keeps it; one
+     * that cannot be reached keeps its copy, with a warning.
+     */
+    private void dropOlderCopies(Set<Integer> partitions) {
+      Set<String> used = new java.util.HashSet<>();
+      for (int p : partitions) {
+        used.add(options.target(p));
+      }
+      for (String target : new LinkedHashSet<>(options.targets())) {
+        if (used.contains(target)) {
+          continue;
+        }
+        try (Server server = Server.open(target, options.token())) {
+          server.drop(options.dataset(), "", false, writeId);
+        } catch (FlightDeckException e) {
+          if (!e.code.equals("FAILED_PRECONDITION")) {
+            warnKept(target, e);
+          }
+        } catch (RuntimeException e) {
+          warnKept(target, e);
+        }
+      }
+    }
+
+    private void warnKept(String target, RuntimeException e) {
+      org.slf4j.LoggerFactory.getLogger(FlightDeckWrite.class).warn(
+          "dataset '{}' was overwritten, but the older copy on {} could not be dropped ({}); "
+              + "drop it there: flightdeck drop {} --server {}",
+          options.dataset(), target, e.getMessage(), options.dataset(), target);
     }
 
     @Override
@@ -203,7 +243,7 @@ final class FlightDeckWrite {
         try (Server server = Server.open(target, options.token())) {
           // Naming the write: a task still running is refused, not left
           // to bring the dataset back.
-          server.drop(options.dataset(), writeId, replace);
+          server.drop(options.dataset(), writeId, replace, "");
         } catch (RuntimeException e) {
           // Best effort: the job's own failure is what the user sees.
         }

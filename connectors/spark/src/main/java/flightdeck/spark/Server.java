@@ -110,11 +110,13 @@ final class Server implements AutoCloseable {
   /**
    * Drops the dataset; true if there was one. {@code abortWrite} (may be
    * empty) names a failed write whose attempts the server refuses from now
-   * on; with {@code staged}, only what that write staged goes.
+   * on; with {@code staged}, only what that write staged goes; a dataset
+   * that write {@code keepWrite} (may be empty) swapped in stays, refused
+   * with {@code FAILED_PRECONDITION}.
    */
-  boolean drop(String dataset, String abortWrite, boolean staged) {
+  boolean drop(String dataset, String abortWrite, boolean staged, String keepWrite) {
     try {
-      action("drop", Wire.drop(dataset, abortWrite, staged));
+      action("drop", Wire.drop(dataset, abortWrite, staged, keepWrite));
       return true;
     } catch (FlightDeckException e) {
       if (e.code.equals(FlightStatusCode.NOT_FOUND.name())) {

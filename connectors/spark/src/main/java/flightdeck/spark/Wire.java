@@ -112,10 +112,16 @@ final class Wire {
   /**
    * {@code DropDataset}, naming the failed write {@code abortWrite} (may be
    * empty): the server refuses that write's attempts from then on. With
-   * {@code staged}, only what that write staged to replace the dataset goes.
+   * {@code staged}, only what that write staged to replace the dataset goes;
+   * a dataset write {@code keepWrite} (may be empty) swapped in stays.
    */
-  static byte[] drop(String dataset, String abortWrite, boolean staged) {
-    return new Out().string(1, dataset).string(3, abortWrite).bool(4, staged).bytes();
+  static byte[] drop(String dataset, String abortWrite, boolean staged, String keepWrite) {
+    return new Out()
+        .string(1, dataset)
+        .string(3, abortWrite)
+        .bool(4, staged)
+        .string(5, keepWrite)
+        .bytes();
   }
 
   /** {@code PutCommit{rows}}: the writer's marker on the last message. */
