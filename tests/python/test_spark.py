@@ -8,6 +8,8 @@ never mixing two writes of it; a server that needs tokens takes them as the
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import pytest
 
@@ -477,6 +479,51 @@ def test_write_dataframe_writes_an_empty_dataframe(flightdeck_server, spark):
     uri = flightdeck_server.uri
     check_an_empty_dataframe_writes_an_empty_dataset(
         uri, spark, "flightdeck_py", lambda df, name: write_dataframe(df, uri, name)
+    )
+
+
+def check_a_write_whose_server_dies_fails(spark, write):
+    """A server killed while the tasks stream to it: the job fails (each
+    retry finds the server gone) and the driver gets control back. (The JVM
+    connector's task whose stream the server had ended used to wait for the
+    transport to take more, which it never does again, spinning without
+    end: the suite's per-test timeout is what bounds this test then.)"""
+    server = RunningServer("--memory-limit", "2GiB")
+    client = flightdeck.connect(server.uri)
+    df = spark.range(20_000_000, numPartitions=2).selectExpr("id", "cast(id as double) x")
+    killed = threading.Event()
+
+    def kill_once_streaming():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if client.stats().memory_used > 0:
+                server.proc.kill()
+                killed.set()
+                return
+            time.sleep(0.01)
+
+    # The write runs on this thread: a Python data source is found through
+    # the session this thread made active.
+    killer = threading.Thread(target=kill_once_streaming, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - Spark wraps what the tasks raised
+            write(df, server.uri, "cut")
+    finally:
+        killer.join(130)
+        client.close()
+        server.stop()
+    assert killed.is_set(), "the tasks never started streaming"
+
+
+def test_a_python_source_write_whose_server_dies_fails(spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    check_a_write_whose_server_dies_fails(
+        spark,
+        lambda df, uri, name: df.write.format("flightdeck_py").option("uri", uri)
+        .option("dataset", name).mode("overwrite").save(),
     )
 
 

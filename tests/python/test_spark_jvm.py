@@ -22,6 +22,7 @@ from test_spark import (  # noqa: E402
     check_a_failed_overwrite_keeps_the_dataset,
     check_an_empty_dataframe_writes_an_empty_dataset,
     check_a_read_never_mixes_two_writes,
+    check_a_write_whose_server_dies_fails,
     check_the_token_option,
     fail_first_attempt,
     source,
@@ -102,6 +103,12 @@ def test_an_empty_dataframe_writes_an_empty_dataset(flightdeck_server, spark):
     uri = flightdeck_server.uri
     check_an_empty_dataframe_writes_an_empty_dataset(
         uri, spark, "flightdeck", lambda df, name: write(df, uri, name)
+    )
+
+
+def test_a_write_whose_server_dies_fails_instead_of_waiting_for_ever(spark):
+    check_a_write_whose_server_dies_fails(
+        spark, lambda df, uri, name: write(df, uri, name, batch_rows=1000)
     )
 
 

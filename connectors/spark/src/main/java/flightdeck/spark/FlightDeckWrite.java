@@ -315,9 +315,17 @@ final class FlightDeckWrite {
      * Waits until the transport takes more, so a partition is never
      * buffered whole. (Flight's client offers no ready callback once a call
      * has started, so it asks every 200 µs while the transport is full.)
+     * Raises the server's error where it ended the call meanwhile.
      */
     private void awaitReady() throws IOException {
       while (!stream.isReady()) {
+        if (acks.isCancelled()) {
+          // The server ended the call (refused it, or failed): a stream
+          // that ended is never ready again, so raise its error.
+          stream.getResult();
+          throw new IOException("the server " + server.location + " ended the stream of partition "
+              + partition + " of '" + options.dataset() + "' before it was sent");
+        }
         java.util.concurrent.locks.LockSupport.parkNanos(200_000);
         if (Thread.interrupted()) {
           throw new IOException("interrupted sending partition " + partition);
