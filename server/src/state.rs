@@ -555,13 +555,9 @@ impl State {
         }
         info!(dataset = %name, rows = old.rows, generation = old.generation, "replaced dataset");
         match &old.cluster {
-            Some(ClusterState::Member { layout, index }) => layout
-                .members
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| i != index)
-                .map(|(_, m)| m.location.clone())
-                .collect(),
+            Some(ClusterState::Member { layout, index }) => {
+                layout.others(*index).map(|m| m.location.clone()).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -570,31 +566,52 @@ impl State {
     /// dataset); a member that cannot be reached keeps its part, which a
     /// warning names (its plans are refused: it holds another layout).
     async fn drop_elsewhere(&self, name: &str, members: &[String]) {
-        let replies = futures::future::join_all(members.iter().map(|location| async move {
-            let body = pb::DropDataset {
-                dataset: name.to_string(),
-                member_only: true,
-                ..Default::default()
-            };
-            let reply = self
-                .peers
-                .action::<pb::DatasetInfo>(location, name, actions::DROP, body)
-                .await;
-            (location, reply)
+        let body = pb::DropDataset {
+            dataset: name.to_string(),
+            ..Default::default()
+        };
+        for (location, e) in self.drop_parts(members.iter(), body).await {
+            warn!(
+                dataset = %name,
+                member = %location,
+                error = %e,
+                "could not drop the replaced dataset's part on a member; drop it there"
+            );
+        }
+    }
+
+    /// Sends `body` as a member-only `drop` to each of `members` at once;
+    /// returns the members that failed and why (one that no longer holds
+    /// the dataset has nothing left to drop).
+    async fn drop_parts<'a>(
+        &self,
+        members: impl Iterator<Item = &'a String>,
+        body: pb::DropDataset,
+    ) -> Vec<(&'a String, Error)> {
+        let body = pb::DropDataset {
+            member_only: true,
+            ..body
+        };
+        let name = body.dataset.as_str();
+        let replies = futures::future::join_all(members.map(|location| {
+            let body = body.clone();
+            async move {
+                let reply = self
+                    .peers
+                    .action::<pb::DatasetInfo>(location, name, actions::DROP, body)
+                    .await;
+                (location, reply)
+            }
         }))
         .await;
-        for (location, reply) in replies {
-            match reply {
-                Ok(_) => {}
-                Err(Error::FailedPrecondition(msg)) if msg.contains("no longer holds") => {}
-                Err(e) => warn!(
-                    dataset = %name,
-                    member = %location,
-                    error = %e,
-                    "could not drop the replaced dataset's part on a member; drop it there"
-                ),
-            }
-        }
+        replies
+            .into_iter()
+            .filter_map(|(location, reply)| match reply {
+                Ok(_) => None,
+                Err(Error::FailedPrecondition(msg)) if msg.contains("no longer holds") => None,
+                Err(e) => Some((location, e)),
+            })
+            .collect()
     }
 
     /// The members of the cluster layout `name` belongs to here, if any.
@@ -848,12 +865,7 @@ impl State {
     /// is down is `UNAVAILABLE`, one that dropped the dataset or holds
     /// another layout is `FAILED_PRECONDITION`.
     pub async fn check_members(&self, dataset: &str, layout: &Layout, index: usize) -> Result<()> {
-        let others = layout
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != index);
-        let replies = futures::future::join_all(others.map(|(_, m)| async move {
+        let replies = futures::future::join_all(layout.others(index).map(|m| async move {
             let info: pb::DatasetInfo = self
                 .peers
                 .action(
@@ -918,36 +930,20 @@ impl State {
         if req.member_only {
             return Ok(summary);
         }
-        let others = layout
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i != index);
-        let replies = futures::future::join_all(others.map(|(_, m)| async move {
-            let reply = self
-                .peers
-                .action::<pb::DatasetInfo>(
-                    &m.location,
-                    name,
-                    actions::DROP,
-                    pb::DropDataset {
-                        dataset: name.to_string(),
-                        member_only: true,
-                        abort_write: req.abort_write.clone(),
-                        staged: req.staged,
-                        keep_write: req.keep_write.clone(),
-                    },
-                )
-                .await;
-            match reply {
-                // Dropped there already.
-                Err(Error::FailedPrecondition(msg)) if msg.contains("no longer holds") => Ok(()),
-                Err(e) => Err(format!("{}: {e}", m.location)),
-                Ok(_) => Ok(()),
-            }
-        }))
-        .await;
-        let failed: Vec<String> = replies.into_iter().filter_map(|r| r.err()).collect();
+        let body = pb::DropDataset {
+            dataset: name.to_string(),
+            member_only: true,
+            abort_write: req.abort_write.clone(),
+            staged: req.staged,
+            keep_write: req.keep_write.clone(),
+        };
+        let others = layout.others(*index).map(|m| &m.location);
+        let failed: Vec<String> = self
+            .drop_parts(others, body)
+            .await
+            .into_iter()
+            .map(|(location, e)| format!("{location}: {e}"))
+            .collect();
         if failed.is_empty() {
             return Ok(summary);
         }

@@ -423,16 +423,26 @@ def test_a_failed_overwrite_keeps_the_dataset(flightdeck_server, spark):
     )
 
 
-def test_a_failed_python_source_overwrite_keeps_the_dataset(flightdeck_server, spark):
+def python_source_overwrite(spark):
+    """`write(df, uri, name)`: an overwrite through the Python data source
+    (registered as `flightdeck_py`); skips the test before Spark 4."""
     if not hasattr(spark, "dataSource"):
         pytest.skip("Python data sources need Spark 4")
     register(spark, "flightdeck_py")
+
+    def write(df, uri, name):
+        df.write.format("flightdeck_py").option("uri", uri).option("dataset", name).mode(
+            "overwrite"
+        ).save()
+
+    return write
+
+
+def test_a_failed_python_source_overwrite_keeps_the_dataset(flightdeck_server, spark):
+    write = python_source_overwrite(spark)
     uri = flightdeck_server.uri
     check_a_failed_overwrite_keeps_the_dataset(
-        flightdeck_server,
-        spark,
-        lambda df, name: df.write.format("flightdeck_py").option("uri", uri)
-        .option("dataset", name).mode("overwrite").save(),
+        flightdeck_server, spark, lambda df, name: write(df, uri, name)
     )
 
 
@@ -459,16 +469,10 @@ def check_an_empty_dataframe_writes_an_empty_dataset(uri, spark, fmt, write):
 
 
 def test_an_empty_dataframe_writes_an_empty_dataset(flightdeck_server, spark):
-    if not hasattr(spark, "dataSource"):
-        pytest.skip("Python data sources need Spark 4")
-    register(spark, "flightdeck_py")
+    write = python_source_overwrite(spark)
     uri = flightdeck_server.uri
     check_an_empty_dataframe_writes_an_empty_dataset(
-        uri,
-        spark,
-        "flightdeck_py",
-        lambda df, name: df.write.format("flightdeck_py").option("uri", uri)
-        .option("dataset", name).mode("overwrite").save(),
+        uri, spark, "flightdeck_py", lambda df, name: write(df, uri, name)
     )
 
 
@@ -517,14 +521,7 @@ def check_a_write_whose_server_dies_fails(spark, write):
 
 
 def test_a_python_source_write_whose_server_dies_fails(spark):
-    if not hasattr(spark, "dataSource"):
-        pytest.skip("Python data sources need Spark 4")
-    register(spark, "flightdeck_py")
-    check_a_write_whose_server_dies_fails(
-        spark,
-        lambda df, uri, name: df.write.format("flightdeck_py").option("uri", uri)
-        .option("dataset", name).mode("overwrite").save(),
-    )
+    check_a_write_whose_server_dies_fails(spark, python_source_overwrite(spark))
 
 
 @contextlib.contextmanager

@@ -144,6 +144,16 @@ pub(crate) fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
 }
 
 impl Layout {
+    /// Every member but the `index`-th (the other members, as member
+    /// `index` sees them).
+    pub fn others(&self, index: usize) -> impl Iterator<Item = &Member> {
+        self.members
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| *i != index)
+            .map(|(_, m)| m)
+    }
+
     /// A layout of `members` (any order; empty members are left out);
     /// fails when a partition is held twice.
     pub fn new(mut members: Vec<Member>, fixed: Vec<bool>) -> Result<Self> {
