@@ -629,3 +629,39 @@ def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_not
     assert (stats.datasets, stats.rows, list(stats.staged)) == (1, 6, []), stats
     assert not c.describe("r").replacements
     c.drop("r")
+
+
+def test_numbers_out_of_range_are_refused_before_anything_is_sent(flightdeck_server):
+    """A partition, world size or batch size past what the protocol carries
+    is refused by name (not cut to its low bits, which wrote partition
+    2**32 + 5 as partition 5), and so is a resume state that is no state."""
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    with pytest.raises(ValueError, match=r"partition must be a whole number in \[0, 2\*\*32\)"):
+        client.put_partition("big", 2**32 + 5, mixed_table(range(3)))
+    with pytest.raises(flightdeck.NotFound):
+        client.describe("big")
+    write(client, "range", [10, 10])
+    with pytest.raises(ValueError, match="world_size must be a whole number"):
+        len(ShardedDataset(uri, "range", rank=0, world_size=2**32 + 1))
+    with pytest.raises(ValueError, match="batch_rows must be a whole number"):
+        len(ShardedDataset(uri, "range", rank=0, world_size=1, batch_rows=2**32 + 4))
+
+    ds = ShardedDataset(uri, "range", rank=0, world_size=2, batch_rows=3, seed=1)
+    before = ds.state_dict()
+    for state, says in [
+        ({"epoch": -1, "start_sample": 0}, "epoch must be a whole number, at least 0, not -1"),
+        ({"epoch": 1, "start_sample": 2.5}, "start_sample must be .* not 2.5"),
+        ({"epoch": 1, "start_sample": 4, "world_size": -3}, "world_size must be .* not -3"),
+        ({"step": 7}, r"needs \['epoch', 'start_sample'\]: pass what state_dict\(\) returned"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            ds.load_state_dict(state)
+        assert ds.state_dict() == before, "a refused state changes nothing"
+    with pytest.raises(ValueError, match="epoch must be a whole number, at least 0, not -1"):
+        ds.set_epoch(-1)
+    assert ds.state_dict() == before
+    # What state_dict() gives, saved through JSON or numpy, still loads.
+    ds.load_state_dict({"epoch": np.int64(1), "start_sample": 4, "world_size": 2})
+    assert ds.state_dict() == {"epoch": 1, "start_sample": 4, "world_size": 2}
+    assert sorted(ids_of(ds)) == sorted(set(ids_of(ds)))

@@ -3,6 +3,7 @@ same names, numbers, types and labels, and byte-compatible encodings."""
 
 from __future__ import annotations
 
+import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from flightdeck import _wire as wire
@@ -100,3 +101,26 @@ def test_encodings_are_interchangeable(pb):
     assert pb.TrainJob.FromString(job.encode()) == pb.TrainJob(
         dataset="d", features=["a"], learning_rate=1e-3, hidden=[8, 4], gpus=[1]
     )
+
+
+def test_a_number_its_field_cannot_hold_is_refused_naming_the_field(pb):
+    """protobuf cuts a uint32 to its low 32 bits, so partition 2**32 + 5
+    would arrive as partition 5: the encoder refuses it instead."""
+    top = wire.PutPartition(dataset="d", partition=2**32 - 1, attempt=3).encode()
+    assert pb.PutPartition.FromString(top).partition == 2**32 - 1
+    assert pb.ReadPlan.FromString(wire.ReadPlan(seed=2**64 - 1).encode()).seed == 2**64 - 1
+    for message, field, value, limit in [
+        (wire.PutPartition, "partition", 2**32 + 5, "2**32"),
+        (wire.PutPartition, "attempt", -1, "2**32"),
+        (wire.ReadPlan, "epoch", 2**64, "2**64"),
+        (wire.ReadPlan, "batch_rows", 1.5, "2**32"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            message(**{field: value}).encode()
+        assert str(err.value) == (
+            f"{field} must be a whole number in [0, {limit}), not {value!r} "
+            f"({message.NAME}.{field})"
+        )
+    # Packed repeated fields too.
+    with pytest.raises(ValueError, match=r"partition_rows must be .* not -2 \(PlanInfo"):
+        wire.PlanInfo(partition_rows=[1, -2]).encode()

@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 
 # Field kinds and their wire types.
 _VARINT_KINDS = {"uint32", "uint64", "bool", "enum"}
+# Bits of the unsigned kinds: a larger value would be cut to them by the
+# receiver, so that partition 2**32 + 5 would silently be partition 5.
+_UNSIGNED_BITS = {"uint32": 32, "uint64": 64}
 _LEN_KINDS = {"string", "bytes", "message"}
 
 
@@ -105,7 +108,7 @@ class Message:
             if f.repeated and f.kind in _VARINT_KINDS:
                 # proto3 packs repeated scalars: one length-delimited run.
                 if value:
-                    payload = b"".join(_varint(int(v)) for v in value)
+                    payload = b"".join(_varint(self._unsigned(f, v)) for v in value)
                     out += _varint((f.number << 3) | 2) + _varint(len(payload)) + payload
                 continue
             values = value if f.repeated else [value]
@@ -115,7 +118,7 @@ class Message:
                 if v is None:
                     continue
                 if f.kind in _VARINT_KINDS:
-                    out += _varint(f.number << 3) + _varint(int(v))
+                    out += _varint(f.number << 3) + _varint(self._unsigned(f, v))
                 elif f.kind == "double":
                     out += _varint((f.number << 3) | 1) + struct.pack("<d", float(v))
                 else:
@@ -130,6 +133,19 @@ class Message:
 
     # Protobuf-style spelling, for code written against generated classes.
     SerializeToString = encode
+
+    def _unsigned(self, f: Field, value: Any) -> int:
+        """`value` of the varint field `f` as an int, refused (`ValueError`
+        naming the field) where the field cannot hold it."""
+        v = int(value)
+        bits = _UNSIGNED_BITS.get(f.kind)
+        if v != value or v < 0 or (bits is not None and v >> bits):
+            limit = f"2**{bits}" if bits else "2**64"
+            raise ValueError(
+                f"{f.name} must be a whole number in [0, {limit}), not {value!r} "
+                f"({self.NAME}.{f.name})"
+            )
+        return v
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Message:

@@ -316,6 +316,7 @@ class ShardedDataset:
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch (and so the order) the next iteration reads from
         its start; a state loaded for this very epoch is kept."""
+        epoch = _count({"epoch": epoch}, "epoch")
         if epoch != self.epoch:
             self.epoch = epoch
             self._start_sample = 0
@@ -348,11 +349,19 @@ class ShardedDataset:
         """Resumes from :meth:`state_dict`, possibly saved at another world
         size (a `locality="node"` epoch: only at the same one). A state
         with a `"sealed_as"` reads only that write of the dataset."""
-        self.epoch = int(state["epoch"])
-        if state.get("sealed_as"):
-            self.sealed_as = int(state["sealed_as"])
-        self._start_sample = int(state["start_sample"])
-        self._resume_world_size = int(state.get("world_size", 0))
+        missing = [k for k in ("epoch", "start_sample") if k not in state]
+        if missing:
+            raise ValueError(
+                f"a state to resume from needs {missing}: pass what state_dict() returned "
+                f"(got the keys {sorted(state)})"
+            )
+        epoch, start = _count(state, "epoch"), _count(state, "start_sample")
+        resume_world_size, sealed_as = _count(state, "world_size"), _count(state, "sealed_as")
+        self.epoch = epoch
+        if sealed_as:
+            self.sealed_as = sealed_as
+        self._start_sample = start
+        self._resume_world_size = resume_world_size
         self._yielded = 0
 
     # Iteration
@@ -492,3 +501,18 @@ def _timed(batches: Iterator[pa.RecordBatch], owner: ShardedDataset) -> Iterator
         if batch is None:
             return
         yield batch
+
+
+def _count(state: dict[str, Any], key: str) -> int:
+    """`state[key]` (0 where absent) as a count: a whole number, at least
+    0; anything else is refused naming the key."""
+    value = state.get(key, 0)
+    if value is None:
+        return 0
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0 or (isinstance(value, float) and count != value):
+        raise ValueError(f"{key} must be a whole number, at least 0, not {value!r}")
+    return count
