@@ -4,10 +4,17 @@ installed, and always under CI (`conftest.require_torch`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
 import pyarrow as pa
 import pytest
 
-from conftest import require_torch, strided_order
+from conftest import require_torch, scaled, strided_order
 
 torch = require_torch()
 
@@ -236,3 +243,193 @@ def test_pin_memory_hands_over_page_locked_tensors(flightdeck_server):
             assert torch.equal(x[:, 3], ids.to(torch.float32))
             seen.extend(ids.tolist())
     assert sorted(seen) == list(range(2000))
+
+
+def overwrite(client, name: str, ids: range, write_id: str) -> None:
+    """Replaces dataset `name` by one partition of `ids`, as a Spark
+    overwrite does: staged beside it, swapped in at the seal."""
+    table = pa.table({"id": pa.array(ids, pa.int64())})
+    client.put_partition(name, 0, table, write_id=write_id, replace=True)
+    client.seal(name, partitions=1, replace_write=write_id)
+
+
+def epoch_ids(ds) -> list[int]:
+    return [i for b in torch.utils.data.DataLoader(ds, batch_size=None) for i in b["id"].tolist()]
+
+
+def test_a_reader_following_writes_moves_to_the_newest_at_each_new_epoch(flightdeck_server):
+    """A dataset rewritten while training runs (a nightly overwrite): with
+    `follow_writes` the next epoch reads the new write and the epoch under
+    way ends on the rows it began with; without it the next epoch refuses."""
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    client.put_partition("nightly", 0, pa.table({"id": pa.array(range(4000), pa.int64())}))
+    client.seal("nightly")
+    # One batch a message: the epoch under way is still streaming at the
+    # overwrite.
+    kw = dict(rank=0, world_size=1, batch_rows=8, read_rows=8, seed=3)
+    follows = FlightDeckIterableDataset(uri, "nightly", follow_writes=True, **kw)
+    pinned = FlightDeckIterableDataset(uri, "nightly", **kw)
+    assert sorted(epoch_ids(follows)) == sorted(epoch_ids(pinned)) == list(range(4000))
+
+    # Rewritten in the middle of epoch 1: the epoch goes on with the old rows.
+    follows.set_epoch(1)
+    pinned.set_epoch(1)
+    batches = iter(torch.utils.data.DataLoader(follows, batch_size=None))
+    first = next(batches)["id"].tolist()
+    overwrite(client, "nightly", range(100, 160), "w1")
+    rest = [i for b in batches for i in b["id"].tolist()]
+    assert sorted(first + rest) == list(range(4000))
+    with pytest.raises(flightdeck.FailedPrecondition, match="build a new reader"):
+        epoch_ids(pinned)
+
+    follows.set_epoch(2)
+    assert len(follows) == 60 // 8 + 1
+    assert sorted(epoch_ids(follows)) == list(range(100, 160))
+    # Setting the epoch under way again (as a resume does) stays on its write.
+    overwrite(client, "nightly", range(200, 210), "w2")
+    follows.set_epoch(2)
+    with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
+        epoch_ids(follows)
+    follows.set_epoch(3)
+    assert sorted(epoch_ids(follows)) == list(range(200, 210))
+    # Worker processes read the write their epoch moved to.
+    overwrite(client, "nightly", range(300, 333), "w3")
+    follows.set_epoch(4)
+    loader = torch.utils.data.DataLoader(
+        follows, batch_size=None, num_workers=2, multiprocessing_context="spawn"
+    )
+    assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(300, 333))
+
+    with pytest.raises(ValueError, match="pass one of them"):
+        FlightDeckIterableDataset(uri, "nightly", follow_writes=True, sealed_as=0, **kw)
+
+
+def test_ranks_following_writes_look_again_until_they_see_the_same_one(monkeypatch):
+    """Ranks that saw two writes (a seal landed between their looks) look
+    again together; every rank raises where that never settles, and where
+    one rank's look failed."""
+    import torch.distributed as dist
+
+    from flightdeck import torch as fd_torch
+
+    rounds: list[list] = []
+
+    def all_gather_object(out, mine, group=None):
+        others = rounds.pop(0)
+        out[:] = [mine, *others]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(fd_torch, "FOLLOW_PAUSE_SECONDS", 0.0)
+    looks = iter([7, 9])
+    rounds[:] = [[(9, False), (9, False)], [(9, False), (9, False)]]
+    assert fd_torch.newest_agreed_seal("d", lambda: next(looks)) == 9
+    assert rounds == [], "looked twice"
+
+    rounds[:] = [[(9, False), (0, False)]] * fd_torch.FOLLOW_ROUNDS
+    with pytest.raises(RuntimeError, match=r"'d' was written again .*next epoch.*\[7, 9\]"):
+        fd_torch.newest_agreed_seal("d", lambda: 7)
+    assert rounds == []
+
+    rounds[:] = [[(0, True), (7, False)]]
+    with pytest.raises(RuntimeError, match="another rank could not look up dataset 'd'"):
+        fd_torch.newest_agreed_seal("d", lambda: 7)
+
+    def fails():
+        raise flightdeck.NotFound("dataset 'd' does not exist")
+
+    rounds[:] = [[(7, False), (7, False)]]
+    with pytest.raises(flightdeck.NotFound):
+        fd_torch.newest_agreed_seal("d", fails)
+    assert rounds == [], "the failing rank still entered the collective"
+
+
+FOLLOWER = textwrap.dedent(
+    """
+    import json, os
+    import pyarrow as pa
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    import flightdeck
+    from flightdeck.torch import FlightDeckIterableDataset
+
+    def write(ids, write_id=""):
+        # Partition p on server p % n, sealed across them where n > 1.
+        servers = os.environ["FOLLOW_SERVERS"].split(",")
+        parts = [ids[i::4] for i in range(4)]
+        layout = {}
+        for p, part in enumerate(parts):
+            server = servers[p % len(servers)]
+            table = pa.table({"id": pa.array(part, pa.int64())})
+            flightdeck.connect(server).put_partition(
+                "followed", p, table, write_id=write_id, replace=bool(write_id))
+            layout.setdefault(server, {})[p] = 0
+        c = flightdeck.connect(servers[0])
+        if len(servers) > 1:
+            c.seal_cluster("followed", layout, partitions=4, replace_write=write_id)
+        else:
+            c.seal("followed", partitions=4, replace_write=write_id)
+
+    if os.environ.get("FOLLOW_WRITE_FIRST"):
+        write(list(range(80)))
+        raise SystemExit(0)
+    dist.init_process_group("gloo")
+    data = FlightDeckIterableDataset("local", "followed", batch_rows=10, seed=1,
+                                     follow_writes=True)
+    epochs = []
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        epochs.append([i for b in DataLoader(data, batch_size=None) for i in b["id"].tolist()])
+        dist.barrier()
+        if dist.get_rank() == 0 and epoch < 2:  # tonight's Spark job
+            start = 1000 * (epoch + 1)
+            write(list(range(start, start + 100 + 50 * epoch)), f"night{epoch}")
+        dist.barrier()
+    print(json.dumps({"rank": dist.get_rank(), "epochs": epochs, "nodes": data.shards.nodes}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one server", "two nodes"])
+def test_ddp_ranks_following_writes_move_together_with_equal_steps(request, nodes, tmp_path):
+    """Gloo ranks started the way torchrun starts them (two per node), the
+    dataset rewritten between epochs by rank 0 (on two nodes, across both
+    servers): every epoch all ranks read the same write, equal counts, each
+    of its rows once."""
+    if nodes == 1:
+        servers = [request.getfixturevalue("flightdeck_server").uri]
+    else:
+        servers = [m.uri for m in request.getfixturevalue("members")[:2]]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "follower.py"
+    script.write_text(FOLLOWER)
+    base = dict(os.environ, FOLLOW_SERVERS=",".join(servers))
+    subprocess.run([sys.executable, str(script)], env=dict(base, FOLLOW_WRITE_FIRST="1"),
+                   check=True, timeout=scaled(120))
+    procs = []
+    world = 2 * nodes
+    for rank in range(world):
+        env = dict(
+            base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2),
+            LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port), FLIGHTDECK_URI=servers[rank // 2],
+        )
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=scaled(300))
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    writes = [range(80), range(1000, 1100), range(2000, 2150)]
+    for epoch, ids in enumerate(writes):
+        ranks = [r["epochs"][epoch] for r in results]
+        assert [len(r) for r in ranks] == [-(-len(ids) // world)] * world, "equal steps"
+        assert sorted(set(sum(ranks, []))) == list(ids)
+    if nodes > 1:
+        assert all(r["nodes"] == servers for r in results)

@@ -233,6 +233,14 @@ class ShardedDataset:
             self.sealed_as = sealed_as(info)
         return info
 
+    def read_seal(self, seal: int) -> None:
+        """Reads write `seal` of the dataset from now on (a seal from
+        :func:`flightdeck.sealed_as`; 0: the one sealed at the next read),
+        its row count looked up again. Between epochs: a read resumed
+        mid-epoch on another write would not be that epoch."""
+        self.sealed_as = seal or None
+        self._rows = None
+
     def pin(self) -> int:
         """Takes the dataset's seal now, where none is pinned (see the
         class's description), and returns the seal read (0: any)."""
@@ -279,8 +287,10 @@ class ShardedDataset:
             raise FailedPrecondition(
                 f"{said}. This reader's epochs and resume positions count rows of the "
                 f"write it first read (sealed_as {seal}): build a new reader to train on the "
-                "new write (a state saved on the old one does not carry over), or pass "
-                "sealed_as=0 to read whatever is sealed at each epoch's start"
+                "new write (a state saved on the old one does not carry over); to train on "
+                "each new write from the epoch after it lands, build the reader with "
+                "follow_writes=True (FlightDeckIterableDataset: every rank moves together), "
+                "or sealed_as=0 to read whatever is sealed at each epoch's start (one process)"
             ) from None
 
     @property

@@ -24,8 +24,10 @@ import torch
 import torch.utils.data
 
 import os
+import time
 
-from .client import connect
+from . import _wire as wire
+from .client import connect, sealed_as as seal_of
 from .dataset import ShardedDataset, env_ranks_per_node
 from .tensors import to_torch
 
@@ -114,11 +116,50 @@ def agreed_seal(dataset: str, mine: int) -> int:
     dist.all_gather_object(everyone, mine, group=object_group())
     seen = {seal for seal in everyone if seal}
     if len(seen) > 1:
-        raise RuntimeError(
-            f"dataset '{dataset}' was written again while the ranks were building their "
-            f"readers (they saw seals {sorted(seen)}): build the readers again, on every rank"
-        )
+        raise _two_writes(dataset, seen, "building their readers")
     return seen.pop() if seen else 0
+
+
+#: How often the ranks look again where they saw two writes of a dataset
+#: they follow (one landed between their looks), and the pause between.
+FOLLOW_ROUNDS, FOLLOW_PAUSE_SECONDS = 5, 0.2
+
+
+def newest_agreed_seal(dataset: str, look: Callable[[], int]) -> int:
+    """The newest seal of `dataset`, the same on every rank of the process
+    group (a collective: every rank calls it). Each rank `look()`s at its
+    own server; where they saw two writes (a seal landed between their
+    looks) they look again, together, a few times before raising on every
+    rank. A rank whose look fails raises its error, the others say so."""
+    import torch.distributed as dist
+
+    for _ in range(FOLLOW_ROUNDS):
+        seal, failure = 0, None
+        try:
+            seal = look()
+        except Exception as e:  # raised below, after the collective
+            failure = e
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (seal, failure is not None), group=object_group())
+        if failure is not None:
+            raise failure
+        if any(failed for _, failed in everyone):
+            raise RuntimeError(
+                f"another rank could not look up dataset '{dataset}' on its flightdeck "
+                "server for the next epoch; see that rank's error"
+            )
+        seen = {s for s, _ in everyone if s}
+        if len(seen) <= 1:
+            return seen.pop() if seen else 0
+        time.sleep(FOLLOW_PAUSE_SECONDS)
+    raise _two_writes(dataset, seen, "moving to the next epoch")
+
+
+def _two_writes(dataset: str, seen: set[int], when: str) -> RuntimeError:
+    return RuntimeError(
+        f"dataset '{dataset}' was written again while the ranks were {when} (they saw "
+        f"seals {sorted(seen)}): build the readers again, on every rank"
+    )
 
 
 class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
@@ -141,7 +182,16 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     write. Where `rank` and `world_size` come from the process group, the
     ranks agree on it when the dataset is built (a collective: build it on
     every rank); a write that lands while they start fails every rank's
-    build instead of giving ranks different data. These collectives run on
+    build instead of giving ranks different data.
+
+    With `follow_writes=True` a dataset rewritten while training runs (a
+    nightly Spark job) is followed instead: each :meth:`set_epoch` that
+    starts another epoch moves to the newest write (where `rank` and
+    `world_size` come from the process group, every rank to the same one,
+    agreed as at the build, and a cluster's node map is learnt again), so the next epoch reads the new rows on all of them and the
+    epoch under way finishes on the rows it started with. Resuming the
+    epoch a state was saved in (:meth:`load_state_dict`, then `set_epoch`
+    of that epoch) keeps to the write it was built on. These collectives run on
     gloo: under an NCCL process group, on a gloo group of the same ranks
     made once (so the dataset may be built before `torch.cuda.set_device`).
 
@@ -190,8 +240,14 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         burst_bytes: int = 0,
         sealed_as: int | None = None,
         reconnect_seconds: float = 0.0,
+        follow_writes: bool = False,
     ) -> None:
         super().__init__()
+        if follow_writes and sealed_as is not None:
+            raise ValueError(
+                f"follow_writes moves the reader to each new write of '{dataset}' and "
+                f"sealed_as={sealed_as} keeps it to one: pass one of them"
+            )
         if pin_memory and not torch.cuda.is_available():
             raise ValueError(
                 "pin_memory=True needs CUDA, and torch.cuda.is_available() is False here; "
@@ -235,10 +291,35 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         if from_group and sealed_as is None:
             self.shards.sealed_as = agreed_seal(dataset, self.shards.sealed_as or 0) or None
         self.transform = transform
+        #: Whether each new epoch moves to the dataset's newest write (see
+        #: the class's description).
+        self.follow_writes = follow_writes
+        self._from_group = from_group
+        self._nodes_from_group = nodes is None
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next iteration reads."""
+        """Selects the epoch the next iteration reads (with `follow_writes`,
+        another epoch than the one under way also moves to the dataset's
+        newest write: a collective where the ranks come from the process
+        group, so call it on every rank)."""
+        moving = self.follow_writes and epoch != self.shards.epoch
         self.shards.set_epoch(epoch)
+        if moving:
+            self._follow()
+
+    def _follow(self) -> None:
+        """Takes the dataset's newest seal (every rank the same one)."""
+        shards = self.shards
+
+        def look() -> int:
+            info = shards.client.describe(shards.dataset)
+            return seal_of(info) if info.state == wire.DATASET_STATE_SEALED else 0
+
+        seal = newest_agreed_seal(shards.dataset, look) if self._from_group else look()
+        if seal != shards.sealed_as:
+            shards.read_seal(seal)
+            if self._nodes_from_group:
+                shards.nodes = node_locations(shards.uri, shards.dataset, shards.ranks_per_node)
 
     @property
     def stall_seconds(self) -> float:
