@@ -89,6 +89,37 @@ def strided_order(per_rank: list[list], count: int | None = None) -> list:
     return [per_rank[q % w][q // w] for q in range(count)]
 
 
+def torchrun(script: Path, node_servers: list[str], ranks_per_node: int, env=None) -> list[dict]:
+    """Runs `script` as torchrun starts a job's ranks (`ranks_per_node` on
+    each node, node `n`'s `FLIGHTDECK_URI` its server `node_servers[n]`,
+    a gloo rendezvous on loopback) and gives the JSON object each rank
+    printed last, in rank order; a rank that fails fails the test."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = ranks_per_node * len(node_servers)
+    procs = []
+    for rank in range(world):
+        node = rank // ranks_per_node
+        rank_env = dict(
+            os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
+            GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            FLIGHTDECK_URI=node_servers[node],
+        )
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=scaled(300))
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 def server_binary() -> Path:
     path = Path(os.environ.get("FLIGHTDECK_BIN", REPO / "target" / "debug" / "flightdeck"))
     if not path.exists():

@@ -8,9 +8,6 @@ way torchrun starts it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 
@@ -19,7 +16,7 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer, require_torch, scaled
+from conftest import RunningServer, require_torch, scaled, torchrun
 from flightdeck import ShardedDataset
 from flightdeck import _wire as wire
 
@@ -273,9 +270,6 @@ WORKER = textwrap.dedent(
 
 def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
     require_torch()
-    import json
-    import socket
-
     for p in range(4):
         m = members[p % 2]
         table = pa.table({"id": pa.array(range(p * 250, (p + 1) * 250), pa.int64())})
@@ -284,27 +278,9 @@ def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
     for p in range(4):
         layout.setdefault(members[p % 2].uri, {})[p] = 0
     flightdeck.connect(members[0].uri).seal_cluster("ddp", layout, partitions=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    procs = []
-    for rank in range(4):
-        node = rank // 2
-        env = dict(
-            os.environ,
-            RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
-            GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            FLIGHTDECK_URI=members[node].uri,
-        )
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=scaled(300))
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = torchrun(script, [members[0].uri, members[1].uri], ranks_per_node=2)
     assert len({r["steps"] for r in results}) == 1, "equal steps on every rank"
     assert all(r["nodes"] == [members[0].uri, members[1].uri] for r in results)
     seal = flightdeck.sealed_as(flightdeck.connect(members[1].uri).describe("ddp"))

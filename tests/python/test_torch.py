@@ -4,9 +4,7 @@ installed, and always under CI (`conftest.require_torch`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +12,7 @@ import textwrap
 import pyarrow as pa
 import pytest
 
-from conftest import require_torch, scaled, strided_order
+from conftest import require_torch, scaled, strided_order, torchrun
 
 torch = require_torch()
 
@@ -403,29 +401,13 @@ def test_ddp_ranks_following_writes_move_together_with_equal_steps(request, node
         servers = [request.getfixturevalue("flightdeck_server").uri]
     else:
         servers = [m.uri for m in request.getfixturevalue("members")[:2]]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "follower.py"
     script.write_text(FOLLOWER)
-    base = dict(os.environ, FOLLOW_SERVERS=",".join(servers))
-    subprocess.run([sys.executable, str(script)], env=dict(base, FOLLOW_WRITE_FIRST="1"),
+    env = dict(FOLLOW_SERVERS=",".join(servers))
+    subprocess.run([sys.executable, str(script)], env=dict(os.environ, **env, FOLLOW_WRITE_FIRST="1"),
                    check=True, timeout=scaled(120))
-    procs = []
+    results = torchrun(script, servers, ranks_per_node=2, env=env)
     world = 2 * nodes
-    for rank in range(world):
-        env = dict(
-            base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2),
-            LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port), FLIGHTDECK_URI=servers[rank // 2],
-        )
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=scaled(300))
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
     writes = [range(80), range(1000, 1100), range(2000, 2150)]
     for epoch, ids in enumerate(writes):
         ranks = [r["epochs"][epoch] for r in results]
