@@ -186,12 +186,13 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
 
     With `follow_writes=True` a dataset rewritten while training runs (a
     nightly Spark job) is followed instead: each :meth:`set_epoch` that
-    starts another epoch moves to the newest write (where `rank` and
+    starts another epoch moves to the newest write — where `rank` and
     `world_size` come from the process group, every rank to the same one,
-    agreed as at the build, and a cluster's node map is learnt again), so the next epoch reads the new rows on all of them and the
-    epoch under way finishes on the rows it started with. Resuming the
-    epoch a state was saved in (:meth:`load_state_dict`, then `set_epoch`
-    of that epoch) keeps to the write it was built on. These collectives run on
+    agreed as at the build (and a cluster's node map is learnt again) — so
+    the next epoch reads the new rows on every rank and the epoch under way
+    finishes on the rows it started with. Resuming the epoch a state was
+    saved in (:meth:`load_state_dict`, then `set_epoch` of that epoch)
+    keeps to the write the reader holds. These collectives run on
     gloo: under an NCCL process group, on a gloo group of the same ranks
     made once (so the dataset may be built before `torch.cuda.set_device`).
 
@@ -295,7 +296,9 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         #: the class's description).
         self.follow_writes = follow_writes
         self._from_group = from_group
-        self._nodes_from_group = nodes is None
+        # The node map is learnt again with each write followed where the
+        # ranks learnt it from each other (a collective, as the agreement).
+        self._nodes_learnt = from_group and nodes is None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads (with `follow_writes`,
@@ -318,7 +321,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         seal = newest_agreed_seal(shards.dataset, look) if self._from_group else look()
         if seal != shards.sealed_as:
             shards.read_seal(seal)
-            if self._nodes_from_group:
+            if self._nodes_learnt:
                 shards.nodes = node_locations(shards.uri, shards.dataset, shards.ranks_per_node)
 
     @property
