@@ -298,6 +298,16 @@ def test_a_reader_following_writes_moves_to_the_newest_at_each_new_epoch(flightd
         follows, batch_size=None, num_workers=2, multiprocessing_context="spawn"
     )
     assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(300, 333))
+    # Dropped: the next epoch finds nothing to move to and its read says so;
+    # written anew, the epoch after reads it.
+    client.drop("nightly")
+    follows.set_epoch(5)
+    with pytest.raises(flightdeck.NotFound):
+        epoch_ids(follows)
+    client.put_partition("nightly", 0, pa.table({"id": pa.array(range(7), pa.int64())}))
+    client.seal("nightly")
+    follows.set_epoch(6)
+    assert sorted(epoch_ids(follows)) == list(range(7))
 
     with pytest.raises(ValueError, match="pass one of them"):
         FlightDeckIterableDataset(uri, "nightly", follow_writes=True, sealed_as=0, **kw)

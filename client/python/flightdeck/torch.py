@@ -29,6 +29,7 @@ import time
 from . import _wire as wire
 from .client import connect, sealed_as as seal_of
 from .dataset import ShardedDataset, env_ranks_per_node
+from .errors import NotFound
 from .tensors import to_torch
 
 
@@ -315,7 +316,12 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         shards = self.shards
 
         def look() -> int:
-            info = shards.client.describe(shards.dataset)
+            # A server holding none of the new write (a node it left out,
+            # or a dataset dropped) saw nothing, as at the build.
+            try:
+                info = shards.client.describe(shards.dataset)
+            except NotFound:
+                return 0
             return seal_of(info) if info.state == wire.DATASET_STATE_SEALED else 0
 
         seal = newest_agreed_seal(shards.dataset, look) if self._from_group else look()
