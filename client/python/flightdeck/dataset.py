@@ -79,7 +79,10 @@ class ShardedDataset:
     this one's positions. Ranks that build their datasets apart may
     each pin a different write if one lands while they start: give them
     all the same `sealed_as` (`FlightDeckIterableDataset` agrees on it
-    under torchrun).
+    under torchrun). To move to a new write between epochs, call
+    :meth:`read_seal` with a seal the ranks agreed on
+    (`FlightDeckIterableDataset(follow_writes=True)` does it at each
+    `set_epoch`).
 
     With `reconnect_seconds`, a read cut off because its server (or a
     member its rows come from) went away — a restart, an upgrade — is taken
