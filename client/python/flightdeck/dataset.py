@@ -290,10 +290,10 @@ class ShardedDataset:
             raise FailedPrecondition(
                 f"{said}. This reader's epochs and resume positions count rows of the "
                 f"write it first read (sealed_as {seal}): build a new reader to train on the "
-                "new write (a state saved on the old one does not carry over); to train on "
-                "each new write from the epoch after it lands, build the reader with "
-                "follow_writes=True (FlightDeckIterableDataset: every rank moves together), "
-                "or sealed_as=0 to read whatever is sealed at each epoch's start (one process)"
+                "new write (a state saved on the old one does not carry over), or pass "
+                "sealed_as=0 to read whatever is sealed at each epoch's start (in one process; "
+                "FlightDeckIterableDataset(follow_writes=True) moves every rank to each new "
+                "write together, at the epoch after it lands)"
             ) from None
 
     @property
