@@ -932,10 +932,10 @@ impl State {
         }
         let body = pb::DropDataset {
             dataset: name.to_string(),
-            member_only: true,
             abort_write: req.abort_write.clone(),
             staged: req.staged,
             keep_write: req.keep_write.clone(),
+            ..Default::default()
         };
         let others = layout.others(*index).map(|m| &m.location);
         let failed: Vec<String> = self

@@ -414,8 +414,8 @@ def test_ddp_ranks_following_writes_move_together_with_equal_steps(request, node
     script = tmp_path / "follower.py"
     script.write_text(FOLLOWER)
     env = dict(FOLLOW_SERVERS=",".join(servers))
-    subprocess.run([sys.executable, str(script)], env=dict(os.environ, **env, FOLLOW_WRITE_FIRST="1"),
-                   check=True, timeout=scaled(120))
+    first = dict(os.environ, **env, FOLLOW_WRITE_FIRST="1")
+    subprocess.run([sys.executable, str(script)], env=first, check=True, timeout=scaled(120))
     results = torchrun(script, servers, ranks_per_node=2, env=env)
     world = 2 * nodes
     writes = [range(80), range(1000, 1100), range(2000, 2150)]

@@ -329,7 +329,7 @@ class ShardedDataset:
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch (and so the order) the next iteration reads from
         its start; a state loaded for this very epoch is kept."""
-        epoch = _count({"epoch": epoch}, "epoch")
+        epoch = _count(epoch, "epoch")
         if epoch != self.epoch:
             self.epoch = epoch
             self._start_sample = 0
@@ -368,8 +368,10 @@ class ShardedDataset:
                 f"a state to resume from needs {missing}: pass what state_dict() returned "
                 f"(got the keys {sorted(state)})"
             )
-        epoch, start = _count(state, "epoch"), _count(state, "start_sample")
-        resume_world_size, sealed_as = _count(state, "world_size"), _count(state, "sealed_as")
+        epoch = _count(state["epoch"], "epoch")
+        start = _count(state["start_sample"], "start_sample")
+        resume_world_size = _count(state.get("world_size"), "world_size")
+        sealed_as = _count(state.get("sealed_as"), "sealed_as")
         self.epoch = epoch
         if sealed_as:
             self.sealed_as = sealed_as
@@ -516,10 +518,9 @@ def _timed(batches: Iterator[pa.RecordBatch], owner: ShardedDataset) -> Iterator
         yield batch
 
 
-def _count(state: dict[str, Any], key: str) -> int:
-    """`state[key]` (0 where absent) as a count: a whole number, at least
-    0; anything else is refused naming the key."""
-    value = state.get(key, 0)
+def _count(value: Any, name: str) -> int:
+    """`value` (None: 0) as a count: a whole number, at least 0; anything
+    else is refused naming it `name`."""
     if value is None:
         return 0
     try:
@@ -527,5 +528,5 @@ def _count(state: dict[str, Any], key: str) -> int:
     except (TypeError, ValueError):
         count = -1
     if count < 0 or (isinstance(value, float) and count != value):
-        raise ValueError(f"{key} must be a whole number, at least 0, not {value!r}")
+        raise ValueError(f"{name} must be a whole number, at least 0, not {value!r}")
     return count

@@ -78,33 +78,44 @@ def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
 
     if not (dist.is_available() and dist.is_initialized()) or ranks_per_node < 1:
         return []
-    # Every rank must enter the collective, even one whose lookup failed,
-    # or the others would wait in it forever.
     mine, members, failure = "", set(), None
     try:
         with connect(uri) as client:
             mine = client.location
             info = client.describe(dataset)
         members = {m.location for m in info.layout.members} if info.layout else set()
-    except Exception as e:  # raised below, after the collective
+    except Exception as e:  # raised by the gather, after the collective
         failure = e
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // ranks_per_node))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (node, mine, failure is not None), group=object_group())
-    if failure is not None:
-        raise failure
-    if any(failed for _, _, failed in everyone):
-        raise RuntimeError(
-            f"another rank could not reach its flightdeck server to learn the node map of "
-            f"dataset '{dataset}'; see that rank's error"
-        )
+    everyone = gather_looks(
+        (node, mine),
+        failure,
+        f"reach its flightdeck server to learn the node map of dataset '{dataset}'",
+    )
     if not members:
         return []
     nodes = [""] * ((dist.get_world_size() + ranks_per_node - 1) // ranks_per_node)
-    for n, location, _ in everyone:
+    for n, location in everyone:
         if 0 <= n < len(nodes) and location in members:
             nodes[n] = location
     return nodes
+
+
+def gather_looks(mine: Any, failure: Exception | None, what: str) -> list:
+    """What every rank of the process group looked up (a collective: every
+    rank calls it, even one whose own look failed — `failure`, raised here
+    after the others got its word — or they would wait in it for ever); a
+    rank whose look did not fail raises where another's did, saying it could
+    not `what`."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, failure is not None), group=object_group())
+    if failure is not None:
+        raise failure
+    if any(failed for _, failed in everyone):
+        raise RuntimeError(f"another rank could not {what}; see that rank's error")
+    return [looked for looked, _ in everyone]
 
 
 def agreed_seal(dataset: str, mine: int) -> int:
@@ -132,24 +143,18 @@ def newest_agreed_seal(dataset: str, look: Callable[[], int]) -> int:
     own server; where they saw two writes (a seal landed between their
     looks) they look again, together, a few times before raising on every
     rank. A rank whose look fails raises its error, the others say so."""
-    import torch.distributed as dist
-
     for _ in range(FOLLOW_ROUNDS):
         seal, failure = 0, None
         try:
             seal = look()
-        except Exception as e:  # raised below, after the collective
+        except Exception as e:  # raised by the gather, after the collective
             failure = e
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (seal, failure is not None), group=object_group())
-        if failure is not None:
-            raise failure
-        if any(failed for _, failed in everyone):
-            raise RuntimeError(
-                f"another rank could not look up dataset '{dataset}' on its flightdeck "
-                "server for the next epoch; see that rank's error"
-            )
-        seen = {s for s, _ in everyone if s}
+        everyone = gather_looks(
+            seal,
+            failure,
+            f"look up dataset '{dataset}' on its flightdeck server for the next epoch",
+        )
+        seen = {s for s in everyone if s}
         if len(seen) <= 1:
             return seen.pop() if seen else 0
         time.sleep(FOLLOW_PAUSE_SECONDS)
