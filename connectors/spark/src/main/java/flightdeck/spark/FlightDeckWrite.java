@@ -163,6 +163,19 @@ final class FlightDeckWrite {
       return new Factory(options, schema, timeZone, writeId, replace);
     }
 
+    /**
+     * No: the server decides which attempt of a partition counts (the seal
+     * names each partition's winner and frees the others), so Spark's
+     * coordinator adds nothing. Asking it would also hide why a job failed:
+     * a server refuses a task's stream (a reader's token, a full cache) as
+     * the task finishes, and an attempt that asks once the job is failing is
+     * denied, a denial Spark may report in place of the server's reason.
+     */
+    @Override
+    public boolean useCommitCoordinator() {
+      return false;
+    }
+
     @Override
     public void commit(WriterCommitMessage[] messages) {
       SortedMap<String, SortedMap<Integer, Integer>> members = new TreeMap<>();
