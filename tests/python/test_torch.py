@@ -425,3 +425,39 @@ def test_ddp_ranks_following_writes_move_together_with_equal_steps(request, node
         assert sorted(set(sum(ranks, []))) == list(ids)
     if nodes > 1:
         assert all(r["nodes"] == servers for r in results)
+
+
+def test_persistent_workers_read_the_epoch_set_and_the_state_loaded(flightdeck_server):
+    """`persistent_workers=True` keeps the dataset copies the workers started
+    with: each epoch they read is still the one set in the training process
+    (its own order), a loaded state resumes where it says, and a followed
+    write is read."""
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    client.put_partition("kept", 0, pa.table({"id": pa.array(range(600), pa.int64())}))
+    client.seal("kept")
+    kw = dict(rank=0, world_size=1, batch_rows=10, seed=5)
+    ds = FlightDeckIterableDataset(uri, "kept", follow_writes=True, **kw)
+    reference = FlightDeckIterableDataset(uri, "kept", **kw)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
+    )
+
+    def read() -> list[int]:
+        return [i for b in loader for i in b["id"].tolist()]
+
+    def expected(epoch: int) -> list[int]:
+        reference.set_epoch(epoch)
+        return epoch_ids(reference)
+
+    assert read() == expected(0)
+    ds.set_epoch(1)
+    assert read() == expected(1) != expected(0)
+    ds.load_state_dict({"epoch": 2, "start_sample": 300, "world_size": 1})
+    ds.set_epoch(2)
+    assert read() == expected(2)[300:]
+    ds.set_epoch(3)
+    assert read() == expected(3)
+    overwrite(client, "kept", range(1000, 1077), "w1")
+    ds.set_epoch(4)
+    assert sorted(read()) == list(range(1000, 1077))

@@ -379,6 +379,27 @@ class ShardedDataset:
         self._resume_world_size = resume_world_size
         self._yielded = 0
 
+    def _position(self) -> dict[str, Any]:
+        """What a copy of this reader in another process needs to read the
+        epoch this one would read next (see :meth:`_take_position`)."""
+        return {
+            "epoch": self.epoch,
+            "start_sample": self._start_sample,
+            "resume_world_size": self._resume_world_size,
+            "sealed_as": self.sealed_as or 0,
+            "nodes": self.nodes,
+        }
+
+    def _take_position(self, position: dict[str, Any]) -> None:
+        """Reads from `position` (another copy's :meth:`_position`) on."""
+        self.epoch = position["epoch"]
+        self._start_sample = position["start_sample"]
+        self._resume_world_size = position["resume_world_size"]
+        if (position["sealed_as"] or None) != self.sealed_as:
+            self.read_seal(position["sealed_as"])
+        self.nodes = list(position["nodes"])
+        self._yielded = 0
+
     # Iteration
 
     def __len__(self) -> int:

@@ -12,11 +12,15 @@ its part), so together they yield every row of the shard once, and
 DataLoader's round-robin puts them back in stream order. Worker processes
 must be started with `spawn` or `forkserver`: gRPC, under every Flight
 client, does not work in a process forked after a connection was opened (the
-dataset raises a clear error instead of hanging).
+dataset raises a clear error instead of hanging). Persistent workers
+(`persistent_workers=True`) keep the copy of the dataset they started with;
+what `set_epoch` and `load_state_dict` change in the training process reaches
+them through shared memory, so each epoch they read is the one set.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
@@ -202,6 +206,12 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     gloo: under an NCCL process group, on a gloo group of the same ranks
     made once (so the dataset may be built before `torch.cuda.set_device`).
 
+    DataLoader worker processes read what this object was set to when
+    they start each epoch — persistent ones (`persistent_workers=True`),
+    which keep the copy they were started with, included: the epoch set,
+    the state loaded and the write followed reach them through shared
+    memory (see `Published`).
+
     About `prefetch` batches, or the next message where that holds more,
     are read ahead on a background thread (see
     `ShardedDataset`, also for `read_rows`, the rows a message from the
@@ -305,6 +315,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         # The node map is learnt again with each write followed where the
         # ranks learnt it from each other (a collective, as the agreement).
         self._nodes_learnt = from_group and nodes is None
+        self._published = Published()
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads (with `follow_writes`,
@@ -315,6 +326,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         self.shards.set_epoch(epoch)
         if moving:
             self._follow()
+        self._published.publish(self.shards._position())
 
     def _follow(self) -> None:
         """Takes the dataset's newest seal (every rank the same one)."""
@@ -350,12 +362,18 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resumes mid-epoch, with this or another world size."""
         self.shards.load_state_dict(state)
+        self._published.publish(self.shards._position())
 
     def __len__(self) -> int:
         return len(self.shards)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
+        if info is not None:
+            # A persistent worker's copy may hold an epoch set before.
+            position = self._published.newer()
+            if position is not None:
+                self.shards._take_position(position)
         split = (0, 0) if info is None or info.num_workers <= 1 else (info.num_workers, info.id)
         prepare = self.transform
         if self.pin_memory:
@@ -368,6 +386,51 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         # conversion of each message; a caller's transform sees each batch.
         cut = sliced_tensors if self.transform is batch_to_tensors else None
         yield from self.shards.iter_batches(*split, prepare=prepare, slice_prepared=cut)
+
+
+class Published:
+    """The reader's position as the training process last set it, in shared
+    memory for its DataLoader worker processes: a persistent worker
+    (`persistent_workers=True`) keeps the copy of the dataset it started
+    with, so an epoch set, a state loaded or a write followed afterwards
+    reaches it only this way. A version and a JSON document: each copy
+    knows the version it holds and takes a newer one when it starts an
+    epoch."""
+
+    #: Bytes of shared memory: a version and a length (8 bytes each), then
+    #: the document (its node map is what may grow).
+    SIZE = 1 << 16
+
+    def __init__(self) -> None:
+        self._memory = torch.zeros(self.SIZE, dtype=torch.uint8).share_memory_()
+        self._seen = 0
+
+    def _head(self) -> torch.Tensor:
+        return self._memory[:16].view(torch.int64)
+
+    def publish(self, position: dict[str, Any]) -> None:
+        """Makes `position` the one every copy takes at its next epoch."""
+        body = json.dumps(position).encode()
+        if len(body) > self.SIZE - 16:
+            raise ValueError(
+                f"the reader's position takes {len(body)} bytes, more than the "
+                f"{self.SIZE - 16} its worker processes are handed: pass fewer nodes"
+            )
+        head = self._head()
+        self._memory[16 : 16 + len(body)] = torch.tensor(list(body), dtype=torch.uint8)
+        head[1] = len(body)
+        head[0] += 1
+        self._seen = int(head[0])
+
+    def newer(self) -> dict[str, Any] | None:
+        """The position published since this copy last took one, if any."""
+        head = self._head()
+        version = int(head[0])
+        if version == self._seen:
+            return None
+        body = bytes(self._memory[16 : 16 + int(head[1])].tolist())
+        self._seen = version
+        return json.loads(body)
 
 
 def sliced_tensors(tensors: dict[str, torch.Tensor], start: int, rows: int) -> dict[str, torch.Tensor]:
