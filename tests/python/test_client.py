@@ -110,6 +110,12 @@ def test_errors_keep_code_and_message(flightdeck_server):
         client.seal("e", partitions=3)
     with pytest.raises(flightdeck.InvalidArgument, match="shuffle"):
         client.plan("e", shuffle="sideways")
+    # A column named twice could be stored but never read by name.
+    twice = pa.table([pa.array([1]), pa.array(["x"])], names=["id", "id"])
+    with pytest.raises(flightdeck.InvalidArgument, match=r"names column 'id' twice \(fields 0 and 1\)"):
+        client.put_partition("twice", 0, twice)
+    with pytest.raises(flightdeck.NotFound):
+        client.describe("twice")
     uri = flightdeck_server.uri
     with pytest.raises(flightdeck.InvalidArgument, match="world_size must be at least 1, not 0"):
         flightdeck.ShardedDataset(uri, "e", rank=0, world_size=0)

@@ -69,6 +69,24 @@ pub fn public_name(key: &str) -> &str {
     key.split(STAGED).next().unwrap_or(key)
 }
 
+/// Refuses a schema naming a column twice: its rows could be stored, but a
+/// read could select, filter or query only one of the two by name.
+fn distinct_names(dataset: &str, schema: &Schema) -> Result<()> {
+    let fields = schema.fields();
+    for (i, field) in fields.iter().enumerate() {
+        if let Some(first) = fields[..i].iter().position(|f| f.name() == field.name()) {
+            return Err(Error::invalid(format!(
+                "the schema written to dataset '{}' names column '{}' twice (fields {first} and \
+                 {i}); reads select, filter and query columns by name: rename one (Spark: \
+                 alias it; pyarrow: Table.rename_columns)",
+                public_name(dataset),
+                field.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A message naming catalog keys as a person reads them: a staged entry
 /// `'d<STAGED>w'` becomes `'d', as replaced by write 'w'`.
 pub fn readable(message: &str) -> std::borrow::Cow<'_, str> {
@@ -450,6 +468,7 @@ impl Catalog {
     /// Checks, before any data is received, that an attempt with `schema`
     /// could be committed to `dataset`. [`Catalog::commit`] checks again.
     pub fn check_put(&self, dataset: &str, key: AttemptKey, schema: &Schema) -> Result<()> {
+        distinct_names(dataset, schema)?;
         let Some(ds) = self.datasets.get(dataset) else {
             return Ok(());
         };

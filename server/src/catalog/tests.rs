@@ -629,3 +629,26 @@ proptest! {
         prop_assert!(c.staged(None).is_empty());
     }
 }
+
+#[test]
+fn a_schema_naming_a_column_twice_is_refused_before_anything_is_kept() {
+    let c = Catalog::new();
+    let twice = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+        Field::new("id", DataType::Utf8, true),
+    ]);
+    let err = c.check_put("d", key(0, 0), &twice).expect_err("refused");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("names column 'id' twice (fields 0 and 2)"),
+        "{err}"
+    );
+    // Names differing only in case are two columns (quoted SQL tells them apart).
+    let cased = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("ID", DataType::Int64, false),
+    ]);
+    c.check_put("d", key(0, 0), &cased).expect("distinct");
+}
