@@ -113,12 +113,16 @@ impl TrainArgs {
         };
         let (cpu_ranks, gpus) = match self.devices.as_str() {
             "cpu" => (1, vec![]),
-            d if d.starts_with("cpu:") => (
-                d[4..]
-                    .parse()
-                    .map_err(|_| format!("--devices {d}: expected cpu:N"))?,
-                vec![],
-            ),
+            d if d.starts_with("cpu:") => match d[4..].parse::<u32>() {
+                Ok(0) => {
+                    return Err(format!(
+                        "--devices {d}: a job needs at least one rank; use cpu (one rank) or \
+                         cpu:N with N ≥ 1"
+                    ));
+                }
+                Ok(n) => (n, vec![]),
+                Err(_) => return Err(format!("--devices {d}: expected cpu:N")),
+            },
             d => (
                 0,
                 d.split(',')
@@ -231,4 +235,46 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
         }
     }
     Err("the server ended the job's stream without a final report".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    fn job(devices: &str) -> Result<TrainJob, String> {
+        let argv = [
+            "train",
+            "--dataset",
+            "d",
+            "--features",
+            "x",
+            "--label",
+            "y",
+            "--classes",
+            "2",
+            "--devices",
+            devices,
+        ];
+        Cli::try_parse_from(argv).expect("parses").args.job()
+    }
+
+    #[test]
+    fn devices_name_cpu_ranks_or_gpus() {
+        let ranks = |d: &str| job(d).map(|j| (j.cpu_ranks, j.gpus));
+        assert_eq!(ranks("cpu"), Ok((1, vec![])));
+        assert_eq!(ranks("cpu:3"), Ok((3, vec![])));
+        assert_eq!(ranks("0, 2"), Ok((0, vec![0, 2])));
+        // Zero ranks would be taken as the default single rank: refused.
+        let zero = job("cpu:0").expect_err("no ranks");
+        assert!(zero.contains("at least one rank"), "{zero}");
+        assert!(job("cpu:x").expect_err("bad").contains("expected cpu:N"));
+        assert!(job("gpu0").expect_err("bad").contains("GPU ordinals"));
+    }
 }

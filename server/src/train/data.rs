@@ -108,6 +108,17 @@ impl TrainData {
                 "column '{label}' is both a feature and the label"
             )));
         }
+        if let Some((i, f)) = features
+            .iter()
+            .enumerate()
+            .find(|(i, f)| features[..*i].contains(f))
+        {
+            return Err(Error::invalid(format!(
+                "feature column '{f}' is named twice (positions {} and {i}); name each feature \
+                 once",
+                features.iter().position(|x| x == f).unwrap_or(0)
+            )));
+        }
         let feature_idx = features
             .iter()
             .map(|f| index(f, "feature"))

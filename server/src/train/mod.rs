@@ -222,7 +222,13 @@ impl Job {
                 "the job has no devices; give cpu ranks or GPU ordinals",
             ));
         }
-        if spec.global_batch == 0 || !spec.global_batch.is_multiple_of(world) {
+        if spec.global_batch == 0 {
+            return Err(Error::invalid(format!(
+                "global batch size 0: give the samples of a step over all ranks, a multiple of \
+                 the {world} ranks"
+            )));
+        }
+        if !spec.global_batch.is_multiple_of(world) {
             return Err(Error::invalid(format!(
                 "global batch size {} is not divisible by the {world} ranks; use a multiple of \
                  {world}",

@@ -483,6 +483,17 @@ fn bad_jobs_are_refused_before_they_start() {
     );
     refuse(&|s| s.global_batch = 33, "not divisible by the 2 ranks");
     refuse(
+        &|s| s.global_batch = 0,
+        "global batch size 0: give the samples",
+    );
+    refuse(
+        &|s| {
+            let first = s.features[0].clone();
+            s.features.push(first);
+        },
+        "is named twice (positions 0 and",
+    );
+    refuse(
         &|s| s.global_batch = 200,
         "larger than the dataset's 100 rows",
     );
