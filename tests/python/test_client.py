@@ -619,6 +619,11 @@ def test_a_replacing_write_is_read_only_once_sealed_and_a_failed_one_changes_not
     # A read planned on the old rows is refused rather than mixing the two.
     with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
         c.read_table(before.shards[0])
+    # A late attempt of the write that replaced it (a speculative task ending
+    # after its job's seal) is refused, not staged where no seal takes it.
+    with pytest.raises(flightdeck.FailedPrecondition, match="write 'w1' replaced dataset 'r' already"):
+        c.put_partition("r", 0, new, write_id="w1", replace=True)
+    assert not c.describe("r").replacements
 
     # A replacing write that fails drops what it staged, nothing more, and
     # its late attempts are refused.

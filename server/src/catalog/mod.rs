@@ -490,12 +490,23 @@ impl Catalog {
         Ok(())
     }
 
-    /// Refuses an attempt of a write that was aborted ([`Catalog::abort_write`]).
+    /// Refuses an attempt of a write that was aborted ([`Catalog::abort_write`])
+    /// or that replaced `dataset` already ([`Catalog::swap_in`]): a late
+    /// attempt (a speculative task ending after its job's seal) would
+    /// otherwise stage a replacement no seal ever takes.
     pub fn check_write(&self, dataset: &str, write_id: &str) -> Result<()> {
         if self.aborted.contains(write_id) {
             return Err(Error::Aborted(format!(
                 "write '{write_id}' to dataset '{}' was aborted (its job failed and dropped \
                  what it wrote); this attempt is not stored",
+                public_name(dataset)
+            )));
+        }
+        if self.swapped_in_by(public_name(dataset), write_id) {
+            return Err(Error::FailedPrecondition(format!(
+                "write '{write_id}' replaced dataset '{}' already (it is sealed); this late \
+                 attempt is not stored — to replace the dataset again, write it with a new \
+                 write id",
                 public_name(dataset)
             )));
         }

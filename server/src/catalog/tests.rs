@@ -540,6 +540,19 @@ fn a_replacing_write_is_staged_beside_the_dataset_and_swapped_in_at_once() {
     // Sent again, the swap says nothing is staged.
     let err = c.swap_in("d", "w1").expect_err("swapped already");
     assert!(err.to_string().contains("staged nothing"), "{err}");
+    // A late attempt of that write (a speculative task ending after the
+    // seal) is refused, at its start and at its commit, and stages nothing.
+    let err = c.check_write("d", "w1").expect_err("late");
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("write 'w1' replaced dataset 'd' already"),
+        "{err}"
+    );
+    c.commit_write(&staged, key(0, 2), "w1", schema(), attempt(key(0, 2), 1))
+        .expect_err("late commit");
+    assert!(!c.holds(&staged));
+    c.check_write("d", "w3").expect("another write");
     // A replacement of a dataset that does not exist yet creates it.
     let staged = staged_key("e", "w2");
     c.commit(&staged, key(0, 0), schema(), attempt(key(0, 0), 1))
