@@ -51,6 +51,17 @@ pub fn dataset_name(name: &str) -> Result<String> {
     Ok(name.to_string())
 }
 
+/// The positions `(first, second)` of the first item that `items` holds
+/// twice, for errors that name both.
+pub fn first_repeat<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
+    items.iter().enumerate().find_map(|(i, x)| {
+        items[..i]
+            .iter()
+            .position(|y| y == x)
+            .map(|first| (first, i))
+    })
+}
+
 /// Decodes `what`, which must be a `flightdeck.v1.<message>`.
 fn decode<M: Message + Default>(bytes: &[u8], what: &str, message: &str) -> Result<M> {
     M::decode(bytes).map_err(|e| {
@@ -907,6 +918,14 @@ mod tests {
 
     fn cmd(m: impl Message) -> FlightDescriptor {
         FlightDescriptor::new_cmd(m.encode_to_vec())
+    }
+
+    #[test]
+    fn first_repeat_names_both_positions_of_the_earliest_repeat() {
+        assert_eq!(first_repeat::<u32>(&[]), None);
+        assert_eq!(first_repeat(&[1, 2, 3]), None);
+        assert_eq!(first_repeat(&[1, 0, 1, 0]), Some((0, 2)));
+        assert_eq!(first_repeat(&["a", "b", "b", "a"]), Some((1, 2)));
     }
 
     #[test]

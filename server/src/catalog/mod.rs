@@ -72,19 +72,17 @@ pub fn public_name(key: &str) -> &str {
 /// Refuses a schema naming a column twice: its rows could be stored, but a
 /// read could select, filter or query only one of the two by name.
 fn distinct_names(dataset: &str, schema: &Schema) -> Result<()> {
-    let fields = schema.fields();
-    for (i, field) in fields.iter().enumerate() {
-        if let Some(first) = fields[..i].iter().position(|f| f.name() == field.name()) {
-            return Err(Error::invalid(format!(
-                "the schema written to dataset '{}' names column '{}' twice (fields {first} and \
-                 {i}); reads select, filter and query columns by name: rename one (Spark: \
-                 alias it; pyarrow: Table.rename_columns)",
-                public_name(dataset),
-                field.name()
-            )));
-        }
+    let names: Vec<&String> = schema.fields().iter().map(|f| f.name()).collect();
+    match crate::convert::first_repeat(&names) {
+        Some((first, i)) => Err(Error::invalid(format!(
+            "the schema written to dataset '{}' names column '{}' twice (fields {first} and {i}); \
+             reads select, filter and query columns by name: rename one (Spark: alias it; \
+             pyarrow: Table.rename_columns)",
+            public_name(dataset),
+            names[i]
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// A message naming catalog keys as a person reads them: a staged entry

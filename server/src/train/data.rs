@@ -108,15 +108,11 @@ impl TrainData {
                 "column '{label}' is both a feature and the label"
             )));
         }
-        if let Some((i, f)) = features
-            .iter()
-            .enumerate()
-            .find(|(i, f)| features[..*i].contains(f))
-        {
+        if let Some((first, i)) = crate::convert::first_repeat(features) {
             return Err(Error::invalid(format!(
-                "feature column '{f}' is named twice (positions {} and {i}); name each feature \
-                 once",
-                features.iter().position(|x| x == f).unwrap_or(0)
+                "feature column '{}' is named twice (positions {first} and {i}); name each \
+                 feature once",
+                features[i]
             )));
         }
         let feature_idx = features

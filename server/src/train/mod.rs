@@ -236,14 +236,11 @@ impl Job {
             )));
         }
         if let Devices::Gpu(ordinals) = &spec.devices
-            && let Some((i, d)) = ordinals
-                .iter()
-                .enumerate()
-                .find(|(i, d)| ordinals[..*i].contains(d))
+            && let Some((first, i)) = crate::convert::first_repeat(ordinals)
         {
             return Err(Error::invalid(format!(
-                "GPU {d} is listed twice (positions {} and {i}); give each GPU once",
-                ordinals.iter().position(|x| x == d).unwrap_or(0)
+                "GPU {} is listed twice (positions {first} and {i}); give each GPU once",
+                ordinals[i]
             )));
         }
         if spec.epochs == 0 {
