@@ -82,6 +82,10 @@ fn one_schema(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<Sche
     Ok(schema)
 }
 
+/// How many times a read brings a dataset back from the store when a drop
+/// or a new write keeps replacing it under the read.
+const RESTORE_TRIES: u32 = 4;
+
 /// How often a writer waiting for memory looks again.
 const ADMISSION_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -453,46 +457,85 @@ impl State {
 
     /// The rows of sealed dataset `name`, brought back from the store when
     /// spilled; marks it read.
+    ///
+    /// A drop or a new write may delete the files being read back (or
+    /// replace the generation) meanwhile: the dataset is then looked up
+    /// again, so the caller gets what it is now — `NotFound`, another
+    /// generation (which a read planned on the old one refuses as written
+    /// again), or its rows — and a store failure is reported only while the
+    /// files read are still the dataset's.
     pub async fn resident(&self, name: &str) -> Result<(u64, Arc<SealedData>)> {
-        let view = self.catalog().lookup(name)?;
-        let (generation, stored, schema, winners) = match view {
-            SealedView::Resident { generation, data } => {
+        let mut tries = 0;
+        loop {
+            let view = self.catalog().lookup(name)?;
+            if let SealedView::Resident { generation, data } = view {
                 self.catalog().touch(name);
                 return Ok((generation, data));
             }
-            SealedView::Stored {
-                generation,
-                stored,
-                schema,
-                winners,
-            } => (generation, stored, schema, winners),
-        };
-        // Another reader may be restoring it: wait, then look again.
-        let _one = self.restore_lock.lock().await;
-        let started = std::time::Instant::now();
-        let again = self.catalog().lookup(name)?;
-        if let SealedView::Resident { generation, data } = again {
-            self.catalog().touch(name);
-            return Ok((generation, data));
+            // Another reader may be restoring it: wait, then look again.
+            let _one = self.restore_lock.lock().await;
+            let view = self.catalog().lookup(name)?;
+            let (generation, stored, schema, winners) = match view {
+                SealedView::Resident { generation, data } => {
+                    self.catalog().touch(name);
+                    return Ok((generation, data));
+                }
+                SealedView::Stored {
+                    generation,
+                    stored,
+                    schema,
+                    winners,
+                } => (generation, stored, schema, winners),
+            };
+            let error = match self.bring_back(name, &stored, schema, winners).await {
+                Ok(data) => {
+                    let restored = self.catalog().restore(name, generation, data);
+                    if let Some(data) = restored {
+                        self.catalog().touch(name);
+                        return Ok((generation, data));
+                    }
+                    None
+                }
+                Err(e) => Some(e),
+            };
+            let now = self.catalog().lookup(name)?;
+            let replaced = match now {
+                SealedView::Stored { generation: g, .. } => g != generation,
+                SealedView::Resident { .. } => true,
+            };
+            tries += 1;
+            match error {
+                Some(e) if !replaced || tries >= RESTORE_TRIES => return Err(e),
+                None if tries >= RESTORE_TRIES => {
+                    return Err(Error::DatasetNotFound {
+                        dataset: name.to_string(),
+                    });
+                }
+                _ => {}
+            }
         }
-        let mut stream = self.store.read(&stored, schema.clone()).await?;
+    }
+
+    /// Reads a spilled dataset's batches back from the store into the arena.
+    async fn bring_back(
+        &self,
+        name: &str,
+        stored: &crate::memory::spill::Stored,
+        schema: arrow::datatypes::SchemaRef,
+        winners: Vec<crate::catalog::AttemptKey>,
+    ) -> Result<SealedData> {
+        let started = std::time::Instant::now();
+        let mut stream = self.store.read(stored, schema.clone()).await?;
         let what = || format!("bringing dataset '{name}' back from the store");
         let mut batches = Vec::new();
         while let Some(batch) = stream.try_next().await? {
             batches.push(self.admit(&batch, Some(name), None, &what).await?.0);
         }
         let data = SealedData::from_batches(schema, winners, batches);
-        let data = self
-            .catalog()
-            .restore(name, generation, data)
-            .ok_or_else(|| Error::DatasetNotFound {
-                dataset: name.to_string(),
-            })?;
-        self.catalog().touch(name);
         self.restores.fetch_add(1, Ordering::Relaxed);
         self.metrics.restored(started.elapsed());
         info!(dataset = %name, rows = data.rows(), "brought dataset back from the store");
-        Ok((generation, data))
+        Ok(data)
     }
 
     /// Seals a dataset; with `persist`, writes it to the store before
@@ -1103,9 +1146,92 @@ fn unsealed_text(held: &[(String, u64, std::time::Duration)]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use super::unsealed_text;
+    use arrow::array::{Array, Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    use super::{State, unsealed_text};
+    use crate::catalog::{AttemptData, AttemptKey, SealRequest};
+    use crate::config::ServerConfig;
+    use crate::convert::DropRequest;
+
+    /// Writes and seals dataset `name` of one partition holding `values`,
+    /// then spills it; its generation.
+    async fn sealed_and_spilled(state: &State, name: &str, values: &[i64]) -> u64 {
+        let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
+        let column = Arc::new(Int64Array::from(values.to_vec()));
+        let batch = RecordBatch::try_new(schema.clone(), vec![column]).expect("batch");
+        let data = AttemptData {
+            batches: vec![batch],
+            rows: values.len() as u64,
+            bytes: 8 * values.len() as u64,
+        };
+        let key = AttemptKey {
+            partition: 0,
+            attempt: 0,
+        };
+        state
+            .catalog()
+            .commit(name, key, schema, data)
+            .expect("commit");
+        let seal = SealRequest {
+            dataset: name.to_string(),
+            partitions: 1,
+            winners: vec![],
+            members: vec![],
+            replace_write: String::new(),
+        };
+        let info = state.seal(&seal).await.expect("seal");
+        assert!(
+            state.spill_one(None).await.expect("spill"),
+            "nothing spilled"
+        );
+        assert!(!state.catalog().describe(name).expect("describe").resident);
+        info.generation
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_bringing_back_a_dataset_written_again_meanwhile_gets_the_new_write() {
+        let config = ServerConfig {
+            spill_url: Some("memory://".to_string()),
+            use_cuda: false,
+            ..ServerConfig::default()
+        };
+        let state = Arc::new(
+            State::open(config, "grpc://test".into())
+                .await
+                .expect("open"),
+        );
+        sealed_and_spilled(&state, "a", &[1, 2, 3]).await;
+        // The read finds "a" in the store, then waits its turn to bring it
+        // back; meanwhile "a" is dropped (its files deleted) and written
+        // again (and spilled, to other files).
+        let turn = state.restore_lock.lock().await;
+        let reader = tokio::spawn({
+            let state = state.clone();
+            async move { state.resident("a").await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let gone = DropRequest {
+            dataset: "a".to_string(),
+            member_only: false,
+            abort_write: String::new(),
+            staged: false,
+            keep_write: String::new(),
+        };
+        state.drop_dataset(&gone).await.expect("drop");
+        let generation = sealed_and_spilled(&state, "a", &[7, 8]).await;
+        drop(turn);
+        // It reads the new write's files (a read planned on the old one
+        // then refuses it as written again), not the deleted ones.
+        let (got, data) = reader.await.expect("joins").expect("brought back");
+        assert_eq!(got, generation);
+        let column = data.batches()[0].column(0);
+        let values = column.as_any().downcast_ref::<Int64Array>().expect("int64");
+        assert_eq!(values.values().to_vec(), vec![7, 8]);
+    }
 
     #[test]
     fn a_refusal_names_the_unsealed_datasets_holding_memory_largest_first() {
