@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 
+import pyarrow as pa
 import pytest
 
 pytest.importorskip("pyspark")
@@ -18,7 +19,7 @@ pytest.importorskip("pyspark")
 import flightdeck  # noqa: E402
 from conftest import TYPES, RunningServer, strided_order  # noqa: E402
 from flightdeck import ShardedDataset  # noqa: E402
-from flightdeck.spark import register, vectors_to_arrays, write_dataframe  # noqa: E402
+from flightdeck.spark import rebatch, register, vectors_to_arrays, write_dataframe  # noqa: E402
 
 ROWS = 200_000
 
@@ -627,3 +628,102 @@ def test_every_type_round_trips_through_the_python_source(flightdeck_server, spa
     assert back.rdd.getNumPartitions() == 3
     assert back.schema == df.schema
     assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)
+
+
+def check_options_a_writer_gets_wrong_are_refused(spark, fmt):
+    """Options that would send the rows somewhere unintended, or not at all,
+    are refused naming what to give: a `uris` naming no server (an empty
+    variable substituted into it would send every partition to this node's
+    server) on writes and reads, and a `batch_rows` that is no row count."""
+    register(spark, "flightdeck_py")
+    df = spark.range(10)
+    for value in ["", " , "]:
+        with pytest.raises(Exception, match=r"option uris names no server \('"):
+            df.write.format(fmt).option("dataset", "x").option("uris", value).mode(
+                "overwrite"
+            ).save()
+        with pytest.raises(Exception, match=r"option uris names no server \('"):
+            spark.read.format(fmt).option("dataset", "x").option("uris", value).load().count()
+    for value in ["0", "-5", "abc"]:
+        with pytest.raises(Exception, match=f"whole number of rows, 1 or more, not '{value}'"):
+            df.write.format(fmt).option("dataset", "x").option("batch_rows", value).mode(
+                "overwrite"
+            ).save()
+
+
+def check_batch_rows_keeps_each_message_under_the_servers_limit(spark, fmt):
+    """Spark hands a writer batches of `maxRecordsPerBatch` rows; wide rows
+    make such a batch more than a server takes in one message (1 MiB here).
+    The write is refused saying so, and with `batch_rows` it is sent in
+    messages that fit: every row arrives."""
+    register(spark, "flightdeck_py")
+    server = RunningServer("--max-message-size", "1MiB")
+    df = spark.range(3_000, numPartitions=2).selectExpr("id", "repeat('x', 2000) AS s")
+
+    def write(name, **options):
+        w = df.write.format(fmt).option("uri", server.uri).option("dataset", name)
+        w.options(**options).mode("overwrite").save()
+
+    try:
+        with pytest.raises(Exception, match="larger than this server accepts"):
+            write("whole")
+        write("sliced", batch_rows="100")
+        client = flightdeck.connect(server.uri)
+        table = client.read_table(client.plan("sliced", batch_rows=100).shards[0])
+        assert sorted(table.column("id").to_pylist()) == list(range(3_000))
+        assert set(table.column("s").to_pylist()) == {"x" * 2000}
+        client.close()
+    finally:
+        assert server.stop() == 0
+
+
+def check_an_append_onto_an_unfinished_write(spark, uri, fmt):
+    """A dataset a crashed job left written but never sealed: an append says
+    so (rows, age, how to replace or drop it) rather than calling it
+    immutable, and an overwrite replaces what it left."""
+    register(spark, "flightdeck_py")
+    client = flightdeck.connect(uri)
+    name = f"left_{fmt}"
+    client.put_partition(name, 0, pa.table({"id": pa.array([7, 8, 9], pa.int64())}), write_id="gone")
+
+    def write(mode):
+        spark.range(5).write.format(fmt).option("uri", uri).option("dataset", name).mode(
+            mode
+        ).save()
+
+    left = (
+        rf"cannot append to dataset '{name}': another write of it is under way or was left "
+        r"unfinished \(3 rows, last written \d+s ago, never sealed\); if the job writing it is "
+        rf"gone, mode\(.overwrite.\) replaces what it left \(or drop it first: flightdeck drop "
+        rf"{name} --server "
+    )
+    with pytest.raises(Exception, match=left):
+        write("append")
+    write("overwrite")
+    info = client.describe(name)
+    assert (info.state, info.rows) == (2, 5)
+    client.close()
+
+
+def test_python_source_options_a_writer_gets_wrong_are_refused(spark):
+    check_options_a_writer_gets_wrong_are_refused(spark, "flightdeck_py")
+
+
+def test_python_source_batch_rows_keeps_messages_under_the_servers_limit(spark):
+    check_batch_rows_keeps_each_message_under_the_servers_limit(spark, "flightdeck_py")
+
+
+def test_python_source_append_onto_an_unfinished_write(flightdeck_server, spark):
+    check_an_append_onto_an_unfinished_write(spark, flightdeck_server.uri, "flightdeck_py")
+
+
+def test_rebatch_slices_and_joins_to_the_rows_asked():
+    batches = [pa.record_batch({"a": list(range(10 * i, 10 * i + n))}) for i, n in
+               enumerate([3, 10, 1, 0, 7])]
+    given = [v for b in batches for v in b.column("a").to_pylist()]
+    for rows in [1, 4, 5, 21, 100]:
+        out = list(rebatch(batches, rows))
+        assert [v for b in out for v in b.column("a").to_pylist()] == given, rows
+        assert [b.num_rows for b in out[:-1]] == [rows] * (len(out) - 1), rows
+        assert 0 < out[-1].num_rows <= rows, rows
+    assert list(rebatch([], 4)) == []

@@ -20,6 +20,9 @@ from conftest import SPARK_JAR, TYPES, server_name_cases  # noqa: E402
 from test_spark import (  # noqa: E402
     always_fail,
     check_a_failed_overwrite_keeps_the_dataset,
+    check_an_append_onto_an_unfinished_write,
+    check_batch_rows_keeps_each_message_under_the_servers_limit,
+    check_options_a_writer_gets_wrong_are_refused,
     check_an_empty_dataframe_writes_an_empty_dataset,
     check_a_read_never_mixes_two_writes,
     check_a_write_whose_server_dies_fails,
@@ -230,3 +233,15 @@ def test_reads_send_only_the_rows_a_filter_selects(flightdeck_server, spark):
         read("no_such_column > 1").collect()
     with pytest.raises(Exception, match="option filter selects the rows a read sends"):
         write(df, uri, "never", filter="k = 1")
+
+
+def test_options_a_writer_gets_wrong_are_refused(spark):
+    check_options_a_writer_gets_wrong_are_refused(spark, "flightdeck")
+
+
+def test_batch_rows_keeps_messages_under_the_servers_limit(spark):
+    check_batch_rows_keeps_each_message_under_the_servers_limit(spark, "flightdeck")
+
+
+def test_an_append_onto_an_unfinished_write(flightdeck_server, spark):
+    check_an_append_onto_an_unfinished_write(spark, flightdeck_server.uri, "flightdeck")

@@ -30,9 +30,11 @@ writer's token to write, a reader's to read.
 Many nodes: with `uri` `local` (the default) each executor writes to its own
 node's server (`FLIGHTDECK_URI`, else loopback); `uris` (comma-separated)
 sends partition `p` to `uris[p % len(uris)]` instead, for clusters without a
-server beside every executor. When the partitions landed on several servers,
-the driver seals them as one dataset (`Client.seal_cluster`) through the
-first of them.
+server beside every executor (a `uris` that names none is refused). When
+the partitions landed on several servers, the driver seals them as one
+dataset (`Client.seal_cluster`) through the first of them. `batch_rows`
+sets the rows of each record batch sent (default: the batches Spark hands
+over, `spark.sql.execution.arrow.maxRecordsPerBatch` rows) or read.
 
 Reads give a sealed dataset back as a DataFrame: one Spark partition per
 stored partition, rows in the dataset's own order (partition order, then
@@ -84,6 +86,57 @@ def parse_uris(value: str | list[str] | None) -> list[str]:
     return [u.strip() for u in items if u.strip()]
 
 
+def _uris_option(options: Mapping[str, str]) -> list[str]:
+    """The data source's `uris` option; refused when given but naming no
+    server (an empty variable substituted into it), which would otherwise
+    send every partition to this node's server."""
+    value = options.get("uris")
+    uris = parse_uris(value)
+    if value is not None and not uris:
+        raise InvalidArgument(
+            f"option uris names no server ({value!r}); give the servers comma-separated, "
+            "e.g. 'grpc://node1:50051,grpc://node2:50051', or leave it out to use uri"
+        )
+    return uris
+
+
+def _batch_rows_option(options: Mapping[str, str]) -> int:
+    """The `batch_rows` option: rows per record batch sent or read; 0 where
+    not given."""
+    rows = (options.get("batch_rows") or "").strip()
+    if rows and not (rows.isdigit() and int(rows) > 0):
+        raise InvalidArgument(
+            f"option batch_rows must be a whole number of rows, 1 or more, not {rows!r}"
+        )
+    return int(rows or 0)
+
+
+def rebatch(batches: Iterable[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
+    """`batches` as batches of `rows` rows (the last may hold fewer): larger
+    ones are sliced without a copy, smaller ones joined."""
+    held: list[pa.RecordBatch] = []
+    count = 0
+    for batch in batches:
+        start = 0
+        while start < batch.num_rows:
+            take = min(rows - count, batch.num_rows - start)
+            held.append(batch.slice(start, take))
+            count += take
+            start += take
+            if count == rows:
+                yield _joined(held)
+                held, count = [], 0
+    if held:
+        yield _joined(held)
+
+
+def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One batch of `batches`' rows (itself where there is one)."""
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+
 def prepare_dataset(
     uri: str, dataset: str, overwrite: bool, uris: list[str] = (), token: str | None = None
 ) -> None:
@@ -102,11 +155,18 @@ def _prepare_one(uri: str, dataset: str, overwrite: bool, token: str | None) -> 
             return
         if overwrite:
             return
-    state = "sealed" if info.state == wire.DATASET_STATE_SEALED else "being written"
+    if info.state == wire.DATASET_STATE_SEALED:
+        raise FlightDeckError(
+            f"cannot append to dataset '{dataset}': it already exists (sealed, {info.rows} "
+            "rows) and a flightdeck dataset is immutable once sealed; use mode('overwrite') to "
+            "replace it, or write to a new dataset name",
+            "FAILED_PRECONDITION",
+        )
     raise FlightDeckError(
-        f"cannot append to dataset '{dataset}': it already exists ({state}, {info.rows} rows) "
-        "and a flightdeck dataset is immutable once sealed; use mode('overwrite') to replace "
-        "it, or write to a new dataset name",
+        f"cannot append to dataset '{dataset}': another write of it is under way or was left "
+        f"unfinished ({info.rows} rows, last written {info.written_seconds_ago:.0f}s ago, never "
+        "sealed); if the job writing it is gone, mode('overwrite') replaces what it left (or "
+        f"drop it first: flightdeck drop {dataset} --server {uri})",
         "FAILED_PRECONDITION",
     )
 
@@ -365,15 +425,11 @@ def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
     dataset = options.get("dataset")
     if not dataset:
         raise InvalidArgument("set the dataset to read: .option('dataset', NAME)")
-    rows = (options.get("batch_rows") or "").strip()
-    if rows and not (rows.isdigit() and int(rows) > 0):
-        raise InvalidArgument(
-            f"option batch_rows must be a whole number of rows, 1 or more, not {rows!r}"
-        )
+    rows = _batch_rows_option(options)
     filter = (options.get("filter") or "").strip()
     # As a write takes it: `uri`, else the first of `uris`, else this node's.
-    uri = options.get("uri") or next(iter(parse_uris(options.get("uris"))), "local")
-    return uri, dataset, int(rows or 0), filter
+    uri = options.get("uri") or next(iter(_uris_option(options)), "local")
+    return uri, dataset, rows, filter
 
 
 def holders(info) -> dict[int, str]:
@@ -409,11 +465,12 @@ try:  # Spark 4: Python data sources
 
         def __init__(self, options: dict, schema, overwrite: bool) -> None:
             self.uri = options.get("uri", "local")
-            self.uris = parse_uris(options.get("uris"))
+            self.uris = _uris_option(options)
             self.token = _token(options)
             self.dataset = options.get("dataset")
             if not self.dataset:
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
+            self.batch_rows = _batch_rows_option(options)
             self.schema = _arrow_schema(schema)
             self.write_id = new_write_id()
             self.overwrite = overwrite
@@ -421,10 +478,11 @@ try:  # Spark 4: Python data sources
             prepare_dataset(self.uri, self.dataset, overwrite, self.uris, self.token)
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> FlightDeckCommitMessage:
+            batches = rebatch(iterator, self.batch_rows) if self.batch_rows else iterator
             partition, attempt, rows, location = _put_task_partition(
                 self.uri,
                 self.dataset,
-                iterator,
+                batches,
                 self.schema,
                 self.uris,
                 self.write_id,
@@ -584,8 +642,11 @@ try:  # Spark 4: Python data sources
     class FlightDeckDataSource(DataSource):
         """`format("flightdeck")`: options `uri` (default `local`), `uris`
         (comma-separated; partition p goes to the (p mod n)-th), `dataset`
-        and `token` (default: `FLIGHTDECK_TOKEN` where each call is made);
-        for reads, `filter` and `batch_rows` too."""
+        `token` (default: `FLIGHTDECK_TOKEN` where each call is made) and
+        `batch_rows` (rows per record batch sent or read; default: the
+        batches Spark hands over, `spark.sql.execution.arrow.maxRecordsPerBatch`,
+        for writes, the server's `--default-batch-rows` for reads); for
+        reads, `filter` too."""
 
         #: Whether reads take Spark's filters (:func:`register` sets it from
         #: the session's `spark.sql.python.filterPushdown.enabled`).

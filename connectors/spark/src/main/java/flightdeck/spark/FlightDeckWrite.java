@@ -126,12 +126,21 @@ final class FlightDeckWrite {
         if (overwrite) {
           continue;
         }
+        Wire.DatasetInfo held = info.get();
+        if (held.sealed()) {
+          throw new FlightDeckException(
+              "FAILED_PRECONDITION",
+              "cannot append to dataset '" + options.dataset() + "': it already exists (sealed, "
+                  + held.rows() + " rows) and a flightdeck dataset is immutable once sealed; use "
+                  + "mode(\"overwrite\") to replace it, or write to a new dataset name");
+        }
         throw new FlightDeckException(
             "FAILED_PRECONDITION",
-            "cannot append to dataset '" + options.dataset() + "': it already exists ("
-                + info.get().stateName() + ", " + info.get().rows() + " rows) and a flightdeck "
-                + "dataset is immutable once sealed; use mode(\"overwrite\") to replace it, or "
-                + "write to a new dataset name");
+            "cannot append to dataset '" + options.dataset() + "': another write of it is under "
+                + "way or was left unfinished (" + held.rows() + " rows, last written "
+                + Math.round(held.writtenSecondsAgo()) + "s ago, never sealed); if the job "
+                + "writing it is gone, mode(\"overwrite\") replaces what it left (or drop it "
+                + "first: flightdeck drop " + options.dataset() + " --server " + target + ")");
       }
     }
   }

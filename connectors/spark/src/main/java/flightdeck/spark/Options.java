@@ -30,10 +30,18 @@ record Options(
           "set the dataset to write or read: .option(\"dataset\", NAME)");
     }
     List<String> uris = new ArrayList<>();
-    for (String u : get(options, "uris", "").split(",")) {
+    String given = get(options, "uris", null);
+    for (String u : (given == null ? "" : given).split(",")) {
       if (!u.strip().isEmpty()) {
         uris.add(u.strip());
       }
+    }
+    if (given != null && uris.isEmpty()) {
+      // An empty variable substituted into it: every partition would go
+      // to this node's server instead.
+      throw new IllegalArgumentException(
+          "option uris names no server ('" + given + "'); give the servers comma-separated, "
+              + "e.g. 'grpc://node1:50051,grpc://node2:50051', or leave it out to use uri");
     }
     String rows = get(options, "batch_rows", "");
     int batchRows;

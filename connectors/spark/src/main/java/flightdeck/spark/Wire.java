@@ -239,11 +239,12 @@ final class Wire {
    * of it (the layout id on a cluster, else the generation), for read plans
    * that must not mix two writes.
    */
-  record DatasetInfo(int state, long rows, List<Partition> partitions, long sealedAs) {
+  record DatasetInfo(
+      int state, long rows, List<Partition> partitions, long sealedAs, double writtenSecondsAgo) {
     static final int SEALED = 2;
 
-    String stateName() {
-      return state == SEALED ? "sealed" : "being written";
+    boolean sealed() {
+      return state == SEALED;
     }
   }
 
@@ -252,6 +253,7 @@ final class Wire {
     long rows = 0;
     long generation = 0;
     long layout = 0;
+    double writtenSecondsAgo = 0;
     List<Partition> partitions = new ArrayList<>();
     List<Partition> everyMember = new ArrayList<>();
     try {
@@ -263,6 +265,7 @@ final class Wire {
           case 7 -> partitions.add(partition(in.readByteArray()));
           case 8 -> generation = in.readUInt64();
           case 12 -> layout = layoutPartitions(in.readByteArray(), everyMember);
+          case 13 -> writtenSecondsAgo = in.readDouble();
           default -> in.skipField(tag);
         }
       }
@@ -271,7 +274,7 @@ final class Wire {
           "the server's DatasetInfo does not decode: " + e.getMessage(), e);
     }
     return new DatasetInfo(state, rows, everyMember.isEmpty() ? partitions : everyMember,
-        layout != 0 ? layout : generation);
+        layout != 0 ? layout : generation, writtenSecondsAgo);
   }
 
   /** The partitions of every member of a {@code ClusterLayout}; returns its id. */
