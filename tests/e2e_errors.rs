@@ -7,7 +7,7 @@ use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
-use flightdeck_client::{Client, ClientError, ReadPlan, SealDataset, Shuffle};
+use flightdeck_client::{Client, ClientError, DatasetState, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
 use flightdeck_tests::{TestServer, check_batch, partition_batches, read_all, schema, timed};
 use futures::{StreamExt, TryStreamExt, stream};
@@ -1348,5 +1348,76 @@ async fn compressed_do_get_requests_get_the_codes_grpc_gives_them() {
             .expect("advertised"),
         "identity"
     );
+    server.stop().await;
+}
+
+/// What a job that died left unsealed — a dataset it wrote, a replacement it
+/// staged — is dropped once nothing was written to it for
+/// `--unsealed-timeout`: its memory freed, its tasks still running refused
+/// saying why. A sealed dataset, and a write still under way (a new attempt
+/// every 100 ms for longer than the timeout), are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_dead_job_left_unsealed_is_dropped_after_the_unsealed_timeout() {
+    let idle = std::time::Duration::from_secs(3);
+    let server = TestServer::start_with(ServerConfig {
+        unsealed_timeout: Some(idle),
+        ..flightdeck_tests::test_config()
+    })
+    .await;
+    let mut c = server.client().await;
+    put(&mut c, "kept", 0, 0, 0..100).await.expect("put");
+    c.seal(SealDataset {
+        dataset: "kept".into(),
+        partitions: 1,
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    let mut dead = c.clone().with_write_id("dead");
+    put(&mut dead, "left", 0, 0, 0..100).await.expect("put");
+    let mut gone = c.clone().with_replacing_write("gone");
+    put(&mut gone, "kept", 0, 0, 0..50).await.expect("stage");
+    let started = std::time::Instant::now();
+    let mut live = c.clone().with_write_id("live");
+    let writer = tokio::spawn(async move {
+        for p in 0..60u32 {
+            put(&mut live, "live", p, 0, 0..10).await.expect("put");
+            if started.elapsed() > idle * 3 / 2 {
+                return p + 1;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        60
+    });
+
+    flightdeck_tests::eventually("what the dead job left dropped", || {
+        let mut c = c.clone();
+        async move {
+            let stats = c.stats().await.expect("stats");
+            let left = c.describe("left").await.map(|i| i.rows);
+            if left.is_err() && stats.staged.is_empty() {
+                Ok(())
+            } else {
+                Err((left.ok(), stats.staged))
+            }
+        }
+    })
+    .await;
+    assert!(started.elapsed() >= idle, "dropped before the timeout");
+    let written = writer.await.expect("joins");
+    let info = c.describe("live").await.expect("a write under way is kept");
+    assert_eq!(info.rows, u64::from(written) * 10);
+    let kept = c.describe("kept").await.expect("kept");
+    assert_eq!((kept.state(), kept.rows), (DatasetState::Sealed, 100));
+    for (client, dataset, write) in [(&mut dead, "left", "dead"), (&mut gone, "kept", "gone")] {
+        assert_code(
+            put(client, dataset, 1, 0, 0..10).await,
+            Code::Aborted,
+            &[
+                &format!("write '{write}'"),
+                "never sealed, so the server dropped what it wrote (--unsealed-timeout)",
+            ],
+        );
+    }
     server.stop().await;
 }

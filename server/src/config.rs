@@ -58,6 +58,11 @@ pub struct ServerConfig {
     /// How long a `DoPut` may send nothing, or a `DoGet` reader take
     /// nothing, before the server ends the stream and frees what it holds.
     pub stream_idle_timeout: std::time::Duration,
+    /// How long a dataset (or what a replacing write staged) may stay
+    /// unsealed with no attempt committed or begun before the server drops
+    /// it and refuses its writes' later attempts: a job that died without
+    /// sealing or dropping what it wrote. `None` = keep it until dropped.
+    pub unsealed_timeout: Option<std::time::Duration>,
     /// What read streams together may hold gathered ahead of their sockets,
     /// in bytes, beside `memory_limit`; `None` = an eighth of it, between
     /// 64 MiB and 4 GiB.
@@ -103,6 +108,7 @@ impl Default for ServerConfig {
             advertise: None,
             admission_wait: DEFAULT_ADMISSION_WAIT,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
+            unsealed_timeout: Some(DEFAULT_UNSEALED_TIMEOUT),
             read_ahead_bytes: None,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
@@ -286,6 +292,11 @@ const MAX_UNIX_SOCKET_PATH: usize = 107;
 /// The default of [`ServerConfig::admission_wait`].
 pub const DEFAULT_ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The default of [`ServerConfig::unsealed_timeout`]: far longer than a
+/// Spark job goes between two of its tasks' commits, short enough that what
+/// a dead job left does not hold memory for days.
+pub const DEFAULT_UNSEALED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
+
 /// Default for how long a stream may stall (a writer sending nothing, a
 /// reader taking nothing) before the server ends it.
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
@@ -298,12 +309,17 @@ pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, Strin
         .map_or((s, ""), |i| s.split_at(i));
     let value: f64 = number
         .parse()
-        .map_err(|_| format!("'{s}' is not a duration; write e.g. 5s, 500ms or 2m"))?;
+        .map_err(|_| format!("'{s}' is not a duration; write e.g. 5s, 500ms, 2m or 6h"))?;
     let seconds = match unit.trim() {
         "" | "s" => value,
         "ms" => value / 1e3,
         "m" | "min" => value * 60.0,
-        other => return Err(format!("unknown unit '{other}' in '{s}'; use ms, s or m")),
+        "h" => value * 3600.0,
+        other => {
+            return Err(format!(
+                "unknown unit '{other}' in '{s}'; use ms, s, m or h"
+            ));
+        }
     };
     std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("'{s}': {e}"))
 }
@@ -510,6 +526,7 @@ mod tests {
         assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("6h"), Ok(Duration::from_secs(6 * 3600)));
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("soon").is_err());

@@ -188,6 +188,15 @@ pub async fn serve(
     serve_with(listeners, config, shutdown).await
 }
 
+/// A background task, aborted when this is dropped.
+struct Background(tokio::task::JoinHandle<()>);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// [`serve`] on listeners the caller bound (and can then say where),
 /// instead of those `config.metrics_listen` and `config.unix_socket` name.
 pub async fn serve_with(
@@ -229,6 +238,21 @@ pub async fn serve_with(
                 tracing::error!(error = %e, "the metrics listener failed");
             }
         })
+    });
+    // Stopped on every way out of this function.
+    let _sweeper = state.config.unsealed_timeout.map(|idle| {
+        let state = state.clone();
+        Background(tokio::spawn(async move {
+            // Often enough that nothing outlives the timeout by more than a
+            // fraction of it.
+            let every = (idle / 8).clamp(Duration::from_millis(50), Duration::from_secs(60));
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                state.drop_abandoned(idle).await;
+            }
+        }))
     });
     let service = FlightServiceServer::new(FlightdeckService::new(state.clone()))
         .max_decoding_message_size(max_message)

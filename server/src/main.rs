@@ -107,6 +107,12 @@ struct ServeArgs {
     /// the server ends its stream (ABORTED) and frees what it holds.
     #[arg(long, value_parser = config::parse_duration, default_value = "10m")]
     stream_idle_timeout: std::time::Duration,
+    /// How long a dataset may stay unsealed with no attempt committed or
+    /// begun before the server drops it and refuses its writes' later
+    /// attempts (what a job that died without sealing or dropping it left,
+    /// holding memory that cannot spill); 0 keeps it until dropped.
+    #[arg(long, value_parser = config::parse_duration, default_value = "6h")]
+    unsealed_timeout: std::time::Duration,
     /// What all read streams together may hold gathered ahead of their
     /// sockets, beside --memory-limit (e.g. 512MiB); readers wait for room
     /// rather than grow it. Default: an eighth of --memory-limit, between
@@ -182,6 +188,7 @@ impl ServeArgs {
             advertise: self.advertise,
             admission_wait: self.admission_wait,
             stream_idle_timeout: self.stream_idle_timeout,
+            unsealed_timeout: (!self.unsealed_timeout.is_zero()).then_some(self.unsealed_timeout),
             read_ahead_bytes: self.read_ahead_memory,
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,

@@ -997,6 +997,35 @@ impl State {
         )))
     }
 
+    /// Drops what was left unsealed for `idle` or longer (see
+    /// [`crate::catalog::Catalog::abandoned`]), refusing the later attempts
+    /// of its writes; how many entries went.
+    pub async fn drop_abandoned(&self, idle: std::time::Duration) -> usize {
+        let keys = self.catalog().abandoned(idle);
+        let mut dropped = 0;
+        for key in keys {
+            let gone = self.catalog().drop_abandoned(&key, idle);
+            let Some((summary, freed, writes)) = gone else {
+                continue;
+            };
+            if let Some(stored) = &summary.stored {
+                self.delete_quietly(stored).await;
+            }
+            let name = crate::catalog::public_name(&key);
+            warn!(
+                dataset = %name,
+                writes = %writes.join(","),
+                rows = summary.rows,
+                freed,
+                idle_seconds = idle.as_secs(),
+                staged = crate::catalog::staged_parts(&key).is_some(),
+                "dropped what a write left unsealed: nothing was written to it for --unsealed-timeout"
+            );
+            dropped += 1;
+        }
+        dropped
+    }
+
     /// Copies columns of a sealed dataset to GPUs (replacing earlier copies
     /// on those devices).
     pub async fn place(&self, req: &PlaceRequest) -> Result<DatasetSummary> {

@@ -676,3 +676,42 @@ def test_numbers_out_of_range_are_refused_before_anything_is_sent(flightdeck_ser
     ds.load_state_dict({"epoch": np.int64(1), "start_sample": 4, "world_size": 2})
     assert ds.state_dict() == {"epoch": 1, "start_sample": 4, "world_size": 2}
     assert sorted(ids_of(ds)) == sorted(set(ids_of(ds)))
+
+
+def test_what_a_dead_job_left_unsealed_is_dropped_after_the_unsealed_timeout():
+    """`--unsealed-timeout 1s`: a dataset a job wrote and never sealed (it
+    died) is dropped a second after its last attempt, with a warning naming
+    it and its write, and the job's tasks still running are refused saying
+    why; `0` keeps such a dataset until it is dropped."""
+    from conftest import RunningServer
+
+    table = pa.table({"id": pa.array(range(10), pa.int64())})
+    server = RunningServer("--unsealed-timeout", "1s")
+    keeper = RunningServer("--unsealed-timeout", "0")
+    try:
+        c, k = flightdeck.connect(server.uri), flightdeck.connect(keeper.uri)
+        c.put_partition("left", 0, table, write_id="dead")
+        k.put_partition("left", 0, table, write_id="dead")
+        started = time.monotonic()
+
+        def gone():
+            try:
+                c.describe("left")
+            except flightdeck.NotFound:
+                return True
+            return None
+
+        eventually("the unsealed dataset dropped", gone)
+        assert time.monotonic() - started >= 0.9
+        with pytest.raises(flightdeck.Aborted, match="write 'dead' to dataset 'left' was aborted "
+                           r"\(nothing of it was written for 1s and it was never sealed"):
+            c.put_partition("left", 1, table, write_id="dead")
+        log = "".join(server.stderr_lines)
+        assert "dropped what a write left unsealed" in log and "writes=dead" in log, log
+        time.sleep(1.5)
+        assert k.describe("left").rows == 10, "--unsealed-timeout 0 keeps it"
+        c.close()
+        k.close()
+    finally:
+        assert server.stop() == 0
+        assert keeper.stop() == 0

@@ -12,12 +12,15 @@
 //! attempts under [`staged_key`], beside the dataset, which stays as it is
 //! (readable, if sealed) until [`Catalog::swap_in`] puts the sealed
 //! replacement in its place at once; a failed write drops only what it
-//! staged.
+//! staged. What a write left unsealed and idle for long (its job died
+//! before sealing or dropping it) is found by [`Catalog::abandoned`] and
+//! dropped by [`Catalog::drop_abandoned`], which refuses that write's later
+//! attempts as a failed job's drop does.
 //!
 //! This module is pure: no I/O, no locks, no async. The caller serialises
 //! access and returns the bytes this module reports as freed to the budget.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -278,6 +281,9 @@ struct Dataset {
     /// The replacing write that swapped it in ("" = none, or before a
     /// restart), so that the same seal sent again finds it done.
     swapped_in_by: String,
+    /// The writes whose attempts it holds while open, so that dropping it
+    /// unsealed refuses their later attempts ([`Catalog::drop_abandoned`]).
+    writes: BTreeSet<String>,
 }
 
 /// What `describe` tells about one partition.
@@ -399,11 +405,12 @@ pub struct Catalog {
     aborted: AbortedWrites,
 }
 
-/// The ids of the most recent [`AbortedWrites::LIMIT`] aborted writes.
+/// The ids of the most recent [`AbortedWrites::LIMIT`] aborted writes, each
+/// with why it was aborted.
 #[derive(Debug, Default)]
 struct AbortedWrites {
     order: std::collections::VecDeque<String>,
-    ids: std::collections::HashSet<String>,
+    ids: std::collections::HashMap<String, String>,
 }
 
 impl AbortedWrites {
@@ -411,10 +418,11 @@ impl AbortedWrites {
     /// long before thousands of later writes have failed).
     const LIMIT: usize = 4096;
 
-    fn add(&mut self, id: &str) {
-        if id.is_empty() || !self.ids.insert(id.to_string()) {
+    fn add(&mut self, id: &str, why: &str) {
+        if id.is_empty() || self.ids.contains_key(id) {
             return;
         }
+        self.ids.insert(id.to_string(), why.to_string());
         self.order.push_back(id.to_string());
         while self.order.len() > Self::LIMIT {
             if let Some(old) = self.order.pop_front() {
@@ -423,8 +431,9 @@ impl AbortedWrites {
         }
     }
 
-    fn contains(&self, id: &str) -> bool {
-        !id.is_empty() && self.ids.contains(id)
+    /// Why write `id` was aborted; `None` if it was not (or is forgotten).
+    fn reason(&self, id: &str) -> Option<&str> {
+        self.ids.get(id).map(String::as_str)
     }
 }
 
@@ -493,10 +502,10 @@ impl Catalog {
     /// attempt (a speculative task ending after its job's seal) would
     /// otherwise stage a replacement no seal ever takes.
     pub fn check_write(&self, dataset: &str, write_id: &str) -> Result<()> {
-        if self.aborted.contains(write_id) {
+        if let Some(why) = self.aborted.reason(write_id) {
             return Err(Error::Aborted(format!(
-                "write '{write_id}' to dataset '{}' was aborted (its job failed and dropped \
-                 what it wrote); this attempt is not stored",
+                "write '{write_id}' to dataset '{}' was aborted ({why}); this attempt is not \
+                 stored",
                 public_name(dataset)
             )));
         }
@@ -514,7 +523,8 @@ impl Catalog {
     /// Remembers that write `write_id` failed: its attempts are refused from
     /// now on, committed ones dropped with the dataset by the caller.
     pub fn abort_write(&mut self, write_id: &str) {
-        self.aborted.add(write_id);
+        self.aborted
+            .add(write_id, "its job failed and dropped what it wrote");
     }
 
     /// Commits a complete attempt, creating the dataset if it does not exist.
@@ -557,6 +567,7 @@ impl Catalog {
                     cluster: None,
                     written: Instant::now(),
                     swapped_in_by: String::new(),
+                    writes: BTreeSet::new(),
                 },
             );
         }
@@ -566,7 +577,60 @@ impl Catalog {
             .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in commit")))?;
         ds.attempts.insert(key, CommittedAttempt { data, seq });
         ds.written = Instant::now();
+        if !write_id.is_empty() {
+            ds.writes.insert(write_id.to_string());
+        }
         Ok(())
+    }
+
+    /// Notes that an attempt of open dataset `dataset` began streaming: a
+    /// write under way is not left unfinished ([`Catalog::abandoned`]).
+    pub fn writing(&mut self, dataset: &str) {
+        if let Some(ds) = self.datasets.get_mut(dataset)
+            && ds.sealed.is_none()
+        {
+            ds.written = Instant::now();
+        }
+    }
+
+    /// The catalog keys of datasets (and of what replacing writes staged)
+    /// never sealed, to which no attempt was committed or begun for `idle`
+    /// or longer: writes whose jobs died without sealing or dropping them.
+    pub fn abandoned(&self, idle: Duration) -> Vec<String> {
+        self.datasets
+            .iter()
+            .filter(|(_, ds)| ds.sealed.is_none() && ds.written.elapsed() >= idle)
+            .map(|(key, _)| key.clone())
+            .collect()
+    }
+
+    /// Drops entry `key` if it is still [`Catalog::abandoned`] after `idle`,
+    /// refusing the later attempts of the writes it holds (as a failed job's
+    /// drop does); its summary, the bytes freed and those writes.
+    pub fn drop_abandoned(
+        &mut self,
+        key: &str,
+        idle: Duration,
+    ) -> Option<(DatasetSummary, u64, Vec<String>)> {
+        let ds = self.datasets.get(key)?;
+        if ds.sealed.is_some() || ds.written.elapsed() < idle {
+            return None;
+        }
+        let mut writes: Vec<String> = ds.writes.iter().cloned().collect();
+        if let Some((_, write)) = staged_parts(key) {
+            writes.push(write.to_string());
+        }
+        writes.dedup();
+        let why = format!(
+            "nothing of it was written for {} and it was never sealed, so the server dropped what \
+             it wrote (--unsealed-timeout)",
+            crate::config::show_age(idle)
+        );
+        for write in &writes {
+            self.aborted.add(write, &why);
+        }
+        let (summary, freed) = self.drop_dataset(key).ok()?;
+        Some((summary, freed, writes))
     }
 
     /// Seals a dataset; returns its summary and the bytes freed (losers).
@@ -1012,6 +1076,7 @@ impl Catalog {
                 cluster: p.cluster,
                 written: Instant::now(),
                 swapped_in_by: String::new(),
+                writes: BTreeSet::new(),
             },
         );
         Ok(())

@@ -665,3 +665,70 @@ fn a_schema_naming_a_column_twice_is_refused_before_anything_is_kept() {
     ]);
     c.check_put("d", key(0, 0), &cased).expect("distinct");
 }
+
+#[test]
+fn what_a_dead_write_left_unsealed_is_dropped_and_its_later_attempts_refused() {
+    let mut c = Catalog::new();
+    // A job that died after two tasks (write "dead"), one that replaces a
+    // sealed dataset and died too ("gone"), and a sealed dataset.
+    for p in 0..2 {
+        c.commit_write("left", key(p, 0), "dead", schema(), attempt(key(p, 0), 3))
+            .expect("commit");
+    }
+    c.commit("kept", key(0, 0), schema(), attempt(key(0, 0), 4))
+        .expect("commit");
+    c.seal(&SealRequest {
+        dataset: "kept".into(),
+        partitions: 1,
+        ..Default::default()
+    })
+    .expect("seal");
+    let staged = staged_key("kept", "gone");
+    c.commit_write(&staged, key(0, 0), "gone", schema(), attempt(key(0, 0), 5))
+        .expect("stage");
+
+    // Nothing is abandoned until the idle time has passed; sealed datasets never are.
+    assert!(c.abandoned(Duration::from_secs(3600)).is_empty());
+    let mut idle = c.abandoned(Duration::ZERO);
+    idle.sort();
+    assert_eq!(idle, vec![staged.clone(), "left".to_string()]);
+    assert!(c.drop_abandoned("kept", Duration::ZERO).is_none(), "sealed");
+    assert!(
+        c.drop_abandoned("left", Duration::from_secs(3600))
+            .is_none(),
+        "written since"
+    );
+
+    let (summary, freed, writes) = c.drop_abandoned("left", Duration::ZERO).expect("dropped");
+    assert_eq!(
+        (summary.rows, freed, writes),
+        (6, 48, vec!["dead".to_string()])
+    );
+    let (_, _, writes) = c.drop_abandoned(&staged, Duration::ZERO).expect("dropped");
+    assert_eq!(writes, vec!["gone".to_string()]);
+    assert!(!c.holds("left") && !c.holds(&staged) && c.holds("kept"));
+
+    // Their tasks still running are refused, saying why; other writes are not.
+    for (dataset, write) in [("left", "dead"), (staged.as_str(), "gone")] {
+        let err = c
+            .commit_write(dataset, key(5, 0), write, schema(), attempt(key(5, 0), 1))
+            .expect_err("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, Error::Aborted(_)), "{msg}");
+        assert!(
+            msg.contains("was never sealed, so the server dropped what it wrote"),
+            "{msg}"
+        );
+    }
+    c.commit_write("left", key(0, 0), "rerun", schema(), attempt(key(0, 0), 2))
+        .expect("a new job writes the dataset again");
+    c.abort_write("failed");
+    let err = c
+        .commit_write("x", key(0, 0), "failed", schema(), attempt(key(0, 0), 1))
+        .expect_err("aborted");
+    assert!(
+        err.to_string()
+            .contains("its job failed and dropped what it wrote"),
+        "{err}"
+    );
+}

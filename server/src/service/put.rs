@@ -216,9 +216,10 @@ where
                     )));
                 }
                 {
-                    let catalog = state.catalog();
+                    let mut catalog = state.catalog();
                     catalog.check_write(&dataset, &write_id)?;
                     catalog.check_put(&entry, key, &s)?;
+                    catalog.writing(&entry);
                 }
                 schema = Some(s);
             }
