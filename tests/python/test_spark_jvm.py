@@ -245,3 +245,23 @@ def test_batch_rows_keeps_messages_under_the_servers_limit(spark):
 
 def test_an_append_onto_an_unfinished_write(flightdeck_server, spark):
     check_an_append_onto_an_unfinished_write(spark, flightdeck_server.uri, "flightdeck")
+
+
+def test_a_read_of_a_missing_or_unsealed_dataset_says_so(flightdeck_server, spark):
+    """As the Python source says it: which server lacks the dataset, or that
+    it is still being written (the raw server text spoke of DoPut and
+    ListFlights)."""
+    import pyarrow as pa
+
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    client.put_partition("unsealed", 0, pa.table({"id": pa.array([1, 2], pa.int64())}))
+
+    def read(name):
+        return spark.read.format("flightdeck").option("uri", uri).option("dataset", name).load()
+
+    with pytest.raises(Exception, match=f"dataset 'missing' does not exist on {uri}; write it"):
+        read("missing")
+    with pytest.raises(Exception, match="dataset 'unsealed' is still being written; read it once"):
+        read("unsealed")
+    client.close()

@@ -41,6 +41,7 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
   public StructType inferSchema(CaseInsensitiveStringMap map) {
     Options options = Options.of(map);
     try (Server server = Server.open(options.uri(), options.token())) {
+      server.sealed(options.dataset());
       try {
         return ArrowUtils.fromArrowSchema(
             server.client

@@ -130,13 +130,7 @@ final class FlightDeckScan {
       Wire.DatasetInfo info;
       FlightInfo selected = null;
       try (Server server = Server.open(options.uri(), options.token())) {
-        info = server.describe(options.dataset()).orElseThrow(() -> new FlightDeckException(
-            "NOT_FOUND", "dataset '" + options.dataset() + "' does not exist on " + server.location
-                + "; write it first (df.write.format(\"flightdeck\"))"));
-        if (info.state() != Wire.DatasetInfo.SEALED) {
-          throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + options.dataset()
-              + "' is still being written; read it once its write has been sealed");
-        }
+        info = server.sealed(options.dataset());
         if (!options.filter().isEmpty()) {
           selected = selectedRows(server, info.sealedAs());
         }

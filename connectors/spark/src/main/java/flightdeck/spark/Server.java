@@ -107,6 +107,18 @@ final class Server implements AutoCloseable {
     }
   }
 
+  /** The description of a dataset to read, refusing one missing or unsealed. */
+  Wire.DatasetInfo sealed(String dataset) {
+    Wire.DatasetInfo info = describe(dataset).orElseThrow(() -> new FlightDeckException(
+        "NOT_FOUND", "dataset '" + dataset + "' does not exist on " + location
+            + "; write it first (df.write.format(\"flightdeck\"))"));
+    if (!info.sealed()) {
+      throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + dataset
+          + "' is still being written; read it once its write has been sealed");
+    }
+    return info;
+  }
+
   /**
    * Drops the dataset; true if there was one. {@code abortWrite} (may be
    * empty) names a failed write whose attempts the server refuses from now
