@@ -465,8 +465,7 @@ impl State {
     /// again), or its rows — and a store failure is reported only while the
     /// files read are still the dataset's.
     pub async fn resident(&self, name: &str) -> Result<(u64, Arc<SealedData>)> {
-        let mut tries = 0;
-        loop {
+        for tries in 1..=RESTORE_TRIES {
             let view = self.catalog().lookup(name)?;
             if let SealedView::Resident { generation, data } = view {
                 self.catalog().touch(name);
@@ -487,33 +486,38 @@ impl State {
                     winners,
                 } => (generation, stored, schema, winners),
             };
-            let error = match self.bring_back(name, &stored, schema, winners).await {
+            let started = std::time::Instant::now();
+            match self.bring_back(name, &stored, schema, winners).await {
                 Ok(data) => {
                     let restored = self.catalog().restore(name, generation, data);
                     if let Some(data) = restored {
                         self.catalog().touch(name);
+                        self.restores.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.restored(started.elapsed());
+                        info!(dataset = %name, rows = data.rows(), "brought dataset back from the store");
                         return Ok((generation, data));
                     }
-                    None
+                    // Dropped or written again meanwhile: look again.
                 }
-                Err(e) => Some(e),
-            };
-            let now = self.catalog().lookup(name)?;
-            let replaced = match now {
-                SealedView::Stored { generation: g, .. } => g != generation,
-                SealedView::Resident { .. } => true,
-            };
-            tries += 1;
-            match error {
-                Some(e) if !replaced || tries >= RESTORE_TRIES => return Err(e),
-                None if tries >= RESTORE_TRIES => {
-                    return Err(Error::DatasetNotFound {
-                        dataset: name.to_string(),
-                    });
+                Err(e) if tries == RESTORE_TRIES || self.still_stored(name, generation) => {
+                    return Err(e);
                 }
-                _ => {}
+                // Its files went with a drop or a new write: look again.
+                Err(_) => {}
             }
         }
+        Err(Error::DatasetNotFound {
+            dataset: name.to_string(),
+        })
+    }
+
+    /// Whether generation `generation` of `name` is still the one in the
+    /// store (not dropped, written again or brought back meanwhile).
+    fn still_stored(&self, name: &str, generation: u64) -> bool {
+        matches!(
+            self.catalog().lookup(name),
+            Ok(SealedView::Stored { generation: g, .. }) if g == generation
+        )
     }
 
     /// Reads a spilled dataset's batches back from the store into the arena.
@@ -524,18 +528,13 @@ impl State {
         schema: arrow::datatypes::SchemaRef,
         winners: Vec<crate::catalog::AttemptKey>,
     ) -> Result<SealedData> {
-        let started = std::time::Instant::now();
         let mut stream = self.store.read(stored, schema.clone()).await?;
         let what = || format!("bringing dataset '{name}' back from the store");
         let mut batches = Vec::new();
         while let Some(batch) = stream.try_next().await? {
             batches.push(self.admit(&batch, Some(name), None, &what).await?.0);
         }
-        let data = SealedData::from_batches(schema, winners, batches);
-        self.restores.fetch_add(1, Ordering::Relaxed);
-        self.metrics.restored(started.elapsed());
-        info!(dataset = %name, rows = data.rows(), "brought dataset back from the store");
-        Ok(data)
+        Ok(SealedData::from_batches(schema, winners, batches))
     }
 
     /// Seals a dataset; with `persist`, writes it to the store before

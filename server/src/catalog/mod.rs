@@ -616,11 +616,8 @@ impl Catalog {
         if ds.sealed.is_some() || ds.written.elapsed() < idle {
             return None;
         }
-        let mut writes: Vec<String> = ds.writes.iter().cloned().collect();
-        if let Some((_, write)) = staged_parts(key) {
-            writes.push(write.to_string());
-        }
-        writes.dedup();
+        // (What a replacing write staged holds attempts of that write only.)
+        let writes: Vec<String> = ds.writes.iter().cloned().collect();
         let why = format!(
             "nothing of it was written for {} and it was never sealed, so the server dropped what \
              it wrote (--unsealed-timeout)",
