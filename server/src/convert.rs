@@ -543,6 +543,7 @@ pub fn member_prepared(s: &DatasetSummary, fixed: Vec<bool>) -> Result<pb::Membe
         partitions: partition_infos(&s.partitions),
         fixed_columns: fixed,
         replaces: Vec::new(),
+        writes: Vec::new(),
     })
 }
 

@@ -82,6 +82,31 @@ fn one_schema(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<Sche
     Ok(schema)
 }
 
+/// Refuses a cluster seal whose members hold attempts of different writes
+/// (one member's part was dropped and written by another job meanwhile):
+/// the layout would take partitions of two jobs. Members whose writes are
+/// not known (written without write ids, restored) are not compared.
+fn one_write(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<()> {
+    let mut first: Option<(&str, &str)> = None;
+    for (location, p) in replies {
+        for write in &p.writes {
+            match first {
+                None => first = Some((location, write)),
+                Some((_, w)) if w == write => {}
+                Some((at, w)) => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "cannot seal dataset '{name}': member {at} holds attempts of write \
+                         '{w}' and member {location} of write '{write}' (two jobs wrote it, or \
+                         it was dropped on a member and written again meanwhile); nothing was \
+                         sealed — drop the dataset and write it again"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How many times a read brings a dataset back from the store when a drop
 /// or a new write keeps replacing it under the read.
 const RESTORE_TRIES: u32 = 4;
@@ -733,14 +758,15 @@ impl State {
             (entry, self.layout_locations(&req.dataset))
         };
         if req.check_only {
-            let schema = {
+            let (schema, writes) = {
                 let catalog = self.catalog();
                 catalog.check_member(&entry, &want)?;
-                catalog.schema(&entry)?
+                (catalog.schema(&entry)?, catalog.writes(&entry))
             };
             return Ok(pb::MemberPrepared {
                 schema: convert::schema_to_ipc(&schema)?,
                 replaces,
+                writes,
                 ..Default::default()
             });
         }
@@ -845,6 +871,7 @@ impl State {
             checked.push((location.as_str(), c?));
         }
         one_schema(name, &checked)?;
+        one_write(name, &checked)?;
         // The members of every layout this seal replaces.
         let mut replaced: Vec<String> = checked
             .iter()
@@ -938,6 +965,10 @@ impl State {
     /// With `abort_write`, that write's attempts are refused from now on
     /// (recorded first, under the same lock, so no attempt of it can land
     /// between the drop and the refusal; recorded even with no dataset).
+    /// A dataset holding only other writes' attempts is left as it is when
+    /// `abort_write` names a write that is not among them (refused as
+    /// `FAILED_PRECONDITION`): a failed job drops what it wrote, not the
+    /// dataset of the job it was refused by.
     /// With `keep_write`, a dataset that write swapped in stays (refused
     /// as `FAILED_PRECONDITION`, checked under the same lock).
     pub async fn drop_dataset(&self, req: &convert::DropRequest) -> Result<DatasetSummary> {
@@ -951,6 +982,13 @@ impl State {
         let (mut summary, freed) = {
             let mut catalog = self.catalog();
             catalog.abort_write(&req.abort_write);
+            if catalog.held_by_others(&entry, &req.abort_write) {
+                return Err(Error::FailedPrecondition(format!(
+                    "dataset '{name}' here holds no attempt of the failed write '{}' (another \
+                     write's rows): left as it is",
+                    req.abort_write
+                )));
+            }
             if catalog.swapped_in_by(&entry, &req.keep_write) {
                 return Err(Error::FailedPrecondition(format!(
                     "dataset '{name}' here is what write '{}' swapped in: left as it is",

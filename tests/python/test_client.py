@@ -715,3 +715,37 @@ def test_what_a_dead_job_left_unsealed_is_dropped_after_the_unsealed_timeout():
     finally:
         assert server.stop() == 0
         assert keeper.stop() == 0
+
+
+def test_two_jobs_writing_one_dataset_at_once_never_mix(flightdeck_server):
+    """Two jobs (write ids) creating the same dataset at once: the second's
+    attempts are refused while the first's dataset is open, saying which
+    write holds it; the refused job's failure drops nothing of the first's,
+    and the sealed dataset holds one job's rows only."""
+    c = flightdeck.connect(flightdeck_server.uri)
+
+    def part(p, job):
+        return pa.table({"id": pa.array(range(p * 5, p * 5 + 5), pa.int64()),
+                         "job": pa.array([job] * 5, pa.string())})
+
+    c.put_partition("both", 0, part(0, "a"), write_id="job-a")
+    with pytest.raises(flightdeck.FailedPrecondition,
+                       match=r"dataset 'both' is being written by another write \('job-a': 1 "
+                             r"attempts committed.*nothing of write 'job-b' was stored"):
+        c.put_partition("both", 1, part(1, "b"), write_id="job-b")
+    # Job b fails and drops what it wrote, naming its write: job a's
+    # dataset is not its to drop.
+    with pytest.raises(flightdeck.FailedPrecondition, match="holds no attempt of the failed "
+                       "write 'job-b'"):
+        c.drop("both", abort_write="job-b")
+    c.put_partition("both", 1, part(1, "a"), write_id="job-a")
+    c.seal("both", partitions=2)
+    t = c.read_table(c.plan("both").shards[0])
+    assert t.column("id").to_pylist() == list(range(10))
+    assert set(t.column("job").to_pylist()) == {"a"}
+    # Its later attempts stay refused (the job failed), even once the
+    # dataset is dropped and free to write.
+    c.drop("both")
+    with pytest.raises(flightdeck.Aborted, match="write 'job-b'"):
+        c.put_partition("both", 0, part(0, "b"), write_id="job-b")
+    c.close()

@@ -308,6 +308,35 @@ def test_members_with_different_schemas_refuse_the_seal_and_stay_open(members):
     assert info.rows == 4
 
 
+def test_a_seal_taking_partitions_of_two_writes_is_refused_and_nothing_sealed(members):
+    """A member's part dropped while job a wrote, and written by job b: a's
+    seal would take partition 0 of a and partition 1 of b, so it is refused
+    before any member seals; with b's part gone and a's written again, the
+    same seal goes through."""
+    a, b = (flightdeck.connect(m.uri) for m in members[:2])
+
+    def part(p, job):
+        return pa.table({"id": pa.array([2 * p, 2 * p + 1], pa.int64()),
+                         "job": pa.array([job] * 2, pa.string())})
+
+    a.put_partition("two", 0, part(0, "a"), write_id="job-a")
+    b.put_partition("two", 1, part(1, "a"), write_id="job-a")
+    b.drop("two")  # an operator drops b's part; job b writes it meanwhile
+    b.put_partition("two", 1, part(1, "b"), write_id="job-b")
+    layout = {members[0].uri: {0: 0}, members[1].uri: {1: 0}}
+    with pytest.raises(flightdeck.FailedPrecondition,
+                       match=r"cannot seal dataset 'two': member \S+ holds attempts of write "
+                             r"'job-[ab]' and member \S+ of write 'job-[ab]'.*nothing was sealed"):
+        flightdeck.connect(members[2].uri).seal_cluster("two", layout, partitions=2)
+    for c in (a, b):
+        assert c.describe("two").state == wire.DATASET_STATE_OPEN
+    b.drop("two", abort_write="job-b")
+    b.put_partition("two", 1, part(1, "a"), write_id="job-a")
+    assert a.seal_cluster("two", layout, partitions=2).rows == 4
+    shard = a.plan("two").shards[0]
+    assert set(a.read_table(shard).column("job").to_pylist()) == {"a"}
+
+
 def test_an_overwrite_across_members_swaps_at_its_seal_and_drops_parts_left_out(members):
     a, b, c = (flightdeck.connect(m.uri) for m in members)
     old = pa.table({"id": pa.array(range(90), pa.int64())})

@@ -346,6 +346,7 @@ MemberPrepared = _message(
     Field("partitions", 3, "message", repeated=True, message="PartitionInfo"),
     Field("fixed_columns", 4, "bool", repeated=True),
     Field("replaces", 5, "string", repeated=True),
+    Field("writes", 6, "string", repeated=True),
 )
 ClusterMember = _message(
     "ClusterMember",

@@ -520,6 +520,53 @@ impl Catalog {
         Ok(())
     }
 
+    /// Refuses an attempt of write `write_id` to open entry `entry` (a
+    /// dataset, or what a write stages) that holds another write's
+    /// attempts: one job writes a dataset at a time, so that a seal never
+    /// takes partitions of two jobs (two Spark jobs creating the same
+    /// dataset at once; a new job onto what a dead one left). Attempts
+    /// without a write id are not checked.
+    pub fn check_writer(&self, entry: &str, write_id: &str) -> Result<()> {
+        let Some(ds) = self.datasets.get(entry) else {
+            return Ok(());
+        };
+        if write_id.is_empty() || ds.sealed.is_some() || ds.writes.contains(write_id) {
+            return Ok(());
+        }
+        let Some(other) = ds.writes.iter().next() else {
+            return Ok(());
+        };
+        let name = public_name(entry);
+        Err(Error::FailedPrecondition(format!(
+            "dataset '{name}' is being written by another write ('{other}': {} attempts \
+             committed, the last {}s ago); one job writes a dataset at a time — wait for that \
+             write to seal it, or drop it here (`flightdeck drop {name}`) if its job is gone; \
+             nothing of write '{write_id}' was stored",
+            ds.attempts.len(),
+            ds.written.elapsed().as_secs()
+        )))
+    }
+
+    /// Whether dropping `entry` because write `write_id` failed should leave
+    /// it: it holds attempts of other writes only, not of that one (another
+    /// job's dataset, which the failed job was refused from). An entry
+    /// whose writes are not known (written without write ids, or restored)
+    /// is dropped.
+    pub fn held_by_others(&self, entry: &str, write_id: &str) -> bool {
+        self.datasets.get(entry).is_some_and(|ds| {
+            !write_id.is_empty() && !ds.writes.is_empty() && !ds.writes.contains(write_id)
+        })
+    }
+
+    /// The writes whose attempts `entry` holds (none when they are not
+    /// known: written without write ids, or restored).
+    pub fn writes(&self, entry: &str) -> Vec<String> {
+        self.datasets
+            .get(entry)
+            .map(|ds| ds.writes.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// Remembers that write `write_id` failed: its attempts are refused from
     /// now on, committed ones dropped with the dataset by the caller.
     pub fn abort_write(&mut self, write_id: &str) {
@@ -551,6 +598,7 @@ impl Catalog {
     ) -> Result<()> {
         self.check_write(dataset, write_id)?;
         self.check_put(dataset, key, &schema)?;
+        self.check_writer(dataset, write_id)?;
         let seq = self.next_seq;
         self.next_seq += 1;
         if !self.datasets.contains_key(dataset) {

@@ -455,6 +455,48 @@ fn attempts_of_an_aborted_write_are_refused_and_bring_nothing_back() {
 }
 
 #[test]
+fn an_open_dataset_takes_the_attempts_of_one_write_only() {
+    let mut c = Catalog::new();
+    c.commit_write("d", key(0, 0), "job-1", schema(), attempt(key(0, 0), 3))
+        .expect("the first write creates it");
+    // A second job writing the same dataset meanwhile is refused before it
+    // stores anything, so no seal can take partitions of both.
+    let err = c
+        .commit_write("d", key(1, 0), "job-2", schema(), attempt(key(1, 0), 3))
+        .expect_err("another write");
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("being written by another write ('job-1'"),
+        "{text}"
+    );
+    assert!(text.contains("flightdeck drop d"), "{text}");
+    assert!(c.check_writer("d", "job-2").is_err());
+    // The first job goes on; attempts without a write id are not checked.
+    c.commit_write("d", key(1, 0), "job-1", schema(), attempt(key(1, 0), 3))
+        .expect("the same write");
+    c.commit("d", key(2, 0), schema(), attempt(key(2, 0), 3))
+        .expect("no id");
+    // The refused job fails and drops "what it wrote": the other job's
+    // dataset is left, and is not the refused job's to drop.
+    assert!(c.held_by_others("d", "job-2"));
+    assert!(!c.held_by_others("d", "job-1"));
+    assert!(!c.held_by_others("d", ""));
+    assert!(!c.held_by_others("missing", "job-2"));
+    c.seal(&SealRequest {
+        dataset: "d".into(),
+        partitions: 3,
+        ..Default::default()
+    })
+    .expect("seal");
+    assert_eq!(c.describe("d").expect("sealed").rows, 9);
+    // Once the dataset is dropped, another job may write it.
+    c.drop_dataset("d").expect("drop");
+    c.commit_write("d", key(0, 0), "job-2", schema(), attempt(key(0, 0), 3))
+        .expect("a new dataset");
+}
+
+#[test]
 fn aborted_writes_are_remembered_up_to_a_bound() {
     let mut c = Catalog::new();
     for i in 0..=AbortedWrites::LIMIT {
