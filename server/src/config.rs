@@ -52,8 +52,9 @@ pub struct ServerConfig {
     /// (`grpc://host:port`); `None` = `grpc://<bound address>` (the host
     /// name when bound to all interfaces).
     pub advertise: Option<String>,
-    /// How long a writer that said its size waits for memory before its
-    /// attempt is refused.
+    /// How long a writer that said its size, a read bringing a spilled
+    /// dataset back, or a filter's selection waits for memory before it is
+    /// refused.
     pub admission_wait: std::time::Duration,
     /// How long a `DoPut` may send nothing, or a `DoGet` reader take
     /// nothing, before the server ends the stream and frees what it holds.

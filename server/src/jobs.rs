@@ -117,14 +117,10 @@ impl State {
         }
         let (generation, data) = self.resident(&spec.dataset).await?;
         let placed = self.device_copies(&spec.dataset, generation);
-        let arena = self.arena().clone();
-        let mut job = tokio::task::spawn_blocking(move || {
-            let selection =
-                crate::read::filter_selection(&data, &spec.filter, &spec.dataset, &arena)?;
-            Job::prepare(spec, &data, selection)
-        })
-        .await
-        .map_err(|e| Error::Internal(format!("preparing the job panicked: {e}")))??;
+        let selection = self.selection(&data, &spec.filter, &spec.dataset).await?;
+        let mut job = tokio::task::spawn_blocking(move || Job::prepare(spec, &data, selection))
+            .await
+            .map_err(|e| Error::Internal(format!("preparing the job panicked: {e}")))??;
         job.placed = placed;
         let resume = match &job.spec.resume_from {
             Some(url) => {

@@ -99,8 +99,9 @@ struct ServeArgs {
     /// the host name when listening on 0.0.0.0).
     #[arg(long)]
     advertise: Option<String>,
-    /// How long a writer that said its size up front waits for memory
-    /// before its attempt is refused (e.g. 5s, 500ms, 0 to refuse at once).
+    /// How long a writer that said its size up front, a read bringing a
+    /// spilled dataset back, or a filter's selection waits for memory
+    /// before it is refused (e.g. 5s, 500ms, 0 to refuse at once).
     #[arg(long, value_parser = config::parse_duration, default_value = "5s")]
     admission_wait: std::time::Duration,
     /// How long a writer may send nothing, or a reader take nothing, before

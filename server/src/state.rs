@@ -30,6 +30,7 @@ use crate::memory::arena::{Arena, ArenaStats, HostMemory, slab_bytes_for};
 use crate::memory::device::{CudaHost, DevicePlacement, column_segments};
 use crate::memory::spill::Store;
 use crate::memory::{Budget, Reservation};
+use crate::query::{Filter, Selection};
 
 /// Columns of one dataset generation on each device.
 type Placements = BTreeMap<(String, u64), Vec<Arc<DevicePlacement>>>;
@@ -354,10 +355,24 @@ impl State {
                 budget.limit()
             )));
         }
+        self.wait_for_room(bytes, None, what).await
+    }
+
+    /// Sets `bytes` (at most the budget) aside: spills what it can to make
+    /// room, then waits in turn with writers that said their size, up to
+    /// `--admission-wait`, for memory that others give back. `except` is
+    /// not spilled (the dataset the memory is for).
+    async fn wait_for_room(
+        &self,
+        bytes: u64,
+        except: Option<&str>,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<Reservation> {
+        let budget = self.arena.budget().clone();
         let deadline = tokio::time::Instant::now() + self.config.admission_wait;
         let _turn = tokio::time::timeout_at(deadline, self.admission.lock())
             .await
-            .map_err(|_| self.not_admitted(bytes, what))?;
+            .map_err(|_| self.not_admitted(bytes, true, what))?;
         loop {
             match budget.try_reserve(bytes, what) {
                 Ok(r) => return Ok(r),
@@ -369,26 +384,41 @@ impl State {
             if let Ok(r) = budget.try_reserve(bytes, what) {
                 return Ok(r);
             }
-            if self.spill_one(None).await? {
+            if self.spill_one(except).await? {
                 continue;
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(self.not_admitted(bytes, what));
+                return Err(self.not_admitted(bytes, false, what));
             }
             tokio::time::sleep(ADMISSION_POLL).await;
         }
     }
 
-    fn not_admitted(&self, bytes: u64, what: &dyn Fn() -> String) -> Error {
+    /// The refusal of `bytes` for `what` after `--admission-wait`: no room
+    /// came, or (`queued`) calls ahead of it waited for memory all along.
+    fn not_admitted(&self, bytes: u64, queued: bool, what: &dyn Fn() -> String) -> Error {
         let budget = self.arena.budget();
+        let waited = if queued {
+            format!(
+                "waited {:?} behind other calls waiting for memory (first come, first served; \
+                 the budget has {} of {} free)",
+                self.config.admission_wait,
+                budget.free(),
+                budget.limit()
+            )
+        } else {
+            format!(
+                "the memory budget had only {} of {} free after waiting {:?}",
+                budget.free(),
+                budget.limit(),
+                self.config.admission_wait
+            )
+        };
         Error::ResourceExhausted(format!(
-            "{} needs {bytes} bytes and the memory budget had only {} of {} free after waiting \
-             {:?}; retry later, drop datasets that are no longer needed, or start the server \
-             with a larger --memory-limit (or a longer --admission-wait){}",
+            "{} needs {bytes} bytes and {waited}; retry later, drop datasets that are no longer \
+             needed, or start the server with a larger --memory-limit (or a longer \
+             --admission-wait){}",
             what(),
-            budget.free(),
-            budget.limit(),
-            self.config.admission_wait,
             self.unsealed_note(),
         ))
     }
@@ -553,13 +583,74 @@ impl State {
         schema: arrow::datatypes::SchemaRef,
         winners: Vec<crate::catalog::AttemptKey>,
     ) -> Result<SealedData> {
-        let mut stream = self.store.read(stored, schema.clone()).await?;
         let what = || format!("bringing dataset '{name}' back from the store");
+        let need = self
+            .catalog()
+            .describe(name)
+            .map_or(0, |d| d.partitions.iter().map(|p| p.bytes).sum::<u64>());
+        let limit = self.arena.budget().limit();
+        if need > limit {
+            return Err(Error::ResourceExhausted(format!(
+                "dataset '{name}' needs {need} bytes in memory to be read, more than the whole \
+                 memory budget ({limit} bytes); start the server with a larger --memory-limit"
+            )));
+        }
+        // Under passing pressure (other readers still holding datasets
+        // spilled for room, writers about to seal) a batch that finds no
+        // room waits for memory given back, up to `--admission-wait`.
+        let deadline = tokio::time::Instant::now() + self.config.admission_wait;
+        let mut stream = self.store.read(stored, schema.clone()).await?;
         let mut batches = Vec::new();
         while let Some(batch) = stream.try_next().await? {
-            batches.push(self.admit(&batch, Some(name), None, &what).await?.0);
+            loop {
+                match self.admit(&batch, Some(name), None, &what).await {
+                    Ok((kept, _)) => {
+                        batches.push(kept);
+                        break;
+                    }
+                    Err(Error::ResourceExhausted(_)) if tokio::time::Instant::now() < deadline => {
+                        tokio::time::sleep(ADMISSION_POLL).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         }
         Ok(SealedData::from_batches(schema, winners, batches))
+    }
+
+    /// The rows of `data` (generation of dataset `dataset` in memory) that
+    /// the SQL condition `filter` selects, made once per generation and
+    /// filter (off the reactor) and kept; `None` for an empty filter. Their
+    /// memory is made room for as a sized writer's is: other datasets
+    /// spill, then it waits up to `--admission-wait`.
+    pub async fn selection(
+        &self,
+        data: &Arc<SealedData>,
+        filter: &str,
+        dataset: &str,
+    ) -> Result<Option<Arc<Selection>>> {
+        if filter.is_empty() {
+            return Ok(None);
+        }
+        if let Some(hit) = data.selections().get(filter) {
+            return Ok(Some(hit));
+        }
+        let rows = {
+            let (data, filter, dataset) = (data.clone(), filter.to_string(), dataset.to_string());
+            tokio::task::spawn_blocking(move || {
+                let compiled = Filter::compile(data.schema(), &filter, &dataset)?;
+                Selection::select(&data, &compiled, &dataset)
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("selecting rows failed: {e}")))??
+        };
+        let what = || Selection::what(filter, dataset);
+        let mut room = self
+            // (Ids are taken in 64-byte units.)
+            .wait_for_room(8 * rows.len() as u64 + 64, Some(dataset), &what)
+            .await?;
+        let selection = Selection::keep(rows, &self.arena, Some(&mut room), &what)?;
+        Ok(Some(data.selections().keep(filter, dataset, selection)))
     }
 
     /// Seals a dataset; with `persist`, writes it to the store before
@@ -1297,6 +1388,93 @@ mod tests {
         let column = data.batches()[0].column(0);
         let values = column.as_any().downcast_ref::<Int64Array>().expect("int64");
         assert_eq!(values.values().to_vec(), vec![7, 8]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_of_a_spilled_dataset_waits_for_memory_given_back() {
+        let config = ServerConfig {
+            spill_url: Some("memory://".to_string()),
+            use_cuda: false,
+            memory_limit: 4 << 20,
+            admission_wait: Duration::from_secs(20),
+            ..ServerConfig::default()
+        };
+        let state = Arc::new(
+            State::open(config, "grpc://test".into())
+                .await
+                .expect("open"),
+        );
+        let big: Vec<i64> = (0..(1 << 20)).collect();
+        sealed_and_spilled(&state, "big", &big).await;
+        let values: Vec<i64> = (0..4096).collect();
+        sealed_and_spilled(&state, "a", &values).await;
+        // Another writer holds all but a few bytes of the budget, nothing
+        // spillable: the read waits for it rather than failing at once.
+        let what = || "another writer".to_string();
+        let free = state.arena().budget().free();
+        let held = state.reserve(free - 64, &what).await.expect("held");
+        let reader = tokio::spawn({
+            let state = state.clone();
+            async move { state.resident("a").await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!reader.is_finished(), "waits for memory");
+        drop(held);
+        let (_, data) = reader.await.expect("joins").expect("brought back");
+        assert_eq!(data.rows(), 4096);
+        // A dataset larger than the whole budget is refused saying so.
+        let err = state
+            .resident("big")
+            .await
+            .expect_err("larger than the budget");
+        assert!(
+            err.to_string()
+                .contains("more than the whole memory budget (4194304 bytes)"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_filters_selection_makes_room_and_waits_for_memory() {
+        let config = ServerConfig {
+            spill_url: Some("memory://".to_string()),
+            use_cuda: false,
+            memory_limit: 4 << 20,
+            admission_wait: Duration::from_secs(20),
+            ..ServerConfig::default()
+        };
+        let state = Arc::new(
+            State::open(config, "grpc://test".into())
+                .await
+                .expect("open"),
+        );
+        let values: Vec<i64> = (0..4096).collect();
+        sealed_and_spilled(&state, "d", &values).await;
+        let (_, data) = state.resident("d").await.expect("in memory");
+        // Memory held by another writer, then given back: the selection
+        // waits for it rather than failing at once.
+        let what = || "another writer".to_string();
+        let free = state.arena().budget().free();
+        let held = state.reserve(free - 64, &what).await.expect("held");
+        let selecting = tokio::spawn({
+            let (state, data) = (state.clone(), data.clone());
+            async move { state.selection(&data, "v % 2 = 0", "d").await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!selecting.is_finished(), "waits for memory");
+        drop(held);
+        let selection = selecting.await.expect("joins").expect("selected");
+        assert_eq!(selection.expect("a filter").len(), 2048);
+        // Kept: asked again, the same selection.
+        let again = state.selection(&data, "v % 2 = 0", "d").await;
+        assert_eq!(again.expect("kept").expect("a filter").len(), 2048);
+        assert!(
+            state
+                .selection(&data, "", "d")
+                .await
+                .expect("none")
+                .is_none()
+        );
     }
 
     #[test]

@@ -571,13 +571,22 @@ impl Arena {
     }
 
     /// A copy of `bytes` in one arena allocation, for data read at random
-    /// (packed rows): where it is large, its memory is asked to be backed
+    /// (packed rows, a filter's selection), drawn on `reservation` first:
+    /// where it is large, its memory is asked to be backed
     /// by transparent huge pages, since with 4 KiB pages nearly every row
     /// read at random is a TLB miss. Fails before copying anything when the
     /// budget has no room.
-    pub fn copy_bytes(&self, bytes: &[u8], what: &dyn Fn() -> String) -> Result<Buffer> {
-        // A slab of its own starts on a huge page (see `heap_align`).
-        let chunk = self.alloc_in(bytes.len(), bytes.len() >= HUGE_PAGE, None, what)?;
+    pub fn copy_bytes(
+        &self,
+        bytes: &[u8],
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Buffer> {
+        // A slab of its own starts on a huge page (see `heap_align`); drawn
+        // on a reservation, one takes just the bytes set aside (a new
+        // regular slab would take more).
+        let own = bytes.len() >= HUGE_PAGE || reservation.is_some();
+        let chunk = self.alloc_in(bytes.len(), own, reservation, what)?;
         chunk.huge_pages();
         Ok(chunk.fill(bytes).0)
     }

@@ -34,6 +34,7 @@ use datafusion::prelude::SessionContext;
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result, panic_message};
+use crate::memory::Reservation;
 use crate::memory::arena::Arena;
 
 pub use hash_bucket::{HashBucket, bucket_of_bytes, bucket_of_int};
@@ -234,6 +235,13 @@ impl Selection {
         arena: &Arena,
         dataset: &str,
     ) -> Result<Self> {
+        let rows = Self::select(data, filter, dataset)?;
+        Self::keep(rows, arena, None, &|| Self::what(filter.sql(), dataset))
+    }
+
+    /// The ascending stored rows `filter` selects from `data`, outside the
+    /// arena (the CPU work of [`Selection::evaluate`]).
+    pub fn select(data: &SealedData, filter: &Filter, dataset: &str) -> Result<Vec<u64>> {
         let mut rows: Vec<u64> = Vec::new();
         let mut start = 0u64;
         for batch in data.batches() {
@@ -245,24 +253,32 @@ impl Selection {
             );
             start += batch.num_rows() as u64;
         }
+        Ok(rows)
+    }
+
+    /// Keeps selected `rows` in `arena`, drawing on `reservation` first:
+    /// the ids count against the budget like any cached bytes.
+    pub fn keep(
+        rows: Vec<u64>,
+        arena: &Arena,
+        reservation: Option<&mut Reservation>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Self> {
         let len = rows.len();
-        // Staged in a Vec, then copied into the arena: the ids count
-        // against the budget like any cached bytes.
         let staged = ScalarBuffer::<u64>::from(rows);
-        let what = || {
-            format!(
-                "the rows filter `{}` selects from dataset '{dataset}'",
-                filter.sql
-            )
-        };
         let buffer = if len == 0 {
             staged.into_inner()
         } else {
-            arena.copy_bytes(staged.inner().as_slice(), &what)?
+            arena.copy_bytes(staged.inner().as_slice(), reservation, what)?
         };
         Ok(Self {
             rows: ScalarBuffer::new(buffer, 0, len),
         })
+    }
+
+    /// What the memory for a selection is taken for, in errors.
+    pub fn what(filter: &str, dataset: &str) -> String {
+        format!("the rows filter `{filter}` selects from dataset '{dataset}'")
     }
 
     /// A selection of the given ascending rows, outside the arena (tests).
@@ -321,26 +337,44 @@ impl SelectionCache {
         arena: &Arena,
         dataset: &str,
     ) -> Result<Arc<Selection>> {
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = kept.iter().position(|(sql, _)| sql == filter.sql()) {
-            let hit = kept.remove(i);
-            let selection = hit.1.clone();
-            kept.push(hit);
-            return Ok(selection);
+        if let Some(hit) = self.get(filter.sql()) {
+            return Ok(hit);
         }
-        let selection = Arc::new(Selection::evaluate(data, filter, arena, dataset)?);
+        let selection = Selection::evaluate(data, filter, arena, dataset)?;
+        Ok(self.keep(filter.sql(), dataset, selection))
+    }
+
+    /// The kept selection of filter `sql`, if any (now the most recent).
+    pub fn get(&self, sql: &str) -> Option<Arc<Selection>> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let i = kept.iter().position(|(s, _)| s == sql)?;
+        let hit = kept.remove(i);
+        let selection = hit.1.clone();
+        kept.push(hit);
+        Some(selection)
+    }
+
+    /// Keeps `selection` of filter `sql` (the oldest kept one goes beyond
+    /// [`KEPT_SELECTIONS`]); one made meanwhile by another reader is kept
+    /// instead and returned.
+    pub fn keep(&self, sql: &str, dataset: &str, selection: Selection) -> Arc<Selection> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, made)) = kept.iter().find(|(s, _)| s == sql) {
+            return made.clone();
+        }
         tracing::debug!(
             dataset,
-            filter = filter.sql(),
+            filter = sql,
             rows = selection.len(),
             bytes = selection.bytes(),
             "selected rows"
         );
+        let selection = Arc::new(selection);
         if kept.len() >= KEPT_SELECTIONS {
             kept.remove(0);
         }
-        kept.push((filter.sql().to_string(), selection.clone()));
-        Ok(selection)
+        kept.push((sql.to_string(), selection.clone()));
+        selection
     }
 
     /// Drops every kept selection; the bytes they held.

@@ -130,20 +130,11 @@ pub fn plan_filter(plan: &ReadPlan, schema: &Schema) -> Result<Option<Filter>> {
     Filter::compile(schema, &plan.filter, &plan.dataset).map(Some)
 }
 
-/// The rows of `data` a plan reads: its filter's selection
-/// ([`filter_selection`]), or `None` for every row.
-pub fn plan_selection(
-    plan: &ReadPlan,
-    data: &SealedData,
-    arena: &Arena,
-) -> Result<Option<Arc<Selection>>> {
-    filter_selection(data, &plan.filter, &plan.dataset, arena)
-}
-
 /// The rows of `data` (dataset `dataset`) that the SQL condition `filter`
 /// selects, made once per dataset generation and filter and kept in
-/// `arena`; `None` for an empty filter (every row). A read plan's and a
-/// training job's filters both select through it.
+/// `arena`; `None` for an empty filter (every row). Reads and training
+/// jobs select through [`crate::state::State::selection`], which also
+/// makes room for the selection; this form fails when the budget is full.
 pub fn filter_selection(
     data: &SealedData,
     filter: &str,

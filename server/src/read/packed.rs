@@ -310,7 +310,7 @@ impl Pack<'_> {
         range
             .map(|b| {
                 self.batch(b, groups[b], &mut staged, &mut places);
-                arena.copy_bytes(&staged, what)
+                arena.copy_bytes(&staged, None, what)
             })
             .collect()
     }

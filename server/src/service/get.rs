@@ -221,13 +221,7 @@ async fn plan_selection(
     plan: &ReadPlan,
     data: &Arc<crate::catalog::SealedData>,
 ) -> Result<Option<Arc<Selection>>> {
-    if plan.filter.is_empty() {
-        return Ok(None);
-    }
-    let (plan, data, arena) = (plan.clone(), data.clone(), state.arena().clone());
-    tokio::task::spawn_blocking(move || read::plan_selection(&plan, &data, &arena))
-        .await
-        .map_err(|e| Error::Internal(format!("selecting rows failed: {e}")))?
+    state.selection(data, &plan.filter, &plan.dataset).await
 }
 
 /// Action `member_select`: the rows a filter selects in each of this

@@ -204,7 +204,7 @@ fn check_gpu_sizes(rows: u64, dim: usize) -> Result<()> {
 impl Job {
     /// Checks `spec` against the dataset's columns and prepares the data:
     /// every row, or the rows `selection` holds (the selection of
-    /// `spec.filter`, [`crate::read::filter_selection`]). Every problem is
+    /// `spec.filter`, [`crate::state::State::selection`]). Every problem is
     /// `InvalidArgument` naming it.
     pub fn prepare(
         spec: JobSpec,
