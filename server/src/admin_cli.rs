@@ -567,6 +567,7 @@ fn state(info: &DatasetInfo) -> &'static str {
     match info.state() {
         DatasetState::Open => "open",
         DatasetState::Sealed => "sealed",
+        DatasetState::Sealing => "sealing",
         DatasetState::Unspecified => "unknown",
     }
 }
@@ -769,6 +770,14 @@ pub fn describe_text(info: &DatasetInfo) -> String {
     if info.state == DatasetState::Open as i32 {
         let quiet = seconds_ago(info.written_seconds_ago);
         lines.push(("written", format!("last attempt committed {quiet} ago")));
+    }
+    if info.state == DatasetState::Sealing as i32 {
+        lines.push((
+            "sealing",
+            "this member's part is sealed, but the seal across members did not finish here \
+             (rows and partitions are this member's): send the seal again, or drop the dataset"
+                .to_string(),
+        ));
     }
     for w in &info.replacements {
         lines.push((

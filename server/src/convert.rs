@@ -729,9 +729,10 @@ pub fn dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
 fn local_dataset_info(s: &DatasetSummary) -> Result<pb::DatasetInfo> {
     Ok(pb::DatasetInfo {
         dataset: s.name.clone(),
-        state: match s.state {
-            DatasetState::Open => pb::DatasetState::Open,
-            DatasetState::Sealed => pb::DatasetState::Sealed,
+        state: match (s.state, &s.cluster) {
+            (DatasetState::Open, _) => pb::DatasetState::Open,
+            (DatasetState::Sealed, Some(ClusterState::Pending)) => pb::DatasetState::Sealing,
+            (DatasetState::Sealed, _) => pb::DatasetState::Sealed,
         }
         .into(),
         rows: s.rows,

@@ -337,6 +337,53 @@ def test_a_seal_taking_partitions_of_two_writes_is_refused_and_nothing_sealed(me
     assert set(a.read_table(shard).column("job").to_pylist()) == {"a"}
 
 
+@pytest.mark.parametrize("writer", ["flightdeck_py", "flightdeck"])
+def test_a_member_whose_cluster_seal_did_not_finish_says_so(members, spark, writer):
+    """A coordinator prepared one member's part, then died: that member
+    describes the dataset as `sealing` (its own rows), reads and appends
+    through either connector say the seal did not finish there and what to
+    do, and the seal sent again finishes it."""
+    import subprocess
+
+    from conftest import server_binary
+    from flightdeck.spark import register
+
+    register(spark, "flightdeck_py")
+    a, b = (flightdeck.connect(m.uri) for m in members[:2])
+    name = f"cut_{writer}"
+    a.put_partition(name, 0, pa.table({"id": pa.array([0, 1], pa.int64())}), write_id="w1")
+    b.put_partition(name, 1, pa.table({"id": pa.array([2, 3], pa.int64())}), write_id="w1")
+    a._action(
+        "member_prepare",
+        wire.PrepareMember(dataset=name, partitions=[wire.PartitionAttempt(partition=0)]),
+        wire.MemberPrepared,
+    )
+    info = a.describe(name)
+    assert (info.state, info.rows) == (wire.DATASET_STATE_SEALING, 2)
+    assert "sealing (its seal across members did not finish here)" in str(info)
+    with pytest.raises(flightdeck.FailedPrecondition, match="being sealed across members"):
+        a.plan(name)
+    shown = subprocess.run(
+        [str(server_binary()), "describe", name, "--server", a.uri],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert "sealing (generation" in shown.stdout, shown
+    assert "the seal across members did not finish here" in shown.stdout, shown
+    unfinished = (
+        rf"dataset '{name}' on {a.uri} is being sealed across servers and its seal did not "
+        r"finish there .*write it again with mode\(.overwrite.\), or drop it: flightdeck drop "
+        rf"{name} --server {a.uri}"
+    )
+    with pytest.raises(Exception, match=unfinished):
+        spark.read.format(writer).option("uri", a.uri).option("dataset", name).load().collect()
+    with pytest.raises(Exception, match=f"cannot append to dataset '{name}': " + unfinished):
+        (spark.range(3).write.format(writer).option("uri", a.uri).option("dataset", name)
+         .mode("append").save())
+    layout = {members[0].uri: {0: 0}, members[1].uri: {1: 0}}
+    assert flightdeck.connect(members[2].uri).seal_cluster(name, layout, partitions=2).rows == 4
+    assert a.describe(name).state == wire.DATASET_STATE_SEALED
+
+
 def test_an_overwrite_across_members_swaps_at_its_seal_and_drops_parts_left_out(members):
     a, b, c = (flightdeck.connect(m.uri) for m in members)
     old = pa.table({"id": pa.array(range(90), pa.int64())})

@@ -207,9 +207,11 @@ def sealed_as(info: wire.Message) -> int:
 def _describe_dataset(info: wire.Message) -> str:
     """`print(info)` of a `DatasetInfo`: one summary line, then the schema as
     Arrow prints it."""
-    state = {wire.DATASET_STATE_OPEN: "open", wire.DATASET_STATE_SEALED: "sealed"}.get(
-        info.state, "unknown state"
-    )
+    state = {
+        wire.DATASET_STATE_OPEN: "open",
+        wire.DATASET_STATE_SEALED: "sealed",
+        wire.DATASET_STATE_SEALING: "sealing (its seal across members did not finish here)",
+    }.get(info.state, "unknown state")
     where = []
     if info.spilled:
         where.append("spilled")

@@ -162,6 +162,11 @@ def _prepare_one(uri: str, dataset: str, overwrite: bool, token: str | None) -> 
             "replace it, or write to a new dataset name",
             "FAILED_PRECONDITION",
         )
+    if info.state == wire.DATASET_STATE_SEALING:
+        raise FlightDeckError(
+            f"cannot append to dataset '{dataset}': {unfinished_seal(dataset, uri)}",
+            "FAILED_PRECONDITION",
+        )
     raise FlightDeckError(
         f"cannot append to dataset '{dataset}': another write of it is under way or was left "
         f"unfinished ({info.rows} rows, last written {info.written_seconds_ago:.0f}s ago, never "
@@ -398,6 +403,17 @@ def _read_schema(info, dataset: str, location: str):
     return StructType(fields)
 
 
+def unfinished_seal(dataset: str, uri: str) -> str:
+    """What a dataset whose seal across servers did not finish on `uri`
+    needs."""
+    return (
+        f"dataset '{dataset}' on {uri} is being sealed across servers and its seal did not "
+        "finish there (the job that wrote it failed while sealing, or is sealing it now); "
+        f"write it again with mode('overwrite'), or drop it: flightdeck drop {dataset} "
+        f"--server {uri}"
+    )
+
+
 def _sealed(client: Client, dataset: str):
     """`dataset`'s description, refusing one that is missing or unsealed."""
     try:
@@ -407,6 +423,8 @@ def _sealed(client: Client, dataset: str):
             f"dataset '{dataset}' does not exist on {client.uri}; write it first "
             "(df.write.format(\"flightdeck\"))"
         ) from None
+    if info.state == wire.DATASET_STATE_SEALING:
+        raise FailedPrecondition(unfinished_seal(dataset, client.uri))
     if info.state != wire.DATASET_STATE_SEALED:
         raise FailedPrecondition(
             f"dataset '{dataset}' is still being written; read it once its write has been sealed"

@@ -134,6 +134,10 @@ final class FlightDeckWrite {
                   + held.rows() + " rows) and a flightdeck dataset is immutable once sealed; use "
                   + "mode(\"overwrite\") to replace it, or write to a new dataset name");
         }
+        if (held.sealing()) {
+          throw new FlightDeckException("FAILED_PRECONDITION", "cannot append to dataset '"
+              + options.dataset() + "': " + Server.unfinishedSeal(options.dataset(), target));
+        }
         throw new FlightDeckException(
             "FAILED_PRECONDITION",
             "cannot append to dataset '" + options.dataset() + "': another write of it is under "

@@ -112,11 +112,22 @@ final class Server implements AutoCloseable {
     Wire.DatasetInfo info = describe(dataset).orElseThrow(() -> new FlightDeckException(
         "NOT_FOUND", "dataset '" + dataset + "' does not exist on " + location
             + "; write it first (df.write.format(\"flightdeck\"))"));
+    if (info.sealing()) {
+      throw new FlightDeckException("FAILED_PRECONDITION", unfinishedSeal(dataset, location));
+    }
     if (!info.sealed()) {
       throw new FlightDeckException("FAILED_PRECONDITION", "dataset '" + dataset
           + "' is still being written; read it once its write has been sealed");
     }
     return info;
+  }
+
+  /** What a dataset whose seal across servers did not finish on {@code location} needs. */
+  static String unfinishedSeal(String dataset, String location) {
+    return "dataset '" + dataset + "' on " + location + " is being sealed across servers and "
+        + "its seal did not finish there (the job that wrote it failed while sealing, or is "
+        + "sealing it now); write it again with mode(\"overwrite\"), or drop it: flightdeck drop "
+        + dataset + " --server " + location;
   }
 
   /**

@@ -242,9 +242,15 @@ final class Wire {
   record DatasetInfo(
       int state, long rows, List<Partition> partitions, long sealedAs, double writtenSecondsAgo) {
     static final int SEALED = 2;
+    static final int SEALING = 3;
 
     boolean sealed() {
       return state == SEALED;
+    }
+
+    /** This server's part is sealed; the seal across servers did not finish here. */
+    boolean sealing() {
+      return state == SEALING;
     }
   }
 
