@@ -55,7 +55,7 @@ pub struct ServerArg {
     /// `host`, `host:port`, `grpc://…`, `grpc+tls://…` or
     /// `grpc+unix:///PATH` (a server's --unix-socket); port 50051 when none
     /// is given.
-    #[arg(long, default_value = "local")]
+    #[arg(long, alias = "uri", default_value = "local")]
     server: String,
 }
 
@@ -178,9 +178,9 @@ pub struct PlaceArgs {
     /// comma-separated; every such column when not given.
     #[arg(long, value_delimiter = ',')]
     columns: Vec<String>,
-    /// GPU ordinals to copy them to, comma-separated; device 0 when not
-    /// given.
-    #[arg(long, value_delimiter = ',')]
+    /// GPUs to copy them to (ordinals or cuda:N), comma-separated; device
+    /// 0 when not given.
+    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_gpu)]
     devices: Vec<u32>,
 }
 
@@ -193,8 +193,9 @@ pub struct EvictArgs {
     output: Output,
     /// The dataset.
     dataset: String,
-    /// GPU ordinals to free, comma-separated; every device when not given.
-    #[arg(long, value_delimiter = ',')]
+    /// GPUs to free (ordinals or cuda:N), comma-separated; every device
+    /// when not given.
+    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_gpu)]
     devices: Vec<u32>,
 }
 
@@ -1002,6 +1003,35 @@ mod tests {
     use arrow::datatypes::{DataType, Field, Schema};
     use arrow::ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteOptions};
     use flightdeck_protos::{ClusterMember, DevicePlacement, PartitionInfo};
+
+    #[test]
+    fn gpus_are_ordinals_or_cuda_n_and_uri_names_the_server() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Place {
+            #[command(flatten)]
+            args: PlaceArgs,
+        }
+        #[derive(Debug, Parser)]
+        struct Evict {
+            #[command(flatten)]
+            args: EvictArgs,
+        }
+        let place = |argv: &[&str]| Place::try_parse_from(argv).map(|p| p.args);
+        let args = place(&["place", "d", "--devices", "cuda:1,0"]).expect("parses");
+        assert_eq!(args.devices, vec![1, 0]);
+        let err = place(&["place", "d", "--devices", "gpu1"]).expect_err("not a GPU");
+        assert!(
+            err.to_string()
+                .contains("'gpu1' is not a GPU: give its ordinal (0, 1, …) or cuda:N"),
+            "{err}"
+        );
+        let evict = Evict::try_parse_from(["evict", "d", "--devices", "cuda:3"]).expect("parses");
+        assert_eq!(evict.args.devices, vec![3]);
+        // `--uri`, as the Spark options and clients call it, is `--server`.
+        let args = place(&["place", "d", "--uri", "grpc://h:1"]).expect("parses");
+        assert_eq!(args.server.server, "grpc://h:1");
+    }
 
     #[tokio::test]
     async fn a_server_not_there_is_named_with_its_location_and_what_to_do() {

@@ -302,6 +302,16 @@ pub const DEFAULT_UNSEALED_TIMEOUT: std::time::Duration = std::time::Duration::f
 /// reader taking nothing) before the server ends it.
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// A GPU as a command line names it: its ordinal (`0`), or `cuda:0` as
+/// PyTorch writes it.
+pub fn parse_gpu(s: &str) -> std::result::Result<u32, String> {
+    let s = s.trim();
+    s.strip_prefix("cuda:")
+        .unwrap_or(s)
+        .parse::<u32>()
+        .map_err(|_| format!("'{s}' is not a GPU: give its ordinal (0, 1, …) or cuda:N"))
+}
+
 /// A duration such as `5s`, `500ms`, `2m` or a plain number of seconds.
 pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
     let s = s.trim();

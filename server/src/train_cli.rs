@@ -62,7 +62,7 @@ pub struct TrainArgs {
     /// none, global or block.
     #[arg(long, default_value = "global")]
     shuffle: String,
-    /// `cpu`, `cpu:N` (N rank threads) or GPU ordinals like `0,1,2,3`.
+    /// `cpu`, `cpu:N` (N rank threads) or GPUs like `0,1,2,3` (or `cuda:0,cuda:1`).
     #[arg(long, default_value = "cpu")]
     devices: String,
     /// Folder for checkpoints: a path relative to the server's
@@ -126,9 +126,11 @@ impl TrainArgs {
             d => (
                 0,
                 d.split(',')
-                    .map(|g| g.trim().parse::<u32>())
+                    .map(crate::config::parse_gpu)
                     .collect::<Result<_, _>>()
-                    .map_err(|_| format!("--devices {d}: expected cpu, cpu:N or GPU ordinals"))?,
+                    .map_err(|e| {
+                        format!("--devices {d}: expected cpu, cpu:N or GPUs (0,1 or cuda:0); {e}")
+                    })?,
             ),
         };
         let (task, classes) = match (self.regression, self.classes) {
@@ -275,6 +277,9 @@ mod tests {
         let zero = job("cpu:0").expect_err("no ranks");
         assert!(zero.contains("at least one rank"), "{zero}");
         assert!(job("cpu:x").expect_err("bad").contains("expected cpu:N"));
-        assert!(job("gpu0").expect_err("bad").contains("GPU ordinals"));
+        let bad = job("gpu0").expect_err("bad");
+        assert!(bad.contains("expected cpu, cpu:N or GPUs"), "{bad}");
+        assert!(bad.contains("'gpu0' is not a GPU"), "{bad}");
+        assert_eq!(ranks("cuda:0,cuda:1"), Ok((0, vec![0, 1])));
     }
 }
