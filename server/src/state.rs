@@ -611,6 +611,12 @@ impl State {
                     Err(Error::ResourceExhausted(_)) if tokio::time::Instant::now() < deadline => {
                         tokio::time::sleep(ADMISSION_POLL).await;
                     }
+                    Err(Error::ResourceExhausted(msg)) if !self.config.admission_wait.is_zero() => {
+                        return Err(Error::ResourceExhausted(format!(
+                            "after waiting {:?} for memory (--admission-wait): {msg}",
+                            self.config.admission_wait
+                        )));
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -1430,6 +1436,33 @@ mod tests {
         assert!(
             err.to_string()
                 .contains("more than the whole memory budget (4194304 bytes)"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_refused_for_memory_after_waiting_says_it_waited() {
+        let config = ServerConfig {
+            spill_url: Some("memory://".to_string()),
+            use_cuda: false,
+            memory_limit: 4 << 20,
+            admission_wait: Duration::from_millis(200),
+            ..ServerConfig::default()
+        };
+        let state = State::open(config, "grpc://test".into())
+            .await
+            .expect("open");
+        let values: Vec<i64> = (0..4096).collect();
+        sealed_and_spilled(&state, "a", &values).await;
+        let what = || "another writer".to_string();
+        let free = state.arena().budget().free();
+        let _held = state.reserve(free - 64, &what).await.expect("held");
+        let err = state.resident("a").await.expect_err("no memory came");
+        assert!(
+            err.to_string().starts_with(
+                "after waiting 200ms for memory (--admission-wait): bringing dataset 'a' back \
+                 from the store needs"
+            ),
             "{err}"
         );
     }
