@@ -1396,29 +1396,41 @@ mod tests {
         assert_eq!(values.values().to_vec(), vec![7, 8]);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_read_of_a_spilled_dataset_waits_for_memory_given_back() {
+    /// A server with a 4 MiB budget, spilling to memory, whose calls wait
+    /// up to `wait` for memory.
+    async fn small_budget(wait: Duration) -> Arc<State> {
         let config = ServerConfig {
             spill_url: Some("memory://".to_string()),
             use_cuda: false,
             memory_limit: 4 << 20,
-            admission_wait: Duration::from_secs(20),
+            admission_wait: wait,
             ..ServerConfig::default()
         };
-        let state = Arc::new(
+        Arc::new(
             State::open(config, "grpc://test".into())
                 .await
                 .expect("open"),
-        );
+        )
+    }
+
+    /// Another writer holding all but 64 bytes of the free budget, nothing
+    /// of it spillable.
+    async fn all_but_64_bytes(state: &State) -> crate::memory::Reservation {
+        let what = || "another writer".to_string();
+        let free = state.arena().budget().free();
+        state.reserve(free - 64, &what).await.expect("held")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_of_a_spilled_dataset_waits_for_memory_given_back() {
+        let state = small_budget(Duration::from_secs(20)).await;
         let big: Vec<i64> = (0..(1 << 20)).collect();
         sealed_and_spilled(&state, "big", &big).await;
         let values: Vec<i64> = (0..4096).collect();
         sealed_and_spilled(&state, "a", &values).await;
         // Another writer holds all but a few bytes of the budget, nothing
         // spillable: the read waits for it rather than failing at once.
-        let what = || "another writer".to_string();
-        let free = state.arena().budget().free();
-        let held = state.reserve(free - 64, &what).await.expect("held");
+        let held = all_but_64_bytes(&state).await;
         let reader = tokio::spawn({
             let state = state.clone();
             async move { state.resident("a").await }
@@ -1442,21 +1454,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_read_refused_for_memory_after_waiting_says_it_waited() {
-        let config = ServerConfig {
-            spill_url: Some("memory://".to_string()),
-            use_cuda: false,
-            memory_limit: 4 << 20,
-            admission_wait: Duration::from_millis(200),
-            ..ServerConfig::default()
-        };
-        let state = State::open(config, "grpc://test".into())
-            .await
-            .expect("open");
+        let state = small_budget(Duration::from_millis(200)).await;
         let values: Vec<i64> = (0..4096).collect();
         sealed_and_spilled(&state, "a", &values).await;
-        let what = || "another writer".to_string();
-        let free = state.arena().budget().free();
-        let _held = state.reserve(free - 64, &what).await.expect("held");
+        let _held = all_but_64_bytes(&state).await;
         let err = state.resident("a").await.expect_err("no memory came");
         assert!(
             err.to_string().starts_with(
@@ -1469,26 +1470,13 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_filters_selection_makes_room_and_waits_for_memory() {
-        let config = ServerConfig {
-            spill_url: Some("memory://".to_string()),
-            use_cuda: false,
-            memory_limit: 4 << 20,
-            admission_wait: Duration::from_secs(20),
-            ..ServerConfig::default()
-        };
-        let state = Arc::new(
-            State::open(config, "grpc://test".into())
-                .await
-                .expect("open"),
-        );
+        let state = small_budget(Duration::from_secs(20)).await;
         let values: Vec<i64> = (0..4096).collect();
         sealed_and_spilled(&state, "d", &values).await;
         let (_, data) = state.resident("d").await.expect("in memory");
         // Memory held by another writer, then given back: the selection
         // waits for it rather than failing at once.
-        let what = || "another writer".to_string();
-        let free = state.arena().budget().free();
-        let held = state.reserve(free - 64, &what).await.expect("held");
+        let held = all_but_64_bytes(&state).await;
         let selecting = tokio::spawn({
             let (state, data) = (state.clone(), data.clone());
             async move { state.selection(&data, "v % 2 = 0", "d").await }
