@@ -180,10 +180,18 @@ pub fn bounded(message: String, max: usize) -> String {
     )
 }
 
+/// The trailer carrying an error's gRPC code as a number: Flight clients
+/// that map codes onto Flight's own (Arrow Java's turns
+/// `FAILED_PRECONDITION` into `INVALID_ARGUMENT`) read the code sent here.
+pub const CODE_TRAILER: &str = "flightdeck-grpc-code";
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
         let message = crate::catalog::readable(&e.to_string()).into_owned();
-        Status::new(e.code(), bounded(message, MAX_MESSAGE_BYTES))
+        let code = e.code();
+        let mut trailers = tonic::metadata::MetadataMap::new();
+        trailers.insert(CODE_TRAILER, (code as i32).into());
+        Status::with_metadata(code, bounded(message, MAX_MESSAGE_BYTES), trailers)
     }
 }
 
@@ -210,6 +218,10 @@ mod tests {
         };
         let status = Status::from(missing);
         assert_eq!(status.code(), Code::FailedPrecondition);
+        // The code also travels as a number in a trailer, for Flight
+        // clients that fold it into another.
+        let trailer = status.metadata().get(CODE_TRAILER).expect("trailer");
+        assert_eq!(trailer.to_str().expect("ascii"), "9");
         assert!(status.message().contains("[1, 3]"), "{}", status.message());
         let long = Status::from(Error::invalid(format!("column '{}'", "é".repeat(1 << 20))));
         assert!(long.message().len() < MAX_MESSAGE_BYTES + 64);

@@ -265,3 +265,26 @@ def test_a_read_of_a_missing_or_unsealed_dataset_says_so(flightdeck_server, spar
     with pytest.raises(Exception, match="dataset 'unsealed' is still being written; read it once"):
         read("unsealed")
     client.close()
+
+
+def test_a_servers_code_reaches_jvm_errors_as_the_server_sent_it(flightdeck_server, spark):
+    """Arrow Java folds gRPC's FAILED_PRECONDITION into Flight's
+    INVALID_ARGUMENT; the connector reports the code the server sent (in
+    its trailer), so a read planned before the dataset was written again
+    says FAILED_PRECONDITION, as the Python clients do."""
+    import pyarrow as pa
+
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    table = pa.table({"id": pa.array(range(10), pa.int64())})
+    client.put_partition("moved", 0, table)
+    client.seal("moved")
+    df = spark.read.format("flightdeck").option("uri", uri).option("dataset", "moved").load()
+    df.rdd  # planned now
+    client.drop("moved")
+    client.put_partition("moved", 0, table)
+    client.seal("moved")
+    with pytest.raises(Exception, match="FlightDeckException: FAILED_PRECONDITION: dataset 'moved' "
+                       "was dropped or written again since this read began"):
+        df.collect()
+    client.close()

@@ -597,8 +597,8 @@ impl Catalog {
         data: AttemptData,
     ) -> Result<()> {
         self.check_write(dataset, write_id)?;
-        self.check_put(dataset, key, &schema)?;
         self.check_writer(dataset, write_id)?;
+        self.check_put(dataset, key, &schema)?;
         let seq = self.next_seq;
         self.next_seq += 1;
         if !self.datasets.contains_key(dataset) {

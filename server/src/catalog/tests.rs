@@ -472,6 +472,12 @@ fn an_open_dataset_takes_the_attempts_of_one_write_only() {
     );
     assert!(text.contains("flightdeck drop d"), "{text}");
     assert!(c.check_writer("d", "job-2").is_err());
+    // Also for an attempt the first job committed already: the other write
+    // is what the second job needs to hear of, not the attempt number.
+    let same = c
+        .commit_write("d", key(0, 0), "job-2", schema(), attempt(key(0, 0), 3))
+        .expect_err("another write");
+    assert!(matches!(same, Error::FailedPrecondition(_)), "{same}");
     // The first job goes on; attempts without a write id are not checked.
     c.commit_write("d", key(1, 0), "job-1", schema(), attempt(key(1, 0), 3))
         .expect("the same write");

@@ -218,8 +218,8 @@ where
                 {
                     let mut catalog = state.catalog();
                     catalog.check_write(&dataset, &write_id)?;
-                    catalog.check_put(&entry, key, &s)?;
                     catalog.check_writer(&entry, &write_id)?;
+                    catalog.check_put(&entry, key, &s)?;
                     catalog.writing(&entry);
                 }
                 schema = Some(s);

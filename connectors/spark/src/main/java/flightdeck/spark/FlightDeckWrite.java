@@ -348,7 +348,11 @@ final class FlightDeckWrite {
         if (acks.isCancelled()) {
           // The server ended the call (refused it, or failed): a stream
           // that ended is never ready again, so raise its error.
-          stream.getResult();
+          try {
+            stream.getResult();
+          } catch (FlightRuntimeException e) {
+            throw FlightDeckException.of(e, server.location);
+          }
           throw new IOException("the server " + server.location + " ended the stream of partition "
               + partition + " of '" + options.dataset() + "' before it was sent");
         }
