@@ -299,21 +299,34 @@ impl State {
     /// Runs `attempt` (an arena allocation) until it fits: when the budget
     /// is full (idle slabs already given back), packed copies are given up
     /// and least-recently-read sealed datasets (other than `except`) are
-    /// spilled one by one; when nothing is left to spill the arena's
+    /// spilled one by one; when nothing is left to spill it waits for memory
+    /// given back until `until` (none: not at all), then the arena's
     /// `ResourceExhausted` stands, naming the datasets that hold memory no
     /// spill can free (written, never sealed).
     async fn with_room<T>(
         &self,
         except: Option<&str>,
+        until: Option<tokio::time::Instant>,
         mut attempt: impl FnMut() -> Result<T>,
     ) -> Result<T> {
         loop {
             match attempt() {
                 Err(Error::ResourceExhausted(msg)) => {
-                    if !self.spill_one(except).await? {
-                        let held = self.unsealed_note();
-                        return Err(Error::ResourceExhausted(format!("{msg}{held}")));
+                    if self.spill_one(except).await? {
+                        continue;
                     }
+                    if until.is_some_and(|t| tokio::time::Instant::now() < t) {
+                        tokio::time::sleep(ADMISSION_POLL).await;
+                        continue;
+                    }
+                    let wait = self.config.admission_wait;
+                    let waited = if until.is_some() && !wait.is_zero() {
+                        format!("after waiting {wait:?} for memory (--admission-wait): ")
+                    } else {
+                        String::new()
+                    };
+                    let held = self.unsealed_note();
+                    return Err(Error::ResourceExhausted(format!("{waited}{msg}{held}")));
                 }
                 other => return other,
             }
@@ -329,7 +342,7 @@ impl State {
         mut reservation: Option<&mut Reservation>,
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<(RecordBatch, u64)> {
-        self.with_room(except, || {
+        self.with_room(except, None, || {
             self.arena
                 .copy_batch_in(batch, reservation.as_deref_mut(), what)
         })
@@ -439,7 +452,7 @@ impl State {
         mut reservation: Option<&mut Reservation>,
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<(Buffer, u64)> {
-        self.with_room(None, || {
+        self.with_room(None, None, || {
             self.arena.copy_body(body, reservation.as_deref_mut(), what)
         })
         .await
@@ -598,28 +611,12 @@ impl State {
         // Under passing pressure (other readers still holding datasets
         // spilled for room, writers about to seal) a batch that finds no
         // room waits for memory given back, up to `--admission-wait`.
-        let deadline = tokio::time::Instant::now() + self.config.admission_wait;
+        let until = Some(tokio::time::Instant::now() + self.config.admission_wait);
         let mut stream = self.store.read(stored, schema.clone()).await?;
         let mut batches = Vec::new();
         while let Some(batch) = stream.try_next().await? {
-            loop {
-                match self.admit(&batch, Some(name), None, &what).await {
-                    Ok((kept, _)) => {
-                        batches.push(kept);
-                        break;
-                    }
-                    Err(Error::ResourceExhausted(_)) if tokio::time::Instant::now() < deadline => {
-                        tokio::time::sleep(ADMISSION_POLL).await;
-                    }
-                    Err(Error::ResourceExhausted(msg)) if !self.config.admission_wait.is_zero() => {
-                        return Err(Error::ResourceExhausted(format!(
-                            "after waiting {:?} for memory (--admission-wait): {msg}",
-                            self.config.admission_wait
-                        )));
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+            let copy = || self.arena.copy_batch_in(&batch, None, &what);
+            batches.push(self.with_room(Some(name), until, copy).await?.0);
         }
         Ok(SealedData::from_batches(schema, winners, batches))
     }
