@@ -20,7 +20,7 @@
 //! This module is pure: no I/O, no locks, no async. The caller serialises
 //! access and returns the bytes this module reports as freed to the budget.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -281,9 +281,11 @@ struct Dataset {
     /// The replacing write that swapped it in ("" = none, or before a
     /// restart), so that the same seal sent again finds it done.
     swapped_in_by: String,
-    /// The writes whose attempts it holds while open, so that dropping it
-    /// unsealed refuses their later attempts ([`Catalog::drop_abandoned`]).
-    writes: BTreeSet<String>,
+    /// The write whose attempts it holds (`None`: written without write
+    /// ids, or restored): one write per open dataset
+    /// ([`Catalog::check_writer`]), kept after its seal; a failed or
+    /// abandoned write's drop refuses its later attempts.
+    write: Option<String>,
 }
 
 /// What `describe` tells about one partition.
@@ -530,12 +532,12 @@ impl Catalog {
         let Some(ds) = self.datasets.get(entry) else {
             return Ok(());
         };
-        if write_id.is_empty() || ds.sealed.is_some() || ds.writes.contains(write_id) {
-            return Ok(());
-        }
-        let Some(other) = ds.writes.iter().next() else {
+        let Some(other) = ds.write.as_deref() else {
             return Ok(());
         };
+        if write_id.is_empty() || ds.sealed.is_some() || other == write_id {
+            return Ok(());
+        }
         let name = public_name(entry);
         Err(Error::FailedPrecondition(format!(
             "dataset '{name}' is being written by another write ('{other}': {} attempts \
@@ -554,17 +556,19 @@ impl Catalog {
     /// is dropped.
     pub fn held_by_others(&self, entry: &str, write_id: &str) -> bool {
         self.datasets.get(entry).is_some_and(|ds| {
-            !write_id.is_empty() && !ds.writes.is_empty() && !ds.writes.contains(write_id)
+            !write_id.is_empty() && ds.write.as_deref().is_some_and(|w| w != write_id)
         })
     }
 
-    /// The writes whose attempts `entry` holds (none when they are not
-    /// known: written without write ids, or restored).
+    /// The write whose attempts `entry` holds, as `MemberPrepared.writes`
+    /// lists it (empty when not known: written without write ids, or
+    /// restored).
     pub fn writes(&self, entry: &str) -> Vec<String> {
         self.datasets
             .get(entry)
-            .map(|ds| ds.writes.iter().cloned().collect())
-            .unwrap_or_default()
+            .and_then(|ds| ds.write.clone())
+            .into_iter()
+            .collect()
     }
 
     /// Remembers that write `write_id` failed: its attempts are refused from
@@ -615,7 +619,7 @@ impl Catalog {
                     cluster: None,
                     written: Instant::now(),
                     swapped_in_by: String::new(),
-                    writes: BTreeSet::new(),
+                    write: None,
                 },
             );
         }
@@ -625,8 +629,8 @@ impl Catalog {
             .ok_or_else(|| Error::Internal(format!("dataset '{dataset}' vanished in commit")))?;
         ds.attempts.insert(key, CommittedAttempt { data, seq });
         ds.written = Instant::now();
-        if !write_id.is_empty() {
-            ds.writes.insert(write_id.to_string());
+        if !write_id.is_empty() && ds.write.is_none() {
+            ds.write = Some(write_id.to_string());
         }
         Ok(())
     }
@@ -664,8 +668,7 @@ impl Catalog {
         if ds.sealed.is_some() || ds.written.elapsed() < idle {
             return None;
         }
-        // (What a replacing write staged holds attempts of that write only.)
-        let writes: Vec<String> = ds.writes.iter().cloned().collect();
+        let writes: Vec<String> = ds.write.iter().cloned().collect();
         let why = format!(
             "nothing of it was written for {} and it was never sealed, so the server dropped what \
              it wrote (--unsealed-timeout)",
@@ -1121,7 +1124,7 @@ impl Catalog {
                 cluster: p.cluster,
                 written: Instant::now(),
                 swapped_in_by: String::new(),
-                writes: BTreeSet::new(),
+                write: None,
             },
         );
         Ok(())
