@@ -227,20 +227,9 @@ pub struct Selection {
 }
 
 impl Selection {
-    /// Evaluates `filter` over every stored batch of `data`; the ids live
-    /// in `arena` (fails with the budget's error when it has no room).
-    pub fn evaluate(
-        data: &SealedData,
-        filter: &Filter,
-        arena: &Arena,
-        dataset: &str,
-    ) -> Result<Self> {
-        let rows = Self::select(data, filter, dataset)?;
-        Self::keep(rows, arena, None, &|| Self::what(filter.sql(), dataset))
-    }
-
     /// The ascending stored rows `filter` selects from `data`, outside the
-    /// arena (the CPU work of [`Selection::evaluate`]).
+    /// arena (the CPU work of a selection; [`crate::state::State::selection`]
+    /// keeps them).
     pub fn select(data: &SealedData, filter: &Filter, dataset: &str) -> Result<Vec<u64>> {
         let mut rows: Vec<u64> = Vec::new();
         let mut start = 0u64;
@@ -329,21 +318,6 @@ impl Selection {
 pub struct SelectionCache(Mutex<Vec<(String, Arc<Selection>)>>);
 
 impl SelectionCache {
-    /// The selection of `filter`, evaluating it first when it is not kept.
-    pub fn get_or_evaluate(
-        &self,
-        data: &SealedData,
-        filter: &Filter,
-        arena: &Arena,
-        dataset: &str,
-    ) -> Result<Arc<Selection>> {
-        if let Some(hit) = self.get(filter.sql()) {
-            return Ok(hit);
-        }
-        let selection = Selection::evaluate(data, filter, arena, dataset)?;
-        Ok(self.keep(filter.sql(), dataset, selection))
-    }
-
     /// The kept selection of filter `sql`, if any (now the most recent).
     pub fn get(&self, sql: &str) -> Option<Arc<Selection>> {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());

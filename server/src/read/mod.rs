@@ -130,26 +130,6 @@ pub fn plan_filter(plan: &ReadPlan, schema: &Schema) -> Result<Option<Filter>> {
     Filter::compile(schema, &plan.filter, &plan.dataset).map(Some)
 }
 
-/// The rows of `data` (dataset `dataset`) that the SQL condition `filter`
-/// selects, made once per dataset generation and filter and kept in
-/// `arena`; `None` for an empty filter (every row). Reads and training
-/// jobs select through [`crate::state::State::selection`], which also
-/// makes room for the selection; this form fails when the budget is full.
-pub fn filter_selection(
-    data: &SealedData,
-    filter: &str,
-    dataset: &str,
-    arena: &Arena,
-) -> Result<Option<Arc<Selection>>> {
-    if filter.is_empty() {
-        return Ok(None);
-    }
-    let filter = Filter::compile(data.schema(), filter, dataset)?;
-    data.selections()
-        .get_or_evaluate(data, &filter, arena, dataset)
-        .map(Some)
-}
-
 /// The projected columns a shuffled batch gathers from packed records.
 #[derive(Debug)]
 struct PackedGather {

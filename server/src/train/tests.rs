@@ -13,8 +13,6 @@ use arrow::datatypes::{DataType, Field, Schema};
 
 use super::*;
 use crate::catalog::{AttemptKey, SealedData};
-use crate::memory::Budget;
-use crate::memory::arena::{Arena, HostMemory};
 
 /// `n` rows: a 2-vector of features, a scalar feature, a class in 0..3 and
 /// a regression target; in batches of 97 rows so rows straddle batches.
@@ -116,8 +114,13 @@ fn spec(world: u32) -> JobSpec {
 
 /// [`Job::prepare`] with the selection of the spec's filter.
 fn prepare(s: JobSpec, data: &SealedData) -> Result<Job> {
-    let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
-    let selection = crate::read::filter_selection(data, &s.filter, &s.dataset, &arena)?;
+    let selection = if s.filter.is_empty() {
+        None
+    } else {
+        let filter = crate::query::Filter::compile(data.schema(), &s.filter, &s.dataset)?;
+        let rows = crate::query::Selection::select(data, &filter, &s.dataset)?;
+        Some(Arc::new(crate::query::Selection::of(rows)))
+    };
     Job::prepare(s, data, selection)
 }
 
