@@ -11,6 +11,8 @@
 //! - A member killed mid-epoch: the rank's stream fails `UNAVAILABLE` naming
 //!   it; restarted with `--persist`, the epoch completes from
 //!   `start_sample`, every remaining row once.
+//! - A rank's stream split among workers (`split_count`) carries, split by
+//!   split, exactly the whole stream's batches, over both localities.
 //! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
 //!   `stats`, `place`, `evict` and `drop` see and drop the cluster dataset
 //!   whole, and are refused without the right token.
@@ -654,6 +656,77 @@ async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
         .expect_err("written again");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
     assert!(err.message().contains("since this read began"), "{err}");
+}
+
+/// Each rank's batches as their ids, read where each endpoint says.
+async fn rank_batches(c: &mut Client, plan: ReadPlan) -> Vec<Vec<Vec<i64>>> {
+    let p = timed("plan", c.plan(plan)).await.expect("plan");
+    read_all(c, &p)
+        .await
+        .iter()
+        .map(|batches| {
+            let ids = |b: &RecordBatch| {
+                let id = b.column_by_name("id").expect("id");
+                id.as_primitive::<Int64Type>().values().to_vec()
+            };
+            batches.iter().map(ids).collect()
+        })
+        .collect()
+}
+
+/// A rank's stream split among DataLoader workers (`split_count`) on a
+/// 6/4/2 layout: split `i` carries batches `i`, `i + count`, … of the whole
+/// stream, exactly, for both localities — over `NODE` too, where a member
+/// sends the rank's member only its moved rows of the split's batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn split_streams_carry_their_batches_of_the_whole_stream() {
+    let members = start_members(&[]);
+    let mut sorted: Vec<usize> = (0..3).collect();
+    sorted.sort_by_key(|&m| members[m].location());
+    write_node_dataset(&members, "split", &|p| sorted[owner(p)], 12).await;
+    let mut c = members[0].client().await;
+    // One rank a node: a member sends a node's rank fewer rows than the
+    // rank reads (node 2 takes 100 of its 200 from node 0), found once up
+    // front; two a node: as many, found batch by batch.
+    let cases = [Locality::Global, Locality::Node]
+        .into_iter()
+        .flat_map(|l| [(l, 1), (l, 2)])
+        .flat_map(|c| [(c, Shuffle::None), (c, Shuffle::Global)]);
+    for ((locality, ranks_per_node), shuffle) in cases {
+        {
+            let whole_plan = ReadPlan {
+                locality: locality.into(),
+                ranks_per_node,
+                batch_rows: 7,
+                ..plan("split", 3 * ranks_per_node, shuffle, 1)
+            };
+            let whole = rank_batches(&mut c, whole_plan.clone()).await;
+            assert!(whole.iter().all(|r| r.len() > 3), "several batches a rank");
+            for count in [2, 3] {
+                let mut rebuilt = vec![Vec::new(); whole.len()];
+                for index in 0..count {
+                    let split = ReadPlan {
+                        split_count: count,
+                        split_index: index,
+                        ..whole_plan.clone()
+                    };
+                    for (r, batches) in rank_batches(&mut c, split).await.into_iter().enumerate() {
+                        for (j, ids) in batches.into_iter().enumerate() {
+                            rebuilt[r].push((j * count as usize + index as usize, ids));
+                        }
+                    }
+                }
+                for (r, mut batches) in rebuilt.into_iter().enumerate() {
+                    batches.sort();
+                    let ids: Vec<Vec<i64>> = batches.into_iter().map(|(_, ids)| ids).collect();
+                    assert_eq!(
+                        ids, whole[r],
+                        "rank {r}, {locality:?} × {ranks_per_node}, {shuffle:?}, {count} splits"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Floats in a row of [`wide`]: 4 KiB a row.

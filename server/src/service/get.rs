@@ -872,9 +872,13 @@ impl PeerStream {
         let samples = self.read.plan.stream_batch(rows.len(), b)?;
         self.next += 1;
         let mine = match held {
-            Some(held) => std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
-                .map(|(_, row)| row)
-                .collect(),
+            Some(held) => {
+                // A split stream skips the batches of the other splits.
+                while held.next_if(|&(k, _)| k < samples.start).is_some() {}
+                std::iter::from_fn(|| held.next_if(|&(k, _)| k < samples.end))
+                    .map(|(_, row)| row)
+                    .collect()
+            }
             None => rows.samples_from(samples, index),
         };
         Some((b, mine))
