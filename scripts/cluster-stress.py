@@ -16,7 +16,9 @@ describes all its rows; no call fails with INTERNAL, UNKNOWN, UNAVAILABLE
 (unless `--chaos` kills members) or CANCELLED. Writes to one dataset are
 serialized, as one job per dataset would be, unless `--concurrent-writers`
 (two jobs writing one dataset at once). `--chaos N` kills a random member
-every N seconds and restarts it on its port.
+every N seconds and restarts it on its port. `--secure` serves every member
+over TLS with a token file (members call each other over TLS with the
+writer's token; clients send a writer's token).
 
     .venv/bin/python scripts/cluster-stress.py --seconds 60 --concurrent-writers
 
@@ -41,7 +43,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
 import flightdeck  # noqa: E402
-from conftest import RunningServer  # noqa: E402
+from conftest import RunningServer, make_test_certs  # noqa: E402
 from flightdeck.errors import FlightDeckError  # noqa: E402
 
 PARTS, DATASETS = 6, 4
@@ -58,6 +60,7 @@ def main() -> int:
     ap.add_argument("--replace", type=float, default=0.5, help="share of replacing writes")
     ap.add_argument("--concurrent-writers", action="store_true")
     ap.add_argument("--chaos", type=float, default=0, help="kill a member every N seconds")
+    ap.add_argument("--secure", action="store_true", help="TLS and tokens on every member")
     args = ap.parse_args()
     return Stress(args).run()
 
@@ -67,8 +70,18 @@ class Stress:
         self.args = args
         self.rows = PARTS * args.partition_rows
         self.root = tempfile.mkdtemp()
+        self.secure: tuple[str, ...] = ()
+        self.ca: bytes | None = None
+        if args.secure:
+            certs = make_test_certs(Path(self.root))
+            tokens = Path(self.root) / "tokens"
+            tokens.write_text("writer stress-writer\n")
+            self.secure = ("--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"]),
+                           "--tls-ca", str(certs["ca"]), "--auth-token-file", str(tokens))
+            self.ca = certs["ca"].read_bytes()
         self.members = [RunningServer(*self.member_args(i)) for i in range(args.members)]
-        self.uris = [m.uri for m in self.members]
+        scheme = "grpc+tls" if args.secure else "grpc"
+        self.uris = [f"{scheme}://{m.addr}" for m in self.members]
         self.locks = [
             contextlib.nullcontext() if args.concurrent_writers else threading.Lock()
             for _ in range(DATASETS)
@@ -81,7 +94,12 @@ class Stress:
 
     def member_args(self, i: int) -> tuple[str, ...]:
         return ("--memory-limit", self.args.memory_limit, "--persist",
-                "--data-dir", f"{self.root}/m{i}", "--spill-url", f"file://{self.root}/s{i}")
+                "--data-dir", f"{self.root}/m{i}", "--spill-url", f"file://{self.root}/s{i}", *self.secure)
+
+    def connect(self, uri: str) -> flightdeck.Client:
+        if not self.args.secure:
+            return flightdeck.connect(uri)
+        return flightdeck.connect(uri, token="stress-writer", tls_root_certs=self.ca)
 
     def table(self, p: int, g: int) -> pa.Table:
         n = self.args.partition_rows
@@ -99,19 +117,19 @@ class Stress:
                 for p in range(PARTS):
                     ack = self.put(name, p, g, wid, replace)
                     layout.setdefault(ack.location, {})[p] = ack.attempt
-                flightdeck.connect(random.choice(self.uris)).seal_cluster(
+                self.connect(random.choice(self.uris)).seal_cluster(
                     name, layout, partitions=PARTS, replace_write=wid if replace else "")
             except Exception:
                 for uri in self.uris:  # as a failed Spark job's driver does
                     with contextlib.suppress(Exception):
-                        flightdeck.connect(uri).drop(name, abort_write=wid, staged=replace)
+                        self.connect(uri).drop(name, abort_write=wid, staged=replace)
                 raise
 
     def put(self, name: str, p: int, g: int, wid: str, replace: bool):
         """Partition `p` of write `g` to a random member, retried as a Spark
         task is (the next attempt number, up to 4 attempts)."""
         for attempt in itertools.count():
-            member = flightdeck.connect(random.choice(self.uris))
+            member = self.connect(random.choice(self.uris))
             try:
                 return member.put_partition(name, p, self.table(p, g), attempt,
                                             write_id=wid, replace=replace)
@@ -163,7 +181,7 @@ class Stress:
         ops = [self.write] * 3 + [self.read] * 6 + [self.sql] * 2 + [self.describe, self.drop]
         while time.monotonic() < self.deadline:
             op, ds = random.choice(ops), random.randrange(DATASETS)
-            c = flightdeck.connect(random.choice(self.uris))
+            c = self.connect(random.choice(self.uris))
             try:
                 op(c, ds)
                 self.counts[(op.__name__, "OK")] += 1
