@@ -223,6 +223,8 @@ def test_a_query_is_charged_to_the_memory_budget_and_gives_it_back():
 
 
 def test_a_query_past_its_memory_is_resource_exhausted_and_the_server_keeps_serving():
+    import numpy as np
+
     s = RunningServer("--memory-limit", "64MiB")  # a query may hold 16 MiB
     try:
         c = flightdeck.connect(s.uri)
@@ -233,6 +235,21 @@ def test_a_query_past_its_memory_is_resource_exhausted_and_the_server_keeps_serv
                 fetch(conn, WIDE_JOIN)
             # The server is fine, and so is a query that fits.
             assert fetch(conn, "SELECT count(*) AS n FROM wide")["n"].to_pylist() == [rows]
+        # A window over 200 000 rows (3 MiB) fits: each sorting partition
+        # used to set aside 10 MiB up front for a merge it might need after
+        # spilling, so two cores' sorts asked for more than the 16 MiB.
+        for p in range(4):
+            ids = np.arange(p * 50_000, (p + 1) * 50_000, dtype=np.int64)
+            c.put_partition("sevens", p, pa.table({"id": ids, "k": ids % 7}))
+        c.seal("sevens", partitions=4)
+        for limit in ["", "LIMIT 5"]:
+            window = c.sql("SELECT id, k, row_number() OVER (PARTITION BY k ORDER BY id) AS r "
+                           f"FROM sevens ORDER BY id {limit}")
+            assert window.column("r").to_pylist() == [i // 7 + 1 for i in range(window.num_rows)]
+        # A sort of more than the query may hold spills instead (21.6 MB).
+        ordered = c.sql("SELECT * FROM wide ORDER BY id DESC")
+        assert ordered.num_rows == rows
+        assert ordered.column("id").to_pylist()[::100_000] == [rows - 1, rows - 100_001, rows - 200_001]
         assert c.plan("wide").total_rows == rows
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)

@@ -131,13 +131,15 @@ impl SqlService {
     /// A session whose `flightdeck.public` schema lists the sealed
     /// datasets, with `source` (when given) also readable as `source`.
     fn session(&self, source: Option<&str>) -> Result<SessionContext> {
-        let config = SessionConfig::new()
-            .with_default_catalog_and_schema(CATALOG, SCHEMA)
-            .with_information_schema(true);
         // What one query may hold beyond the cached data it reads (hash
         // tables, join build sides, sort buffers): a quarter of the budget,
         // and no more than the budget has free.
         let limit = query_memory(self.state.config.memory_limit);
+        let config = SessionConfig::new()
+            .with_default_catalog_and_schema(CATALOG, SCHEMA)
+            .with_information_schema(true);
+        let reserve = sort_merge_reserve(limit, config.target_partitions());
+        let config = config.with_sort_spill_reservation_bytes(reserve);
         let pool = QueryPool::new(limit, self.state.arena().budget().clone());
         let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
             .with_memory_pool(Arc::new(pool))
@@ -402,6 +404,16 @@ pub fn query_memory(budget: u64) -> usize {
     usize::try_from(budget / 4)
         .unwrap_or(usize::MAX)
         .max(16 << 20)
+}
+
+/// What each sorting partition of a query sets aside when it starts, for
+/// merging what it may spill: DataFusion's 10 MiB, or less where the
+/// query's `limit` would not hold that for every one of its `partitions`
+/// at once with room to sort (a quarter of the limit between them). With
+/// 10 MiB each, a window over a few rows on two cores was refused under a
+/// 16 MiB limit, and any sort on a 128-core machine needed 1.3 GB.
+fn sort_merge_reserve(limit: usize, partitions: usize) -> usize {
+    (limit / 4 / partitions.max(1)).min(10 << 20)
 }
 
 /// Threads of the runtime queries run on (see [`query_runtime`]).
