@@ -12,7 +12,8 @@
 //!   it; restarted with `--persist`, the epoch completes from
 //!   `start_sample`, every remaining row once.
 //! - A rank's stream split among workers (`split_count`) carries, split by
-//!   split, exactly the whole stream's batches, over both localities.
+//!   split, exactly the whole stream's batches, over both localities; a
+//!   peer streams batches of one row of many columns.
 //! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
 //!   `stats`, `place`, `evict` and `drop` see and drop the cluster dataset
 //!   whole, and are refused without the right token.
@@ -21,7 +22,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow::array::{ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
+use arrow::array::{
+    ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int8Array, Int64Array, RecordBatch,
+};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use flightdeck_client::{
     Client, Code, DatasetState, Locality, MemberPartitions, PartitionAttempt, ReadPlan,
@@ -727,6 +730,60 @@ async fn split_streams_carry_their_batches_of_the_whole_stream() {
             }
         }
     }
+}
+
+/// Rows `ids` with forty nullable one-byte columns beside the id: a batch
+/// of one row is eighty buffers of a few bytes.
+fn narrow_columns(ids: std::ops::Range<i64>) -> RecordBatch {
+    let mut columns: Vec<(String, ArrayRef)> = vec![(
+        "id".into(),
+        Arc::new(Int64Array::from_iter_values(ids.clone())),
+    )];
+    for c in 0..40i64 {
+        let values = ids
+            .clone()
+            .map(|i| ((i + c) % 7 != 0).then_some((i % 100) as i8));
+        columns.push((format!("c{c}"), Arc::new(Int8Array::from_iter(values))));
+    }
+    RecordBatch::try_from_iter(columns).expect("batch")
+}
+
+/// Batches of one row of many small columns, fetched from a peer faster
+/// than the rank's member merges them: each message leaves in one piece,
+/// not a frame per buffer, which an HTTP/2 receiver would take for a flood
+/// of tiny frames (`ENHANCE_YOUR_CALM`, the read failing `RESOURCE_EXHAUSTED`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_peer_streams_batches_of_one_row_of_many_columns() {
+    let members = start_members(&[]);
+    let mut seal = Vec::new();
+    for (p, (m, ids)) in [(0, 0..8_000), (1, 8_000..30_000)].into_iter().enumerate() {
+        let b = narrow_columns(ids);
+        let mut c = members[m].client().await;
+        c.put_partition("narrow", p as u32, 0, b.schema(), stream::iter([Ok(b)]))
+            .await
+            .expect("put");
+        seal.push(MemberPartitions {
+            location: members[m].location(),
+            partitions: vec![PartitionAttempt {
+                partition: p as u32,
+                attempt: 0,
+            }],
+        });
+    }
+    let mut c = members[0].client().await;
+    timed("seal", c.seal_cluster("narrow", 2, seal))
+        .await
+        .expect("seal");
+    let node = ReadPlan {
+        locality: Locality::Node.into(),
+        ranks_per_node: 2,
+        batch_rows: 1,
+        ..plan("narrow", 4, Shuffle::None, 0)
+    };
+    let ranks = rank_batches(&mut c, node).await;
+    assert!(ranks.iter().all(|r| r.len() == 7_500), "a row a batch");
+    let ids: HashSet<i64> = ranks.into_iter().flatten().flatten().collect();
+    assert_eq!(ids.len(), 30_000, "every row once");
 }
 
 /// Floats in a row of [`wide`]: 4 KiB a row.

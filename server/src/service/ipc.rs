@@ -135,12 +135,35 @@ impl IpcMessage {
             head.extend_from_slice(&BODY_TAG);
             put_varint(&mut head, self.body_len);
         }
+        // Small buffers are copied after the head (or the small ones
+        // before them): each piece leaves as an HTTP/2 DATA frame, and a
+        // batch of a few rows of many columns would otherwise be dozens of
+        // frames of a few bytes, which h2 receivers count as an attack
+        // (GOAWAY `ENHANCE_YOUR_CALM`, "too_many_data_frames") once enough
+        // of them wait unread — a member reading another's rows did.
         let mut out = Vec::with_capacity(1 + self.body.len());
-        out.push(head.freeze());
-        out.extend(self.body.iter().filter(|p| !p.is_empty()).cloned());
+        let mut small = head;
+        for piece in self.body.iter().filter(|p| !p.is_empty()) {
+            if piece.len() < SMALL_PIECE {
+                small.extend_from_slice(piece);
+                continue;
+            }
+            if !small.is_empty() {
+                out.push(small.split().freeze());
+            }
+            out.push(piece.clone());
+        }
+        if !small.is_empty() {
+            out.push(small.freeze());
+        }
         Ok(out)
     }
 }
+
+/// Body buffers below this many bytes (HTTP/2's default frame size) are
+/// copied into one piece with their neighbours rather than sent as frames
+/// of their own (see [`IpcMessage::to_grpc_frame`]).
+const SMALL_PIECE: usize = 16 << 10;
 
 /// Bytes into a `DoGet` message (the protobuf `FlightData`, after gRPC's
 /// five-byte prefix) at which a body starts.
@@ -332,7 +355,9 @@ impl AsRef<[u8]> for Owned {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{ArrayRef, DictionaryArray, Float32Array, Int64Array, StringArray};
+    use arrow::array::{
+        ArrayRef, BooleanArray, DictionaryArray, Float32Array, Int64Array, StringArray,
+    };
     use arrow::datatypes::Int32Type;
     use arrow_flight::utils::flight_data_to_arrow_batch;
     use prost::Message;
@@ -461,6 +486,47 @@ mod tests {
             messages[0].body.iter().any(|p| p.as_ptr() == ptr),
             "the values are sent from where they are, not copied"
         );
+    }
+
+    #[test]
+    fn small_buffers_leave_together_and_large_ones_as_they_are() {
+        // One row of four columns: one piece, not one per buffer.
+        let mut m = Messages::new(&batch(0, 1).schema()).expect("encoder");
+        let msg = m
+            .batch(&batch(0, 1))
+            .expect("encodes")
+            .pop()
+            .expect("the record batch");
+        assert!(msg.body.len() > 4, "several buffers");
+        let pieces = msg.to_grpc_frame(64 << 20).expect("fits");
+        assert_eq!(pieces.len(), 1);
+        assert_eq!(unframe(&pieces), msg.to_flight_data());
+
+        // A large column between small ones is sent from where it is; the
+        // small buffers around it travel in as few pieces as the order
+        // allows.
+        let big = Float32Array::from_iter_values((0..32_768).map(|v| v as f32));
+        let ptr = big.values().inner().as_ptr();
+        // 32 768 flags: a 4 KiB bitmap.
+        let small = |v: usize| {
+            Arc::new(BooleanArray::from_iter(
+                (0..32_768).map(|i| Some(i % v == 0)),
+            )) as ArrayRef
+        };
+        let input = RecordBatch::try_from_iter([
+            ("a", small(2)),
+            ("b", small(3)),
+            ("big", Arc::new(big) as ArrayRef),
+            ("c", small(5)),
+            ("d", small(7)),
+        ])
+        .expect("batch");
+        let mut m = Messages::new(&input.schema()).expect("encoder");
+        let msg = m.batch(&input).expect("encodes").remove(0);
+        let pieces = msg.to_grpc_frame(64 << 20).expect("fits");
+        assert_eq!(pieces.len(), 3, "head and a, b; big; c, d");
+        assert_eq!(pieces[1].as_ptr(), ptr, "the large buffer is not copied");
+        assert_eq!(unframe(&pieces), msg.to_flight_data());
     }
 
     #[test]
