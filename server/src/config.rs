@@ -238,6 +238,12 @@ impl ServerConfig {
                 self.memory_limit
             )));
         }
+        if self.stream_idle_timeout.is_zero() {
+            return Err(Error::invalid(
+                "--stream-idle-timeout must be more than 0: it is how long a writer may send \
+                 nothing, or a reader take nothing, before its stream is ended (e.g. 10m)",
+            ));
+        }
         if let Some(machine) = machine_memory()
             && self.memory_limit > machine
         {
@@ -600,5 +606,14 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+        let never = ServerConfig {
+            stream_idle_timeout: std::time::Duration::ZERO,
+            ..Default::default()
+        };
+        let err = never.validate().expect_err("no idle time").to_string();
+        assert!(
+            err.contains("--stream-idle-timeout must be more than 0"),
+            "{err}"
+        );
     }
 }
