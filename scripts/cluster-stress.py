@@ -8,7 +8,9 @@ over four datasets of 6 partitions. Each client picks at random: a write
 retried as the next one up to 4 times as Spark retries a task, sealed across
 members through a random one; `--replace` of them replacing writes), a read (world
 size 1-4, every shuffle, `global` or `node` locality, with or without a
-filter and `drop_last`), a SQL aggregate, `describe` or `drop`.
+filter, a select list and `drop_last`, a few batch sizes, whole or split
+among 2-3 readers as DataLoader workers split a rank), a SQL aggregate,
+`describe` or `drop`.
 
 Checked: a read's rows are exactly the dataset's (or the filter's), in equal
 shares, of one write only; SQL sees every row of one write; a sealed dataset
@@ -143,14 +145,27 @@ class Stress:
         locality = random.choice(["global", "node"])
         filter = random.choice(["", "id % 3 = 0"])
         drop_last = random.random() < 0.3
-        plan = c.plan(name, world_size=world, shuffle=shuffle, seed=random.randint(0, 9),
-                      epoch=random.randint(0, 3), locality=locality, filter=filter,
-                      drop_last=drop_last, block_rows=1000 if shuffle == "block" else 0)
-        shares, generations = [], set()
-        for shard in plan.shards:
-            t = c.read_table(shard)
-            shares.append(t.column("id").to_pylist())
-            generations |= set(t.column("g").to_pylist())
+        kw = dict(world_size=world, shuffle=shuffle, seed=random.randint(0, 9),
+                  epoch=random.randint(0, 3), locality=locality, filter=filter,
+                  drop_last=drop_last, block_rows=1000 if shuffle == "block" else 0,
+                  batch_rows=random.choice([0, 700, 4096]))
+        if random.random() < 0.3:
+            kw["select"] = ["id AS id", "g AS g", "id * 2 AS twice"]
+        # Split among "workers" (each reads every split) or whole.
+        splits = random.choice([1, 1, 2, 3])
+        if splits > 1:  # the splits' plans, made one after another, read one write
+            kw["sealed_as"] = flightdeck.sealed_as(c.describe(name))
+        shares, generations = [[] for _ in range(world)], set()
+        for index in range(splits):
+            split = dict(split_count=splits, split_index=index) if splits > 1 else {}
+            plan = c.plan(name, **kw, **split)
+            for r, shard in enumerate(plan.shards):
+                t = c.read_table(shard)
+                shares[r] += t.column("id").to_pylist()
+                generations |= set(t.column("g").to_pylist())
+                if "select" in kw and t.column("twice").to_pylist() != [
+                        2 * i for i in t.column("id").to_pylist()]:
+                    self.wrong[f"{name}: select computed wrong values"] += 1
         expected = {i for i in range(self.rows) if not filter or i % 3 == 0}
         ids = [i for share in shares for i in share]
         if len(generations) > 1:
