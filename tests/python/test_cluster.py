@@ -4,7 +4,8 @@ task failing mid-partition on its first attempt), sealed as one dataset by
 the driver, and read by ranks that follow each endpoint's location — with
 this package, with nothing but `pyarrow.flight`, and (where torch is
 installed) by a two-node × two-process `torch.distributed` job started the
-way torchrun starts it."""
+way torchrun starts it, and by one whose second node's server holds none of
+the dataset."""
 
 from __future__ import annotations
 
@@ -287,6 +288,37 @@ def test_torchrun_style_job_reads_equal_steps_from_its_node(members, tmp_path):
     assert [r["sealed_as"] for r in results] == [seal] * 4
     epoch_rows = [r["rows"][: len(r["rows"]) // 2] for r in results]
     assert sorted(sum(epoch_rows, [])) == list(range(1000))
+
+
+@pytest.mark.parametrize("sealed", ["across members", "on one server"])
+def test_a_node_whose_server_holds_none_of_a_dataset_reads_it_from_another(
+    members, tmp_path, sealed
+):
+    """A small dataset Spark wrote from one node's executors only: the
+    ranks of the node whose server holds none of it read through the
+    server that does (they used to fail building the reader)."""
+    require_torch()
+    a, b = members[0], members[1]
+    for p in range(2):
+        table = pa.table({"id": pa.array(range(p * 250, (p + 1) * 250), pa.int64())})
+        flightdeck.connect(a.uri).put_partition("ddp", p, table)
+    if sealed == "across members":
+        flightdeck.connect(a.uri).seal_cluster("ddp", {a.uri: {0: 0, 1: 0}}, partitions=2)
+    else:
+        flightdeck.connect(a.uri).seal("ddp", partitions=2)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    results = torchrun(script, [a.uri, b.uri], ranks_per_node=1)
+    assert [r["steps"] for r in results] == [6, 6]
+    epoch_rows = [r["rows"][: len(r["rows"]) // 2] for r in results]
+    assert sorted(sum(epoch_rows, [])) == list(range(500))
+    expected_nodes = [a.uri, ""] if sealed == "across members" else []
+    assert all(r["nodes"] == expected_nodes for r in results)
+
+    # On no server of the job: every rank says so (none waits for the others).
+    script.write_text(WORKER.replace('"ddp"', '"nowhere"'))
+    with pytest.raises(AssertionError, match="dataset 'nowhere' is on none of this job's"):
+        torchrun(script, [a.uri, b.uri], ranks_per_node=1)
 
 
 def test_members_with_different_schemas_refuse_the_seal_and_stay_open(members):

@@ -222,6 +222,17 @@ class ShardedDataset:
             self._owns_client = True
         return self._client
 
+    def read_through(self, uri: str) -> None:
+        """Plans this rank's reads through the server `uri` from now on
+        (each shard is still read where its plan says); the connection to
+        the server before, where this object opened it, is closed."""
+        if uri == self.uri:
+            return
+        if self._client is not None and self._owns_client:
+            self._client.close()
+        self._client, self._owns_client = None, True
+        self.uri = uri
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None

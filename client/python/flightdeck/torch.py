@@ -73,36 +73,55 @@ def object_group():
     return _gloo[1]
 
 
-def node_locations(uri: str, dataset: str, ranks_per_node: int) -> list[str]:
+def node_locations(uri: str, dataset: str, ranks_per_node: int) -> tuple[list[str], str]:
     """Each node's server, in node order, from every rank's own server
-    (a collective: every rank calls it). A node whose server holds none of
-    the dataset gets "" ; [] when the dataset is held by one server or
-    without a process group."""
+    `uri` (a collective: every rank calls it), and where this rank reads
+    the dataset from: "" for its own server, else the location of another
+    node's server that holds the dataset — a node whose server holds none
+    of it (a small dataset Spark wrote from some nodes' executors only)
+    gets "" in the map and its ranks plan through that server. The map is
+    [] when the dataset is held by one server or without a process group;
+    raises :class:`NotFound` on every rank when no rank's server holds it."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or ranks_per_node < 1:
-        return []
-    mine, members, failure = "", set(), None
+        return [], ""
+    mine, members, held, failure = "", [], False, None
     try:
         with connect(uri) as client:
             mine = client.location
-            info = client.describe(dataset)
-        members = {m.location for m in info.layout.members} if info.layout else set()
+            try:
+                info = client.describe(dataset)
+            except NotFound:
+                pass  # another node's server holds it, or none does
+            else:
+                held = True
+                layout = info.layout.members if info.layout else []
+                members = sorted(m.location for m in layout)
     except Exception as e:  # raised by the gather, after the collective
         failure = e
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // ranks_per_node))
     everyone = gather_looks(
-        (node, mine),
+        (node, mine, held, members),
         failure,
         f"reach its flightdeck server to learn the node map of dataset '{dataset}'",
     )
-    if not members:
-        return []
+    holders = [location for _, location, has, _ in everyone if has]
+    if not holders:
+        servers = ", ".join(sorted({location for _, location, _, _ in everyone}))
+        raise NotFound(
+            f"dataset '{dataset}' is on none of this job's flightdeck servers ({servers}): "
+            "write it first, or check its name"
+        )
+    source = "" if held else holders[0]
+    known = {location for *_, listed in everyone for location in listed}
+    if not known:
+        return [], source
     nodes = [""] * ((dist.get_world_size() + ranks_per_node - 1) // ranks_per_node)
-    for n, location in everyone:
-        if 0 <= n < len(nodes) and location in members:
+    for n, location, _, _ in everyone:
+        if 0 <= n < len(nodes) and location in known:
             nodes[n] = location
-    return nodes
+    return nodes, source
 
 
 def gather_looks(mine: Any, failure: Exception | None, what: str) -> list:
@@ -184,7 +203,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     `GROUP_RANK`) with a process group, the ranks learn every node's server
     from each other when the dataset is built (a collective: build it on
     every rank), so each rank reads from its own node's server, and
-    `locality="node"` reads each node's own rows.
+    `locality="node"` reads each node's own rows. The ranks of a node whose
+    server holds none of the dataset read through a server that does.
 
     Every epoch reads the dataset as it was sealed when this object was
     built (see `ShardedDataset`'s `sealed_as`), taken in this process so
@@ -299,8 +319,10 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             sealed_as=sealed_as,
             reconnect_seconds=reconnect_seconds,
         )
+        #: This rank's own server (the one `uri` names).
+        self._own_uri = uri
         if nodes is None:
-            self.shards.nodes = node_locations(uri, dataset, self.shards.ranks_per_node)
+            self._learn_nodes()
         try:
             self.shards.pin()
         except Exception:  # not there yet, or unreachable: the first read says so
@@ -345,7 +367,15 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         if seal != shards.sealed_as:
             shards.read_seal(seal)
             if self._nodes_learnt:
-                shards.nodes = node_locations(shards.uri, shards.dataset, shards.ranks_per_node)
+                self._learn_nodes()
+
+    def _learn_nodes(self) -> None:
+        """Learns the node map from the other ranks (a collective), and
+        reads through another node's server where this one's holds none of
+        the dataset (see `node_locations`)."""
+        shards = self.shards
+        shards.nodes, source = node_locations(self._own_uri, shards.dataset, shards.ranks_per_node)
+        shards.read_through(source or self._own_uri)
 
     @property
     def stall_seconds(self) -> float:
