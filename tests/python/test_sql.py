@@ -1,6 +1,6 @@
 """SQL over the cache: a Flight SQL session with ADBC's Flight SQL driver on
 the server's Flight port (tables listed, a schema, an aggregate, a filter,
-results as Arrow, a prepared statement with a parameter), a cluster
+results as Arrow, a prepared statement with `$1` and with `?` parameters), a cluster
 dataset queried through one member, tokens, queries charged to the memory
 budget, and action `derive` keeping a hash split as two datasets."""
 
@@ -73,6 +73,15 @@ def test_an_adbc_session_lists_describes_aggregates_filters_and_binds(server):
             for limit in (10, 1000):
                 cur.execute("SELECT count(*) AS n FROM events WHERE id < $1", parameters=(limit,))
                 assert cur.fetch_arrow_table()["n"].to_pylist() == [limit]
+            # `?` placeholders, the style the driver declares (DB-API
+            # `paramstyle`), bind in the order they appear; a `'?'` string
+            # is not one.
+            assert adbc.paramstyle == "qmark"
+            cur.execute("SELECT id, ? AS tag, '?' AS q FROM events WHERE id >= ? ORDER BY id "
+                        "LIMIT ?", parameters=("x", 5, 2))
+            assert cur.fetchall() == [(5, "x", "?"), (6, "x", "?")]
+            with pytest.raises(Exception, match="mixes `[?]` placeholders with numbered ones"):
+                cur.execute("SELECT id FROM events WHERE id > ? AND id < $2", parameters=(1, 3))
 
         # hash_bucket is there too, and read-only is enforced.
         got = fetch(conn, "SELECT count(*) AS n FROM events WHERE hash_bucket(id) < 90")

@@ -47,7 +47,7 @@ use datafusion::common::DFSchema;
 use datafusion::common::{DataFusionError, ParamValues, ScalarValue};
 use datafusion::datasource::TableType;
 use datafusion::execution::context::SQLOptions;
-use datafusion::execution::{SessionStateBuilder, TaskContext};
+use datafusion::execution::{SessionState, SessionStateBuilder, TaskContext};
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown};
 use datafusion::physical_expr::PhysicalExpr;
@@ -55,6 +55,7 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
 use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
+use datafusion::sql::parser::Statement as DfStatement;
 use flightdeck_protos as pb;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use prost::Message;
@@ -258,7 +259,12 @@ impl SqlService {
         params: Option<ParamValues>,
     ) -> Result<LogicalPlan> {
         let refused = |e: DataFusionError| query_error(sql, e);
-        let plan = ctx.state().create_logical_plan(sql).await.map_err(|e| {
+        let state = ctx.state();
+        let planned = match parse(&state, sql) {
+            Ok(statement) => state.statement_to_plan(statement).await,
+            Err(e) => Err(e),
+        };
+        let plan = planned.map_err(|e| {
             self.unreadable(sql, &e)
                 .or_else(|| self.unknown_table(sql, &e))
                 .unwrap_or_else(|| refused(e))
@@ -505,6 +511,41 @@ fn engine_failed(sql: &str, panic: &(dyn std::any::Any + Send)) -> Error {
         "the query `{sql}` cannot run: the query engine failed on it ({}); write it another way",
         panic_message(panic)
     ))
+}
+
+/// `sql` parsed in the session's dialect, its positional `?` placeholders
+/// (JDBC's, and the `qmark` style ADBC's Python driver declares) numbered
+/// `$1`, `$2`, … in the order they appear, as DataFusion binds parameters.
+/// A query mixing `?` with numbered placeholders is refused.
+fn parse(state: &SessionState, sql: &str) -> datafusion::common::Result<DfStatement> {
+    use datafusion::sql::sqlparser::ast::{Expr as SqlExpr, Value, visit_expressions_mut};
+    use std::ops::ControlFlow;
+
+    let dialect = state.config().options().sql_parser.dialect;
+    let mut statement = state.sql_to_statement(sql, &dialect)?;
+    let DfStatement::Statement(inner) = &mut statement else {
+        return Ok(statement);
+    };
+    let (mut marks, mut numbered) = (0usize, false);
+    let _ = visit_expressions_mut(inner.as_mut(), |expr| {
+        if let SqlExpr::Value(v) = expr
+            && let Value::Placeholder(name) = &mut v.value
+        {
+            if name == "?" {
+                marks += 1;
+                *name = format!("${marks}");
+            } else {
+                numbered = true;
+            }
+        }
+        ControlFlow::<()>::Continue(())
+    });
+    if marks > 0 && numbered {
+        return Err(DataFusionError::Plan(
+            "the query mixes `?` placeholders with numbered ones ($1, $2, …); use one kind".into(),
+        ));
+    }
+    Ok(statement)
 }
 
 /// `INVALID_ARGUMENT` with DataFusion's message and the query; a query
