@@ -47,11 +47,12 @@ SQL condition, as in a read plan) has the server send only the rows it
 selects: on a cluster dataset each stored partition's selected rows are a
 Spark partition served where they are held (the plan tells their counts);
 on one server they are split evenly over as many Spark partitions. Where
-the session lets Spark (4.1+) push its filters to Python data sources
+the session lets Spark push its filters to Python data sources
 (`spark.sql.python.filterPushdown.enabled` true when :func:`register` is
-called), its comparisons, `IN` and null tests on integer, string and boolean
-columns join that condition, and Spark still evaluates them on what
-arrives. Spark's Python data sources cannot prune columns: a schema given
+called) and Spark does not reuse a pushed read for other queries (Spark 5+,
+see :func:`reuses_pushed_reads`), its comparisons, `IN` and null tests on
+integer, string and boolean columns join that condition, and Spark still
+evaluates them on what arrives. Spark's Python data sources cannot prune columns: a schema given
 to the read
 (`spark.read.schema("id long, x float")`) names the columns the server
 sends, and reads a dataset with a column Spark cannot hold (unsigned
@@ -695,6 +696,18 @@ except ImportError:  # Spark 3.4/3.5: use write_dataframe
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 
+def reuses_pushed_reads(version: str) -> bool:
+    """Whether Spark `version` keeps the read planned by a Python data
+    source's last filter pushdown on the data source and gives it to later
+    scans of the same DataFrame that push no filter (Spark 4; upstream
+    keeps it on the scan from Spark 5), so that server-side filtering of
+    pushed filters would drop rows of those scans."""
+    try:
+        return int(version.split(".")[0]) < 5
+    except ValueError:
+        return True
+
+
 def register(spark: SparkSession, name: str = "flightdeck") -> None:
     """Registers this Python data source with a Spark 4 session as
     `format(name)`. Where the JVM connector's jar is on `spark.jars` too,
@@ -704,13 +717,27 @@ def register(spark: SparkSession, name: str = "flightdeck") -> None:
 
     Reads take Spark's own filters where `spark.sql.python.filterPushdown.enabled`
     is true when this is called (Spark refuses a reader that takes them
-    while it is false): set it first, or register again after changing it."""
+    while it is false): set it first, or register again after changing it.
+    Spark 4 keeps the read that a scan's pushed filters planned and gives
+    it to later scans of the same DataFrame that push none (`df.where("id < 10")
+    .count()` then `df.count()` counted 10), so on Spark 4 this source
+    takes none and Spark filters what arrives (a warning says so); the
+    `filter` option still filters on the server."""
     if not HAVE_DATA_SOURCES:
         raise RuntimeError(
             "this Spark has no Python data sources (Spark 4 needed); use "
             "flightdeck.spark.write_dataframe"
         )
     push = str(spark.conf.get(PUSHDOWN_CONF, "false")).strip().lower() == "true"
+    if push and reuses_pushed_reads(spark.version):
+        warnings.warn(
+            f"Spark {spark.version} gives later queries of a DataFrame the read that an "
+            "earlier query's pushed filters planned, which would drop their rows: format"
+            f"({name!r}) takes no pushed filters here (Spark filters what arrives). Use the "
+            "read's `filter` option to filter on the server, or the JVM connector",
+            stacklevel=2,
+        )
+        push = False
     registered = type(
         "FlightDeckDataSource_" + "".join(c if c.isalnum() else "_" for c in name),
         (FlightDeckDataSource,),
