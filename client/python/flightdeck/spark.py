@@ -52,8 +52,8 @@ the session lets Spark push its filters to Python data sources
 called) and Spark does not reuse a pushed read for other queries (Spark 5+,
 see :func:`reuses_pushed_reads`), its comparisons, `IN` and null tests on
 integer, string and boolean columns join that condition, and Spark still
-evaluates them on what arrives. Spark's Python data sources cannot prune columns: a schema given
-to the read
+evaluates them on what arrives. Spark's Python data sources cannot prune
+columns: a schema given to the read
 (`spark.read.schema("id long, x float")`) names the columns the server
 sends, and reads a dataset with a column Spark cannot hold (unsigned
 integers, half floats) without it.

@@ -75,17 +75,17 @@ def object_group():
 
 def node_locations(uri: str, dataset: str, ranks_per_node: int) -> tuple[list[str], str]:
     """Each node's server, in node order, from every rank's own server
-    `uri` (a collective: every rank calls it), and where this rank reads
-    the dataset from: "" for its own server, else the location of another
-    node's server that holds the dataset — a node whose server holds none
-    of it (a small dataset Spark wrote from some nodes' executors only)
-    gets "" in the map and its ranks plan through that server. The map is
-    [] when the dataset is held by one server or without a process group;
-    raises :class:`NotFound` on every rank when no rank's server holds it."""
+    `uri` (a collective: every rank calls it), and the server this rank
+    plans its reads through: `uri` where that holds the dataset, else
+    another node's server that does — a node whose server holds none of it
+    (a small dataset Spark wrote from some nodes' executors only) gets ""
+    in the map. The map is [] when the dataset is held by one server or
+    without a process group; raises :class:`NotFound` on every rank when
+    no rank's server holds it."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or ranks_per_node < 1:
-        return [], ""
+        return [], uri
     mine, members, held, failure = "", [], False, None
     try:
         with connect(uri) as client:
@@ -113,15 +113,15 @@ def node_locations(uri: str, dataset: str, ranks_per_node: int) -> tuple[list[st
             f"dataset '{dataset}' is on none of this job's flightdeck servers ({servers}): "
             "write it first, or check its name"
         )
-    source = "" if held else holders[0]
+    through = uri if held else holders[0]
     known = {location for *_, listed in everyone for location in listed}
     if not known:
-        return [], source
+        return [], through
     nodes = [""] * ((dist.get_world_size() + ranks_per_node - 1) // ranks_per_node)
     for n, location, _, _ in everyone:
         if 0 <= n < len(nodes) and location in known:
             nodes[n] = location
-    return nodes, source
+    return nodes, through
 
 
 def gather_looks(mine: Any, failure: Exception | None, what: str) -> list:
@@ -374,8 +374,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         reads through another node's server where this one's holds none of
         the dataset (see `node_locations`)."""
         shards = self.shards
-        shards.nodes, source = node_locations(self._own_uri, shards.dataset, shards.ranks_per_node)
-        shards.read_through(source or self._own_uri)
+        shards.nodes, through = node_locations(self._own_uri, shards.dataset, shards.ranks_per_node)
+        shards.read_through(through)
 
     @property
     def stall_seconds(self) -> float:

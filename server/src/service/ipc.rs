@@ -119,7 +119,14 @@ impl IpcMessage {
         let len32 = u32::try_from(len).map_err(|_| {
             Error::ResourceExhausted(format!("a {len}-byte message cannot be framed"))
         })?;
-        let mut head = BytesMut::with_capacity(5 + header_field + meta_field + 12);
+        // Room for the small buffers too (see below): one allocation.
+        let small_bytes: usize = self
+            .body
+            .iter()
+            .map(|p| p.len())
+            .filter(|&n| n < SMALL_PIECE)
+            .sum();
+        let mut head = BytesMut::with_capacity(5 + header_field + meta_field + 12 + small_bytes);
         head.put_u8(0); // not compressed
         head.put_u32(len32);
         head.put_u8(HEADER_TAG);
@@ -136,7 +143,8 @@ impl IpcMessage {
             put_varint(&mut head, self.body_len);
         }
         // Small buffers are copied after the head (or the small ones
-        // before them): each piece leaves as an HTTP/2 DATA frame, and a
+        // before them; `split` keeps the rest of the allocation for the
+        // next): each piece leaves as an HTTP/2 DATA frame, and a
         // batch of a few rows of many columns would otherwise be dozens of
         // frames of a few bytes, which h2 receivers count as an attack
         // (GOAWAY `ENHANCE_YOUR_CALM`, "too_many_data_frames") once enough
