@@ -19,6 +19,10 @@ embedded trainer's include its final evaluation pass).
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
 
 `--unix` reads over the server's `--unix-socket` instead of loopback TCP.
+`--device cuda` trains on the GPU: the floor's tensor lives on the device,
+the reader lands batches in pinned memory (`pin_memory=True`) and the loop
+copies them with `non_blocking=True`, and the embedded trainer runs on GPU
+0 instead of CPU ranks.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ import synthetic
 from flightdeck.torch import FlightDeckIterableDataset
 
 
-def model(dim: int, hidden: int, classes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model in PyTorch: an MLP with one hidden layer of `hidden`, or
-    linear with `hidden` 0; AdamW."""
+def model(
+    dim: int, hidden: int, classes: int, device: str = "cpu"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model in PyTorch on `device`: an MLP with one hidden layer of
+    `hidden`, or linear with `hidden` 0; AdamW."""
     torch.manual_seed(0)
     if hidden:
         net = torch.nn.Sequential(
@@ -44,6 +50,7 @@ def model(dim: int, hidden: int, classes: int) -> tuple[torch.nn.Module, torch.o
         )
     else:
         net = torch.nn.Linear(dim, classes)
+    net = net.to(device)
     return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
 
 
@@ -53,16 +60,18 @@ def step(net, opt, x, y) -> None:
     opt.step()
 
 
-def embedded(uri: str, args: argparse.Namespace, hidden: int, ranks: int) -> tuple[float, float]:
+def embedded(
+    uri: str, args: argparse.Namespace, hidden: int, ranks: int, gpus: tuple[int, ...] = ()
+) -> tuple[float, float]:
     """One epoch of the same model in flightdeck's embedded trainer on
-    `ranks` CPU ranks: samples/s up to the last step's report (before the
-    final evaluation pass, which PyTorch's rows do not run either) and the
-    data stall of the last report."""
+    `ranks` CPU ranks (or on `gpus`): samples/s up to the last step's report
+    (before the final evaluation pass, which PyTorch's rows do not run
+    either) and the data stall of the last report."""
     client = flightdeck.connect(uri)
     start = time.perf_counter()
     reports = client.train(
         "bench", "features", "label", classes=args.classes, hidden=[hidden] if hidden else [],
-        lr=1e-3, batch_size=args.batch_size, cpu_ranks=ranks, seed=1,
+        lr=1e-3, batch_size=args.batch_size, cpu_ranks=ranks, gpus=gpus, seed=1,
     )
     for report in reports:
         if report.step == report.total_steps and not report.done:
@@ -84,11 +93,16 @@ def main() -> None:
     ap.add_argument("--burst-mib", type=int, default=64, help="burst_bytes of the burst row, in MiB")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bin", default=synthetic.SERVER_BIN)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where PyTorch trains")
     ap.add_argument(
         "--unix", action="store_true", help="read over the server's Unix domain socket instead of TCP"
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     with synthetic.server(args.bin, unix=args.unix) as srv:
         uri = srv.uri
@@ -96,7 +110,8 @@ def main() -> None:
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         print(f"{args.rows} rows x {args.dim} float32, {args.classes} classes, AdamW, batch {args.batch_size}, "
               f"one epoch, {args.threads} torch threads, {args.reps} reps (medians), "
-              f"over {'the Unix socket' if args.unix else 'loopback TCP'}")
+              f"over {'the Unix socket' if args.unix else 'loopback TCP'}, PyTorch on {device}"
+              + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
         print()
         print("| model | path | samples/s | of the in-memory floor | waiting for data | CPU s: server / PyTorch's process |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")
@@ -113,15 +128,18 @@ def main() -> None:
                 server, this = srv.cpu_seconds(), time.process_time()
                 start = time.perf_counter()
                 result = run()
+                sync()
                 took = time.perf_counter() - start
                 cpus.setdefault(path, []).append((srv.cpu_seconds() - server, time.process_time() - this))
                 return result, took
 
             for _ in range(args.reps):
-                net, opt = model(args.dim, hidden, args.classes)
-                # Shuffled once before the clock: the floor is the compute alone.
+                net, opt = model(args.dim, hidden, args.classes, device)
+                # Shuffled (and on the device) before the clock: the floor is
+                # the compute alone.
                 perm = torch.randperm(args.rows)
-                xs, ys = xt[perm].contiguous(), yt[perm].contiguous()
+                xs, ys = xt[perm].contiguous().to(device), yt[perm].contiguous().to(device)
+                sync()
                 floor_path = "PyTorch, in-memory tensor"
 
                 def floor_epoch() -> None:
@@ -136,14 +154,16 @@ def main() -> None:
                     path = f"PyTorch, FlightDeckIterableDataset {how}"
                     data = FlightDeckIterableDataset(
                         uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
-                        prefetch=depth, burst_bytes=burst,
+                        prefetch=depth, burst_bytes=burst, pin_memory=device == "cuda",
                     )
-                    net, opt = model(args.dim, hidden, args.classes)
+                    net, opt = model(args.dim, hidden, args.classes, device)
 
                     def read_epoch() -> int:
                         rows = 0
                         for batch in data:
-                            step(net, opt, batch["features"], batch["label"])
+                            x = batch["features"].to(device, non_blocking=True)
+                            y = batch["label"].to(device, non_blocking=True)
+                            step(net, opt, x, y)
                             rows += len(batch["label"])
                         return rows
 
@@ -151,9 +171,12 @@ def main() -> None:
                     assert rows == args.rows, rows
                     results.setdefault(path, []).append(rows / took)
                     stalls.setdefault(path, []).append(data.stall_seconds / took)
-                for ranks in (1, 2):
-                    path = f"flightdeck's embedded trainer, {ranks} CPU rank{'s' if ranks > 1 else ''}"
-                    (rate, stall), _ = timed(path, lambda: embedded(uri, args, hidden, ranks))
+                trainers = [((), r, f"{r} CPU rank{'s' if r > 1 else ''}") for r in (1, 2)]
+                if device == "cuda":
+                    trainers = [((0,), 1, "GPU 0")]
+                for gpus, ranks, where in trainers:
+                    path = f"flightdeck's embedded trainer, {where}"
+                    (rate, stall), _ = timed(path, lambda: embedded(uri, args, hidden, ranks, gpus))
                     results.setdefault(path, []).append(rate)
                     stalls.setdefault(path, []).append(stall)
             floor = float(np.median(results["PyTorch, in-memory tensor"]))

@@ -135,6 +135,74 @@ fn place_round_trips_values_exactly() {
     );
 }
 
+/// Evicting gives a placement's device memory back, also when the last
+/// reference goes on a thread where no CUDA context is current (in the
+/// server: a tokio worker running `evict`, a replacement or a dropped
+/// dataset). Prints `cuMemGetInfo`'s free bytes before placing, while a
+/// placement is held, and after five place-and-drop rounds.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh run"]
+fn evicted_placements_give_their_device_memory_back() {
+    use cudarc::driver::CudaContext;
+
+    let host = gpu();
+    let arena = Arena::new(
+        Budget::new(2 << 30),
+        64 << 20,
+        HostMemory::Pinned(host.clone()),
+    );
+    // 16 batches of 1 M rows × 20 bytes: 320 MB on the device a placement.
+    let batches: Vec<RecordBatch> = (0..16)
+        .map(|i| {
+            arena
+                .copy_batch(&batch(i * 1_000_000, 1_000_000), &|| "gpu test".into())
+                .expect("fits")
+                .0
+        })
+        .collect();
+    let data = SealedData::from_batches(
+        batches[0].schema(),
+        vec![AttemptKey {
+            partition: 0,
+            attempt: 0,
+        }],
+        batches,
+    );
+    let columns = vec!["id".to_string(), "vec".to_string()];
+    let ctx = CudaContext::new(0).expect("device 0");
+    // Frees are stream-ordered: the pool hands memory back at a sync.
+    let free = || {
+        ctx.synchronize().expect("synchronize");
+        ctx.mem_get_info().expect("cuMemGetInfo").0
+    };
+    let before = free();
+    let mut held = 0;
+    let rounds = 5;
+    for _ in 0..rounds {
+        let placed = host.place(&data, &columns, 0).expect("place");
+        assert_eq!(placed.bytes, 16_000_000 * 20);
+        held = before.saturating_sub(free());
+        assert!(
+            held as u64 >= placed.bytes,
+            "a held placement of {} B shows as {held} B in use",
+            placed.bytes
+        );
+        std::thread::spawn(move || drop(placed))
+            .join()
+            .expect("drop on a thread of its own");
+    }
+    let after = free();
+    let lost = before.saturating_sub(after);
+    println!(
+        "cuMemGetInfo free on device 0: {before} B before placing, {held} B fewer while a \
+         placement is held, {after} B after {rounds} evictions ({lost} B not given back)"
+    );
+    assert!(
+        lost < 64 << 20,
+        "{lost} B of device memory not given back after {rounds} evictions"
+    );
+}
+
 #[test]
 fn column_segments_are_the_column() {
     // Pure: runs everywhere.

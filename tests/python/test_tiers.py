@@ -127,6 +127,30 @@ def test_place_without_a_driver(flightdeck_server):
         assert c.evict("d").placements == []
 
 
+def test_place_train_and_evict_on_a_gpu(flightdeck_server):
+    """Where the server sees a CUDA device (`scripts/gpu-check.sh run`):
+    `place` copies the named columns to device 0 and the server counts their
+    bytes, a training job on GPU 0 trains from that copy, and `evict` gives
+    them back (the count is 0 again, and the data still reads the same)."""
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        if not c.stats().cuda_devices:
+            pytest.skip("no CUDA device here: scripts/gpu-check.sh run checks place on a GPU")
+        t = table(200_000, 6)
+        write(c, "g", t)
+        before = epoch(c, "g", "global")
+        info = c.place("g", ["x", "label"])
+        placed = [(p.device, sorted(p.columns), p.bytes) for p in info.placements]
+        assert placed == [(0, ["label", "x"], 200_000 * 8)]
+        stats = c.stats()
+        assert stats.device_bytes == 200_000 * 8 and stats.host_pinned
+        reports = list(c.train("g", ["x"], "label", classes=3, batch_size=1024, gpus=[0], seed=1))
+        assert reports[-1].done and np.isfinite(reports[-1].loss), reports[-1]
+        assert reports[-1].step == reports[-1].total_steps > 0
+        assert c.evict("g").placements == []
+        assert c.stats().device_bytes == 0
+        assert epoch(c, "g", "global") == before
+
+
 def test_a_reader_rides_out_a_restart_of_its_server(tmp_path):
     """Killed mid-epoch and started again with `--persist` on its port, the
     server's readers (`reconnect_seconds`) take their reads up where they
