@@ -76,7 +76,7 @@ run() {
         step python-gpu python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py \
             tests/python/test_tiers.py::test_place_train_and_evict_on_a_gpu
         step reader-gpu python3 bench/reader_throughput.py --device cuda --bin "$bins/flightdeck" \
-            --rows 1000000 --dim 32 --reps 3 --threads 4
+            --rows 1000000 --dim 32 --reps 5 --threads 4
     else
         echo "NOT RUN: this machine's python3 lacks pyarrow, pytest or torch" > "$out/python-gpu.txt"
         status=1

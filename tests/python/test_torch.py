@@ -243,6 +243,53 @@ def test_pin_memory_hands_over_page_locked_tensors(flightdeck_server):
     assert sorted(seen) == list(range(2000))
 
 
+def test_device_hands_over_batches_already_on_the_gpu(flightdeck_server):
+    """`device="cuda"` (with CUDA: always under `FLIGHTDECK_GPU_TESTS=1`):
+    every tensor arrives on the GPU, equal to the data and in the same
+    order, the batches of a message views of one copy, `state_dict` counting
+    only what was handed out, a transform's tensors moved too, and worker
+    processes refused. `device="cpu"` reads as without it; a device torch
+    does not know, or CUDA where there is none, is a clear error."""
+    import os
+
+    uri = flightdeck_server.uri
+    put_vectors(flightdeck.connect(uri), "dev", 3000)
+
+    def make(**kw):
+        return FlightDeckIterableDataset(uri, "dev", rank=0, world_size=1, batch_rows=256, seed=4, **kw)
+
+    plain = [b["id"].tolist() for b in make()]
+    assert len(plain) == 12 and sorted(i for b in plain for i in b) == list(range(3000))
+    assert [b["id"].tolist() for b in make(device="cpu")] == plain
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        make(device="gpu7")
+    if not torch.cuda.is_available():
+        assert not os.environ.get("FLIGHTDECK_GPU_TESTS"), "FLIGHTDECK_GPU_TESTS is set but torch sees no GPU"
+        with pytest.raises(ValueError, match="device='cuda' needs CUDA"):
+            make(device="cuda")
+        return
+    for prefetch in (0, 2):
+        ds = make(device="cuda", prefetch=prefetch)
+        it = iter(ds)
+        first = next(it)
+        assert ds.state_dict()["start_sample"] == 256
+        batches = [first, *it]
+        assert all(t.is_cuda for b in batches for t in b.values())
+        assert [b["id"].tolist() for b in batches] == plain
+        assert all(torch.equal(b["x"][:, 3], b["id"].to(torch.float32)) for b in batches)
+        copies = {b["id"].untyped_storage().data_ptr() for b in batches}
+        assert len(copies) < len(batches), "each batch copied on its own"
+    moved = [t for (t,) in make(device="cuda", transform=lambda b: (to_torch(b, "id"),))]
+    assert all(t.is_cuda for t in moved) and [t.tolist() for t in moved] == plain
+    # One worker: a second one still starting when the first's error ends
+    # the loader would die later, failing whichever test runs then.
+    loader = torch.utils.data.DataLoader(
+        make(device="cuda"), batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
+    with pytest.raises(ValueError, match="num_workers=0"):
+        list(loader)
+
+
 def overwrite(client, name: str, ids: range, write_id: str) -> None:
     """Replaces dataset `name` by one partition of `ids`, as a Spark
     overwrite does: staged beside it, swapped in at the seal."""

@@ -249,6 +249,16 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     `pin_memory` does, so the loop's `tensor.to("cuda", non_blocking=True)`
     is an asynchronous copy that overlaps the step. (Arrow's buffers are
     pageable; without pinning a host-to-device copy waits for itself.)
+
+    `device="cuda"` (or `"cuda:N"`, a `torch.device`) hands over batches
+    already on that GPU (without an index: the device current where
+    iteration begins): the read-ahead thread copies each message's tensors
+    there once, through page-locked memory, asynchronously on the stream
+    that was current when iteration began, and each batch is a view of
+    them — the loop's step neither copies nor launches a copy. A
+    `transform`'s tensors are copied a batch at a time. It needs the
+    training process's own iteration (`num_workers=0`): DataLoader worker
+    processes cannot hand over GPU memory this way.
     """
 
     def __init__(
@@ -271,6 +281,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         nodes: Sequence[str] | None = None,
         prefetch: int = 2,
         pin_memory: bool = False,
+        device: str | torch.device | None = None,
         filter: str = "",
         select: Sequence[str] = (),
         read_rows: int | None = None,
@@ -291,6 +302,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
                 "leave pin_memory off on a machine without a GPU"
             )
         self.pin_memory = pin_memory
+        #: Where batches are handed over (None: host memory, as read).
+        self.device = on_device(device)
         dist_rank, dist_size = _distributed_rank_and_size()
         # Built on every rank of the group: the ranks agree on the seal.
         from_group = rank is None and world_size is None and dist_size > 1
@@ -406,8 +419,26 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
                 self.shards._take_position(position)
         split = (0, 0) if info is None or info.num_workers <= 1 else (info.num_workers, info.id)
         prepare = self.transform
-        if self.pin_memory:
-            transform = self.transform
+        transform = self.transform
+        device = self.device
+        if device is not None and device.type == "cuda":
+            if info is not None:
+                raise ValueError(
+                    f"device='{device}' hands batches over in GPU memory, which DataLoader "
+                    "worker processes cannot pass on: iterate in the training process "
+                    "(num_workers=0), or leave device unset and copy in the loop"
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            # The loop's stream, where it stands now: the copies are queued
+            # on it, so its kernels run after them without an event.
+            stream = torch.cuda.current_stream(device)
+
+            def prepare(batch: pa.RecordBatch) -> Any:
+                with torch.cuda.stream(stream):
+                    return moved(pinned(transform(batch)), device)
+
+        elif self.pin_memory:
 
             def prepare(batch: pa.RecordBatch) -> Any:
                 return pinned(transform(batch))
@@ -466,6 +497,36 @@ class Published:
 def sliced_tensors(tensors: dict[str, torch.Tensor], start: int, rows: int) -> dict[str, torch.Tensor]:
     """Rows `start..start + rows` of each tensor (views, no copy)."""
     return {name: t[start : start + rows] for name, t in tensors.items()}
+
+
+def on_device(device: str | torch.device | None) -> torch.device | None:
+    """`device` as a `torch.device`, checked: a GPU needs CUDA here."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device torch knows: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device='{device}': batches can be handed over on 'cpu' or 'cuda' only")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device='{device}' needs CUDA, and torch.cuda.is_available() is False here; "
+            "leave device unset on a machine without a GPU"
+        )
+    return device
+
+
+def moved(item: Any, device: torch.device) -> Any:
+    """`item` with every tensor in it (alone, or in dicts, lists and tuples)
+    copied to `device` without blocking (page-locked sources: asynchronous)."""
+    if isinstance(item, torch.Tensor):
+        return item.to(device, non_blocking=True)
+    if isinstance(item, dict):
+        return {k: moved(v, device) for k, v in item.items()}
+    if isinstance(item, (list, tuple)):
+        return type(item)(moved(v, device) for v in item)
+    return item
 
 
 def pinned(item: Any) -> Any:
