@@ -185,7 +185,7 @@ pub async fn serve(
         unix,
         metrics,
     };
-    serve_with(listeners, config, shutdown).await
+    serve_with(listeners, config, shutdown, || {}).await
 }
 
 /// A background task, aborted when this is dropped.
@@ -199,10 +199,15 @@ impl Drop for Background {
 
 /// [`serve`] on listeners the caller bound (and can then say where),
 /// instead of those `config.metrics_listen` and `config.unix_socket` name.
+/// `ready` runs once the server can answer — its spill store opened,
+/// persisted datasets reloaded, TLS configured — just before it serves: the
+/// place to tell whoever started it (an error before then is returned and
+/// `ready` never runs).
 pub async fn serve_with(
     listeners: Listeners,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send,
+    ready: impl FnOnce() + Send,
 ) -> std::result::Result<(), ServeError> {
     let Listeners {
         flight: listener,
@@ -221,9 +226,9 @@ pub async fn serve_with(
         ))
     })?;
     let location = config.location(bound);
-    info!(addr = %bound, %location, memory_limit = config.memory_limit, "flightdeck serving");
+    let memory_limit = config.memory_limit;
     let tls = tls_config(&config)?;
-    let state = std::sync::Arc::new(state::State::open(config, location).await?);
+    let state = std::sync::Arc::new(state::State::open(config, location.clone()).await?);
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics_task = metrics.map(|listener| {
         let registry = state.metrics.registry(std::sync::Arc::downgrade(&state));
@@ -309,6 +314,8 @@ pub async fn serve_with(
         )
     };
     let tcp = router(tls)?.serve_with_incoming_shutdown(incoming, drain.clone());
+    info!(addr = %bound, %location, memory_limit, "flightdeck serving");
+    ready();
     let served = match unix {
         Some(unix) => {
             if let Some(path) = &unix_path {

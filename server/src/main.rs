@@ -276,26 +276,32 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     let stop = shutdown_signal();
-    // Machine-readable lines for scripts and tests that start the server.
-    let mut out = std::io::stdout();
-    let _ = writeln!(out, "flightdeck listening on {addr}");
-    if let Some(path) = &config.unix_socket {
-        let _ = writeln!(
-            out,
-            "flightdeck listening on grpc+unix://{}",
-            path.display()
-        );
-    }
-    if let Some(at) = metrics.as_ref().and_then(|l| l.local_addr().ok()) {
-        let _ = writeln!(out, "flightdeck metrics on http://{at}/metrics");
-    }
-    let _ = out.flush();
+    // Machine-readable lines for scripts and tests that start the server,
+    // printed once it can answer: a spill store or TLS files it cannot use
+    // end it before, with no "listening" line to mislead them.
+    let socket = config.unix_socket.clone();
+    let metrics_at = metrics.as_ref().and_then(|l| l.local_addr().ok());
+    let ready = move || {
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "flightdeck listening on {addr}");
+        if let Some(path) = &socket {
+            let _ = writeln!(
+                out,
+                "flightdeck listening on grpc+unix://{}",
+                path.display()
+            );
+        }
+        if let Some(at) = metrics_at {
+            let _ = writeln!(out, "flightdeck metrics on http://{at}/metrics");
+        }
+        let _ = out.flush();
+    };
     let listeners = flightdeck_server::Listeners {
         flight: listener,
         unix,
         metrics,
     };
-    flightdeck_server::serve_with(listeners, config, stop)
+    flightdeck_server::serve_with(listeners, config, stop, ready)
         .await
         .map_err(|e| e.to_string())
 }

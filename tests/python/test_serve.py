@@ -1,6 +1,7 @@
 """`flightdeck serve` as its flags say: `--default-batch-rows` sizes the
 batches of a plan that asks for none, `--no-cuda` leaves the GPU alone
-whatever the machine has, and a bad flag is refused with the reason. (What
+whatever the machine has, a bad flag is refused with the reason, and a
+server that cannot start says why without first saying it listens. (What
 SIGINT and SIGTERM do is tested with the health service, in
 test_observe.py.)"""
 
@@ -66,3 +67,23 @@ def test_a_bad_flag_is_refused_with_the_reason():
     )
     assert run.returncode == 2
     assert "--default-batch-rows" in run.stderr and "many" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (["--spill-url", "bogus://x"], "--spill-url 'bogus://x' is not usable"),
+        (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"], "/nonexistent/cert.pem"),
+    ],
+)
+def test_a_server_that_cannot_start_never_says_it_is_listening(flags, reason):
+    """A spill store or TLS files the server cannot use end it with the
+    reason — before the "listening" line scripts wait for, which would tell
+    them a server is there when none will be."""
+    run = subprocess.run(
+        [str(server_binary()), "serve", "--listen", "127.0.0.1:0", "--no-cuda", *flags],
+        capture_output=True, text=True, timeout=scaled(30),
+    )
+    assert run.returncode == 1, run.stderr
+    assert "cannot start" in run.stderr and reason in run.stderr, run.stderr
+    assert "listening" not in run.stdout, run.stdout
