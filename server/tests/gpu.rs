@@ -42,11 +42,13 @@ fn batch(start: i64, rows: i64) -> RecordBatch {
     .expect("batch")
 }
 
-fn sealed_in(arena: &Arena) -> SealedData {
-    let batches: Vec<RecordBatch> = (0..5)
+/// `count` batches of `rows` rows each (see `batch`), copied into `arena`
+/// and sealed.
+fn sealed_in(arena: &Arena, count: i64, rows: i64) -> SealedData {
+    let batches: Vec<RecordBatch> = (0..count)
         .map(|i| {
             arena
-                .copy_batch(&batch(i * 10_000, 10_000), &|| "gpu test".into())
+                .copy_batch(&batch(i * rows, rows), &|| "gpu test".into())
                 .expect("fits")
                 .0
         })
@@ -72,7 +74,7 @@ fn arena_slabs_are_page_locked() {
         HostMemory::Pinned(host.clone()),
     );
     assert!(arena.stats().pinned);
-    let data = sealed_in(&arena);
+    let data = sealed_in(&arena, 5, 10_000);
     for b in data.batches() {
         for col in b.columns() {
             let d = col.to_data();
@@ -103,7 +105,7 @@ fn place_round_trips_values_exactly() {
         8 << 20,
         HostMemory::Pinned(host.clone()),
     );
-    let data = sealed_in(&arena);
+    let data = sealed_in(&arena, 5, 10_000);
     let columns = vec!["id".to_string(), "vec".to_string()];
     let devices: Vec<u32> = (0..host.device_count().min(2)).collect();
     for &device in &devices {
@@ -152,22 +154,7 @@ fn evicted_placements_give_their_device_memory_back() {
         HostMemory::Pinned(host.clone()),
     );
     // 16 batches of 1 M rows × 20 bytes: 320 MB on the device a placement.
-    let batches: Vec<RecordBatch> = (0..16)
-        .map(|i| {
-            arena
-                .copy_batch(&batch(i * 1_000_000, 1_000_000), &|| "gpu test".into())
-                .expect("fits")
-                .0
-        })
-        .collect();
-    let data = SealedData::from_batches(
-        batches[0].schema(),
-        vec![AttemptKey {
-            partition: 0,
-            attempt: 0,
-        }],
-        batches,
-    );
+    let data = sealed_in(&arena, 16, 1_000_000);
     let columns = vec!["id".to_string(), "vec".to_string()];
     let ctx = CudaContext::new(0).expect("device 0");
     // Frees are stream-ordered: the pool hands memory back at a sync.
@@ -207,7 +194,7 @@ fn evicted_placements_give_their_device_memory_back() {
 fn column_segments_are_the_column() {
     // Pure: runs everywhere.
     let arena = Arena::new(Budget::new(1 << 30), 8 << 20, HostMemory::Heap);
-    let data = sealed_in(&arena);
+    let data = sealed_in(&arena, 5, 10_000);
     let ids = column_segments(&data, "id").expect("numeric");
     let bytes: Vec<u8> = ids
         .segments
