@@ -181,19 +181,21 @@ impl Setup {
             [
                 (
                     cudarc::cublas::sys::is_culib_present(),
-                    "cuBLAS (libcublas.so.12)",
+                    "cuBLAS",
+                    "libcublas",
                 ),
-                (
-                    cudarc::nvrtc::sys::is_culib_present(),
-                    "NVRTC (libnvrtc.so.12)",
-                ),
+                (cudarc::nvrtc::sys::is_culib_present(), "NVRTC", "libnvrtc"),
             ]
         };
-        if let Some((_, name)) = libraries.iter().find(|(present, _)| !present) {
+        if let Some((_, name, file)) = libraries.iter().find(|(present, ..)| !present) {
             return Err(Error::FailedPrecondition(format!(
-                "training on GPUs needs {name}, which this server cannot load: install it (the \
-                 CUDA toolkit, or its nvidia-* Python package) and put its lib folder on \
-                 LD_LIBRARY_PATH"
+                "training on GPUs needs {name}, which this server cannot load: it looks for \
+                 {file}.so or {file}.so.12 in the folders on LD_LIBRARY_PATH and the linker's \
+                 cache. Install it (the CUDA toolkit, or its nvidia-* Python package) and put \
+                 its lib folder on LD_LIBRARY_PATH; where only another version's file is there \
+                 (CUDA 13's {file}.so.13, as its Python packages install it), link {file}.so \
+                 to it in a folder on LD_LIBRARY_PATH (docker/Dockerfile does so in the GPU \
+                 image)"
             )));
         }
         // One GPU needs no communicator, and so no NCCL.
@@ -203,7 +205,8 @@ impl Setup {
                 return Err(Error::FailedPrecondition(format!(
                     "training on {} GPUs needs NCCL, which this server cannot load as \
                      libnccl.so: NCCL installs libnccl.so.2, so link libnccl.so to it in a \
-                     folder on LD_LIBRARY_PATH, or train on one GPU",
+                     folder on LD_LIBRARY_PATH (docker/Dockerfile does so in the GPU image), or \
+                     train on one GPU",
                     ordinals.len()
                 )));
             }
