@@ -518,24 +518,23 @@ def on_device(device: str | torch.device | None) -> torch.device | None:
 
 
 def moved(item: Any, device: torch.device) -> Any:
-    """`item` with every tensor in it (alone, or in dicts, lists and tuples)
-    copied to `device` without blocking (page-locked sources: asynchronous)."""
-    if isinstance(item, torch.Tensor):
-        return item.to(device, non_blocking=True)
-    if isinstance(item, dict):
-        return {k: moved(v, device) for k, v in item.items()}
-    if isinstance(item, (list, tuple)):
-        return type(item)(moved(v, device) for v in item)
-    return item
+    """`item` with every tensor in it copied to `device` without blocking
+    (page-locked sources: asynchronously)."""
+    return each_tensor(item, lambda t: t.to(device, non_blocking=True))
 
 
 def pinned(item: Any) -> Any:
-    """`item` with every tensor in it (alone, or in dicts, lists and tuples)
-    copied into page-locked memory."""
+    """`item` with every tensor in it copied into page-locked memory."""
+    return each_tensor(item, torch.Tensor.pin_memory)
+
+
+def each_tensor(item: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`item` with `change` applied to every tensor in it (alone, or in
+    dicts, lists and tuples, nested); anything else as it is."""
     if isinstance(item, torch.Tensor):
-        return item.pin_memory()
+        return change(item)
     if isinstance(item, dict):
-        return {k: pinned(v) for k, v in item.items()}
+        return {k: each_tensor(v, change) for k, v in item.items()}
     if isinstance(item, (list, tuple)):
-        return type(item)(pinned(v) for v in item)
+        return type(item)(each_tensor(v, change) for v in item)
     return item
