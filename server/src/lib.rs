@@ -226,9 +226,8 @@ pub async fn serve_with(
         ))
     })?;
     let location = config.location(bound);
-    let memory_limit = config.memory_limit;
     let tls = tls_config(&config)?;
-    let state = std::sync::Arc::new(state::State::open(config, location.clone()).await?);
+    let state = std::sync::Arc::new(state::State::open(config, location).await?);
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics_task = metrics.map(|listener| {
         let registry = state.metrics.registry(std::sync::Arc::downgrade(&state));
@@ -314,7 +313,12 @@ pub async fn serve_with(
         )
     };
     let tcp = router(tls)?.serve_with_incoming_shutdown(incoming, drain.clone());
-    info!(addr = %bound, %location, memory_limit, "flightdeck serving");
+    info!(
+        addr = %bound,
+        location = %state.location,
+        memory_limit = state.config.memory_limit,
+        "flightdeck serving"
+    );
     ready();
     let served = match unix {
         Some(unix) => {

@@ -418,8 +418,7 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
             if position is not None:
                 self.shards._take_position(position)
         split = (0, 0) if info is None or info.num_workers <= 1 else (info.num_workers, info.id)
-        prepare = self.transform
-        transform = self.transform
+        prepare = transform = self.transform
         device = self.device
         if device is not None and device.type == "cuda":
             if info is not None:
