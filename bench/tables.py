@@ -68,6 +68,13 @@ RATIOS = [
         ("cluster/global-global", "flightdeck"),
         ("cluster/single-none", "flightdeck"),
     ),
+] + [
+    (
+        f"gather on {t} threads a batch / on 1",
+        (f"gather/global/threads-{t}", "flightdeck"),
+        ("gather/global/threads-1", "flightdeck"),
+    )
+    for t in (2, 4, 8)
 ]
 
 

@@ -7,7 +7,8 @@
 #                                # (pinned arena, place, evict's memory, CUDA training vs CPU),
 #                                # the tier tests on pinned memory, the h2d bench, the PyTorch
 #                                # tests (pinned hand-over; place, train, evict through the
-#                                # server) and the reader bench on the GPU, with its own torch
+#                                # server) and the reader bench on the GPU, with its own torch;
+#                                # then the CPU read benches on its cores (gather split on/off)
 #   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
 #                                # (run by scripts/test.sh)
 #
@@ -81,12 +82,30 @@ run() {
         echo "NOT RUN: this machine's python3 lacks pyarrow, pytest or torch" > "$out/python-gpu.txt"
         status=1
     fi
+    # The CPU read targets on this machine's cores (issues 11 and 16): how
+    # the scattered gather scales with threads (in-process), and the cluster
+    # and get phases with the server's default gather split against one
+    # thread a stream (--gather-threads 1).
+    step gather "$bins/flightdeck-bench" --phases gather --rows 2000000 --ranks 2 --baseline "" \
+        --reps 3 --json "$out/gather.json"
+    for threads in default 1; do
+        split=()
+        [ "$threads" = default ] || split=(--server-arg=--gather-threads --server-arg="$threads")
+        step "cluster-$threads" "$bins/flightdeck-bench" --phases cluster --rows 2000000 --ranks 6 \
+            --members 3 --baseline "" --reps 3 "${split[@]}" --json "$out/cluster-$threads.json"
+        step "get-$threads" "$bins/flightdeck-bench" --phases get,limit --shuffle none,global \
+            --rows 2000000 --baseline "" --reps 3 "${split[@]}" --json "$out/get-$threads.json"
+    done
     # The figures: parity, samples/s and gather share, device memory around
     # evictions, H2D bandwidth, the tests' tallies and the reader table.
     grep -h -E "^GPUs|cuMemGetInfo|^test result|passed|failed|error" "$out"/gpu-tests.txt "$out"/tier-tests.txt || true
     grep -v "^$" "$out/h2d.txt" | tail -n 12
     tail -n 3 "$out/python-gpu.txt"
     cat "$out/reader-gpu.txt" 2>/dev/null || true
+    for f in gather cluster-default cluster-1 get-default get-1; do
+        echo "-- $f"
+        grep -E "^(gather|cluster|get)/[a-z0-9/-]+ +flightdeck +[0-9]|x$" "$out/$f.txt" | grep -v /first || true
+    done
     exit "$status"
 }
 

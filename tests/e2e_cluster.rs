@@ -498,6 +498,50 @@ async fn node_epoch(c: &mut Client, ds: &str, epoch: u64) -> (Vec<Vec<i64>>, Vec
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn members_gathering_on_several_threads_serve_the_bytes_of_one_server() {
+    // Each 37-row batch in parts of 16, 16 and 5 rows, on three threads:
+    // a rank's own rows, and a member's rows of another's rank (as columns
+    // and, every fixed-width column read, as packed records).
+    let members = start_members(&["--gather-threads", "3"]);
+    let single_server = TestServer::start().await;
+    let mut single = single_server.client().await;
+    write_both(&members, &mut single, "t").await;
+    let mut c = members[0].client().await;
+    let fixed: Vec<String> = ["vec", "x", "id", "attempt"].map(String::from).into();
+    for epoch in 0..3 {
+        for (w, shuffle) in [
+            (4, Shuffle::Global),
+            (6, Shuffle::None),
+            (6, Shuffle::Block),
+        ] {
+            for columns in [vec![], fixed.clone()] {
+                let p = ReadPlan {
+                    columns,
+                    ..plan("t", w, shuffle, epoch)
+                };
+                let cluster = ranks_bytes(&mut c, p.clone()).await;
+                assert!(
+                    cluster == ranks_bytes(&mut single, p.clone()).await,
+                    "{p:?}"
+                );
+            }
+        }
+    }
+    // NODE: equal counts, every row of the winners an epoch.
+    for epoch in 0..3 {
+        let (ranks, _) = node_epoch(&mut c, "t", epoch).await;
+        let counts: HashSet<usize> = ranks.iter().map(Vec::len).collect();
+        assert_eq!(counts.len(), 1, "epoch {epoch}: {counts:?}");
+        let unique: HashSet<i64> = ranks.iter().flatten().copied().collect();
+        assert_eq!(
+            unique.len() as i64,
+            sizes().iter().sum::<i64>(),
+            "epoch {epoch}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn node_locality_reads_its_node_and_moves_only_the_imbalance() {
     let members = start_members(&[]);
     let mut c = members[1].client().await;

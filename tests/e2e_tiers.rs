@@ -4,7 +4,8 @@
 //! spills without being written again, and a persist that fails answers
 //! `UNAVAILABLE` with the dataset still readable; dropping returns memory to
 //! the pool, and so does a reader that hangs up; `place` without a CUDA
-//! driver answers its code.
+//! driver answers its code. Batches gathered on several threads
+//! (`--gather-threads`) are the bytes of batches gathered on one.
 
 use std::path::PathBuf;
 
@@ -138,6 +139,36 @@ async fn spill_and_read_back(spill_url: String) {
         );
     }
     server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_gathered_on_several_threads_are_the_bytes_of_one() {
+    // `--gather-threads 3` splits each 4 096-row batch of scattered rows
+    // into three parts gathered at once; the default here (two cores) one.
+    let one = TestServer::start().await;
+    let three = TestServer::start_with(ServerConfig {
+        gather_threads: Some(3),
+        ..test_config()
+    })
+    .await;
+    let (mut a, mut b) = (one.client().await, three.client().await);
+    write_sealed(&mut a, "d").await;
+    write_sealed(&mut b, "d").await;
+    // Twice: the second time every shuffled stream gathers from packed rows.
+    for pass in 0..2 {
+        let (x, y) = (
+            read_every_mode(&mut a, "d").await,
+            read_every_mode(&mut b, "d").await,
+        );
+        assert_eq!(x.len(), y.len());
+        for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+            assert!(x == y, "pass {pass}, stream {i}: the bytes differ");
+        }
+    }
+    let stats = b.stats().await.expect("stats");
+    assert!(stats.packed_bytes > 0, "{stats:?}");
+    one.stop().await;
+    three.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

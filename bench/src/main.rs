@@ -57,8 +57,10 @@ struct Args {
     shuffle: Vec<String>,
     /// Phases: put, get, e2e, limit, h2d (GPU only: host-to-device
     /// bandwidth from the arena vs pinned and pageable memory), cluster,
-    /// and filter (a global read of the rows a 50 % filter selects against
-    /// one of every row, and the first plan's selection cost).
+    /// filter (a global read of the rows a 50 % filter selects against
+    /// one of every row, and the first plan's selection cost), and gather
+    /// (every rank's shard of a global shuffle gathered in this process,
+    /// without a server or a socket, on 1, 2, 4, … threads a batch).
     #[arg(long, value_delimiter = ',', default_value = "put,get,e2e,limit")]
     phases: Vec<String>,
     /// Bytes copied per h2d repetition.
@@ -81,6 +83,10 @@ struct Args {
     /// The flightdeck binary to start (default: next to this one).
     #[arg(long)]
     server_bin: Option<PathBuf>,
+    /// One more argument for every server process this tool starts (repeat for
+    /// several: `--server-arg=--gather-threads --server-arg=1`).
+    #[arg(long = "server-arg", allow_hyphen_values = true)]
+    server_args: Vec<String>,
     /// Run the server inside this process instead (no peak RSS figure).
     #[arg(long)]
     in_process: bool,
@@ -287,7 +293,9 @@ impl Run {
 }
 
 /// Phases the tool knows.
-const PHASES: [&str; 7] = ["put", "get", "e2e", "limit", "h2d", "cluster", "filter"];
+const PHASES: [&str; 8] = [
+    "put", "get", "e2e", "limit", "h2d", "cluster", "filter", "gather",
+];
 
 async fn run(args: Args) -> Result<(), BoxError> {
     if let Some(p) = args.phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
@@ -356,7 +364,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
             let limit = (payload * 3).max(1 << 30);
             let mut cmd = Command::new(&bin);
             cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-                .arg(limit.to_string());
+                .arg(limit.to_string())
+                .args(&args.server_args);
             if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
                 if std::env::var_os("FLIGHTDECK_TLS_ROOT_CERTS").is_none() {
                     return Err(
@@ -421,6 +430,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let (do_limit, do_e2e, do_put, do_get) = (has("limit"), has("e2e"), has("put"), has("get"));
     let do_cluster = has("cluster");
     let do_filter = has("filter");
+    let do_gather = has("gather");
     let mut peak_rss_e2e = None;
 
     if has("h2d") {
@@ -543,6 +553,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     }
     if do_filter {
         filter_phase(&mut run, &fd_uri, reps).await?;
+    }
+    if do_gather {
+        gather_phase(&mut run, reps)?;
     }
     if std::io::stderr().is_terminal() {
         eprintln!();
@@ -688,6 +701,63 @@ async fn run(args: Args) -> Result<(), BoxError> {
 /// rows from its second epoch on, and the copy is built during that epoch.
 const WARM_UP: usize = 2;
 
+/// The `gather` phase: one epoch of every rank's shard of a global
+/// shuffle (`--ranks`, `--batch-rows`) gathered from packed rows in this
+/// process — no server, no socket — each batch split among 1, 2, 4, …
+/// threads up to the machine's cores (`gather/global/threads-N`): how far
+/// the scattered gather, the part a shuffled read adds to an unshuffled
+/// one, scales with the threads a stream is given.
+fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
+    use flightdeck_server::catalog::SealedData;
+    use flightdeck_server::memory::Budget;
+    use flightdeck_server::memory::arena::{Arena, HostMemory};
+    use flightdeck_server::order::{ReadPlan, Shuffle as Order};
+    use flightdeck_server::read::Shard;
+    let batches: Vec<_> = run.parts.iter().flatten().cloned().collect();
+    let schema = batches.first().ok_or("no rows to gather")?.schema();
+    let data = Arc::new(SealedData::from_batches(schema, vec![], batches));
+    // Room for the packed copy beside the rows.
+    let budget = Budget::new(run.shape.payload_bytes() * 2 + (256 << 20));
+    let arena = Arc::new(Arena::new(budget, 64 << 20, HostMemory::Heap));
+    let (ranks, batch_rows) = (run.args.ranks.max(1), run.args.batch_rows.max(1));
+    let plan = ReadPlan {
+        epoch: 1,
+        seed: 7,
+        ..ReadPlan::new("gather", ranks, Order::Global, batch_rows)
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads: Vec<usize> = std::iter::successors(Some(1), |&t| Some(t * 2))
+        .take_while(|&t| t <= cores.clamp(1, 8))
+        .collect();
+    let row_bytes = run.shape.row_bytes();
+    progress(&format!(
+        "gather: {} ranks, {threads:?} threads a batch",
+        plan.world_size
+    ));
+    for rep in 0..WARM_UP + reps {
+        let first = if rep < WARM_UP { "/first" } else { "" };
+        for &t in &threads {
+            let start = std::time::Instant::now();
+            let mut rows = 0u64;
+            for rank in 0..plan.world_size {
+                let shard = Shard::new(data.clone(), &plan, rank)?
+                    .packing(arena.clone(), Arc::default())
+                    .split(t);
+                for batch in shard.batches() {
+                    rows += batch?.num_rows() as u64;
+                }
+            }
+            let sample = Sample {
+                elapsed: start.elapsed(),
+                latencies: vec![],
+            };
+            let phase = format!("gather/global/threads-{t}{first}");
+            run.record(&phase, "flightdeck", rows, rows * row_bytes, sample);
+        }
+    }
+    Ok(())
+}
+
 /// The `cluster` phase: `--members` member processes hold the partitions
 /// (p on member p mod N) and the single server `single` holds them all.
 /// Figures are GB/s of the rows the ranks received:
@@ -721,7 +791,8 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     for _ in 0..n {
         let mut cmd = Command::new(&bin);
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-            .arg(limit.to_string());
+            .arg(limit.to_string())
+            .args(&run.args.server_args);
         members.push(ChildServer::start(cmd, "a cluster member")?);
     }
     let uris: Vec<String> = members.iter().map(|m| m.uri.clone()).collect();
@@ -737,7 +808,8 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     // read by as many ranks, with the fixed costs of a read of that size.
     let mut cmd = Command::new(&bin);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-        .arg(limit.to_string());
+        .arg(limit.to_string())
+        .args(&run.args.server_args);
     let rows_server = ChildServer::start(cmd, "a server of each member's rows")?;
     let single_rows = rows_server.uri.clone();
     let node_rows = |g: usize| format!("cluster-node-{g}");

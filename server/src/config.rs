@@ -15,6 +15,8 @@ pub const DEFAULT_BLOCK_ROWS: u32 = 1_024;
 pub const MAX_BATCH_ROWS: u32 = 1 << 24;
 /// Largest accepted world size.
 pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+/// Most threads `--gather-threads` may give a read stream.
+pub const MAX_GATHER_THREADS: usize = 64;
 /// Default largest gRPC message the server accepts (pyarrow sends a whole
 /// record batch as one message).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1 << 30;
@@ -68,6 +70,10 @@ pub struct ServerConfig {
     /// in bytes, beside `memory_limit`; `None` = an eighth of it, between
     /// 64 MiB and 4 GiB.
     pub read_ahead_bytes: Option<u64>,
+    /// Threads one read stream's batch of scattered rows is gathered on;
+    /// `None` = half the machine's cores shared among the open streams, at
+    /// most four (one a stream on a machine with few cores).
+    pub gather_threads: Option<usize>,
     /// The folder training jobs may write checkpoints to and resume from;
     /// `None` = `<data_dir>/checkpoints`.
     pub checkpoint_root: Option<std::path::PathBuf>,
@@ -111,6 +117,7 @@ impl Default for ServerConfig {
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             unsealed_timeout: Some(DEFAULT_UNSEALED_TIMEOUT),
             read_ahead_bytes: None,
+            gather_threads: None,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),
             auth_token_file: None,
@@ -252,6 +259,14 @@ impl ServerConfig {
                  out for half the memory, or give less",
                 show_size(self.memory_limit),
                 show_size(machine)
+            )));
+        }
+        if let Some(threads) = self.gather_threads
+            && !(1..=MAX_GATHER_THREADS).contains(&threads)
+        {
+            return Err(Error::invalid(format!(
+                "--gather-threads {threads} is out of range: give 1 to {MAX_GATHER_THREADS}, or \
+                 leave it out to share half the cores among the streams"
             )));
         }
         if self.max_message_bytes < 1 << 20 {
@@ -615,5 +630,18 @@ mod tests {
             err.contains("--stream-idle-timeout must be more than 0"),
             "{err}"
         );
+        for (threads, valid) in [(0, false), (1, true), (64, true), (65, false)] {
+            let config = ServerConfig {
+                gather_threads: Some(threads),
+                ..Default::default()
+            };
+            match config.validate() {
+                Ok(()) => assert!(valid, "{threads}"),
+                Err(e) => {
+                    assert!(!valid, "{threads}: {e}");
+                    assert!(e.to_string().contains("give 1 to 64"), "{e}");
+                }
+            }
+        }
     }
 }

@@ -120,6 +120,11 @@ struct ServeArgs {
     /// 64 MiB and 4 GiB.
     #[arg(long, value_parser = parse_size)]
     read_ahead_memory: Option<u64>,
+    /// Threads each read stream gathers a batch of shuffled rows on (1 to
+    /// 64). Default: half the machine's cores shared among the open
+    /// streams, at most 4 — one a stream on a machine with few cores.
+    #[arg(long)]
+    gather_threads: Option<usize>,
     /// The folder training jobs write checkpoints to and resume from
     /// (default DATA_DIR/checkpoints); a job's relative checkpoint path is
     /// taken under it, and paths outside it are refused.
@@ -191,6 +196,7 @@ impl ServeArgs {
             stream_idle_timeout: self.stream_idle_timeout,
             unsealed_timeout: (!self.unsealed_timeout.is_zero()).then_some(self.unsealed_timeout),
             read_ahead_bytes: self.read_ahead_memory,
+            gather_threads: self.gather_threads,
             checkpoint_root: self.checkpoint_root,
             checkpoint_prefixes: self.checkpoint_prefixes,
             auth_token_file: self.auth_token_file,

@@ -344,6 +344,31 @@ impl Split {
 }
 
 impl ReadPlan {
+    /// `world_size` ranks reading every column of `dataset` in `shuffle`
+    /// order, `batch_rows` a batch: epoch 0, seed 0, from the start, each
+    /// rank's whole share, nothing filtered or derived.
+    pub fn new(dataset: &str, world_size: u32, shuffle: Shuffle, batch_rows: u32) -> Self {
+        Self {
+            dataset: dataset.to_string(),
+            world_size,
+            epoch: 0,
+            seed: 0,
+            shuffle,
+            batch_rows,
+            drop_last: false,
+            columns: Vec::new(),
+            start_sample: 0,
+            split: Split::WHOLE,
+            locality: Locality::Global,
+            ranks_per_node: 0,
+            nodes: Vec::new(),
+            resume_world_size: 0,
+            filter: String::new(),
+            select: Vec::new(),
+            max_rows: 0,
+        }
+    }
+
     /// The order of this plan's epoch over `n` rows.
     pub fn epoch_order(&self, n: u64) -> EpochOrder {
         EpochOrder::new(n, self.shuffle, self.seed, self.epoch)

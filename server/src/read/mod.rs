@@ -24,6 +24,7 @@ pub mod packed;
 pub mod records;
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
@@ -48,6 +49,60 @@ const TILE_BYTES: usize = 32 << 10;
 const DIRECT_COLUMNS: usize = 4;
 /// How many rows ahead a packed gather asks for a record to be loaded.
 const PREFETCH_ROWS: usize = 8;
+/// Most parts one batch's packed gather is split into ([`gather_ways`]).
+const MAX_WAYS: usize = 4;
+/// Fewest rows a part of a split gather takes: a thread's start costs
+/// about what gathering a few hundred scattered rows does.
+const WAY_ROWS: usize = 2048;
+
+/// Read streams open in this process ([`Streaming`]): what shares its cores.
+static STREAMS: AtomicUsize = AtomicUsize::new(0);
+
+/// One open read stream, counted while it lives: the split of a batch's
+/// gather ([`gather_ways`]) leaves the cores to the streams there are.
+#[derive(Debug)]
+pub struct Streaming(());
+
+impl Streaming {
+    /// Counts a stream until the value is dropped.
+    pub fn begin() -> Self {
+        STREAMS.fetch_add(1, Ordering::Relaxed);
+        Self(())
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        STREAMS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How many threads gather one batch of `rows` scattered rows from packed
+/// records when the server was not told (`--gather-threads`): half the
+/// machine's cores (the other half sends the messages and, on a training
+/// node, reads them) shared among the open streams, at most [`MAX_WAYS`],
+/// and no part under [`WAY_ROWS`] rows. One thread alone waits on memory a
+/// record at a time (a scattered record is a cache miss): with cores to
+/// spare, a stream of few ranks is bound by it; on a machine with few
+/// cores the gather keeps one thread a stream.
+fn gather_ways(rows: usize) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let streams = STREAMS.load(Ordering::Relaxed).max(1);
+    (cores / (2 * streams))
+        .min(MAX_WAYS)
+        .min(rows / WAY_ROWS)
+        .max(1)
+}
+
+/// What other members sent of a batch's rows, for [`Gather::gather_rows`]:
+/// per fetched batch its records when laid out as the packed copy's, and
+/// per packed output its values by fetched batch.
+#[derive(Clone, Copy)]
+struct Fetched<'a> {
+    records: &'a [Option<Buffer>],
+    values: &'a [Vec<Buffer>],
+}
 
 /// Indices of `columns` in `schema` and the projected schema; empty = all.
 pub fn project(
@@ -102,6 +157,9 @@ pub struct Gather {
     selection: Option<Arc<Selection>>,
     /// Columns derived from the gathered ones, the plan's `select`.
     derive: Option<Derive>,
+    /// Parts a packed gather of a batch is split into; `None`: as many as
+    /// [`gather_ways`] gives.
+    split: Option<usize>,
 }
 
 /// The columns a plan gathers and the derivation applied to them: its
@@ -238,6 +296,7 @@ impl Gather {
             stride: 1,
             selection: None,
             derive: None,
+            split: None,
         })
     }
 
@@ -290,6 +349,14 @@ impl Gather {
     /// time observed in `metrics`).
     pub fn packing(mut self, arena: Arc<Arena>, metrics: Arc<Metrics>) -> Self {
         self.packing = Some((arena, metrics));
+        self
+    }
+
+    /// Splits each batch's packed gather into `ways` parts (at most: each a
+    /// whole number of groups of 16 rows) whatever the machine and the
+    /// streams open (`--gather-threads`); 1: one thread, the caller's.
+    pub fn split(mut self, ways: usize) -> Self {
+        self.split = Some(ways);
         self
     }
 
@@ -405,17 +472,16 @@ impl Gather {
     }
 
     /// The packed columns of one batch, by projected column (`None` for the
-    /// others): records copied into a tile, the tile transposed into
-    /// columns; for a few (wide) columns, each value copied straight from
-    /// its record. Rows from `extra` are written column by column.
+    /// others), gathered by [`Gather::gather_rows`] — in [`gather_ways`]
+    /// parts at once, each on a thread of its own, when the server has
+    /// cores to spare: a scattered gather waits on memory a record at a
+    /// time, so one thread alone cannot keep a fast socket full.
     fn gather_packed(
         &self,
         p: &PackedGather,
         picks: &Picks,
         extra: &[RecordBatch],
     ) -> Result<Vec<Option<ArrayRef>>> {
-        let local = self.data.batches().len();
-        let record = p.packed.record();
         let n = picks.len();
         // Per fetched batch: its records, when it holds records laid out as
         // this copy's (copied whole); else its values, column by column.
@@ -435,21 +501,76 @@ impl Gather {
                     .collect::<Result<Vec<Buffer>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        let fetched = Fetched {
+            records: &extra_records,
+            values: &extra_values,
+        };
+        let outputs = |rows: usize| -> Vec<MutableBuffer> {
+            p.outputs
+                .iter()
+                .map(|(_, s)| MutableBuffer::with_capacity(rows * s.width))
+                .collect()
+        };
+        let mut outs = outputs(n);
+        let ways = self.split.unwrap_or_else(|| gather_ways(n));
+        // Parts of whole groups of 16 rows (the transposes' step).
+        let part = n.div_ceil(ways.max(1)).next_multiple_of(16).max(1);
+        if ways <= 1 || part >= n {
+            self.gather_rows(p, &picks.rows, fetched, &mut outs);
+            return self.packed_arrays(p, outs, n);
+        }
+        let (first, rest) = picks.rows.split_at(part);
+        std::thread::scope(|scope| {
+            let others: Vec<_> = rest
+                .chunks(part)
+                .map(|rows| {
+                    scope.spawn(move || {
+                        let mut outs = outputs(rows.len());
+                        self.gather_rows(p, rows, fetched, &mut outs);
+                        outs
+                    })
+                })
+                .collect();
+            self.gather_rows(p, first, fetched, &mut outs);
+            for other in others {
+                // A part that panicked fails the stream as one gather would.
+                let parts = other
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                for (out, part) in outs.iter_mut().zip(parts) {
+                    out.extend_from_slice(part.as_slice());
+                }
+            }
+        });
+        self.packed_arrays(p, outs, n)
+    }
+
+    /// Appends the packed columns of `rows` (`(batch, row)`; a batch index
+    /// past the local batches names a fetched one) to `outs`, one buffer per
+    /// packed output: records copied into a tile, the tile transposed into
+    /// columns; for a few (wide) columns, each value copied straight from
+    /// its record. Rows fetched from other members as columns are written
+    /// column by column.
+    fn gather_rows(
+        &self,
+        p: &PackedGather,
+        rows: &[(usize, usize)],
+        fetched: Fetched<'_>,
+        outs: &mut [MutableBuffer],
+    ) {
+        let local = self.data.batches().len();
+        let record = p.packed.record();
+        let n = rows.len();
         // The record of a pick at its place: a local one, or a fetched one
         // sent as a record.
         let record_at = |b: usize, at: usize| -> Option<&[u8]> {
             if b < local {
                 Some(p.packed.at(b, at))
             } else {
-                let records = extra_records[b - local].as_ref()?;
+                let records = fetched.records[b - local].as_ref()?;
                 Some(&records.as_slice()[at * record..][..record])
             }
         };
-        let mut outs: Vec<MutableBuffer> = p
-            .outputs
-            .iter()
-            .map(|(_, s)| MutableBuffer::with_capacity(n * s.width))
-            .collect();
         // Where each pick's record is: `(batch, record)` of a local pick
         // (its place in the copy's residue groups, found once per pick),
         // `(batch, row)` of one fetched from a member.
@@ -464,9 +585,9 @@ impl Gather {
             // Few (wide) columns: each value straight from its record.
             // (Storage order needs no mapping: the picks are the places.)
             let places: Cow<'_, [(usize, usize)]> = if p.packed.stride() == 1 {
-                Cow::Borrowed(&picks.rows)
+                Cow::Borrowed(rows)
             } else {
-                Cow::Owned(picks.rows.iter().map(place).collect())
+                Cow::Owned(rows.iter().map(place).collect())
             };
             for (i, &(b, at)) in places.iter().enumerate() {
                 if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
@@ -476,7 +597,7 @@ impl Gather {
                 }
                 let whole = record_at(b, at);
                 for ((out, &(_, slot)), values) in
-                    outs.iter_mut().zip(&p.outputs).zip(&extra_values)
+                    outs.iter_mut().zip(&p.outputs).zip(fetched.values)
                 {
                     let from = if let Some(record) = whole {
                         &record[slot.offset..][..slot.width]
@@ -486,7 +607,7 @@ impl Gather {
                     out.extend_from_slice(from);
                 }
             }
-            return self.packed_arrays(p, outs, n);
+            return;
         }
         // A whole number of 16-record gathers where the tile holds that
         // many (no rows left over to take out one by one).
@@ -497,22 +618,22 @@ impl Gather {
         let mut tile = vec![0u8; tile_rows * record];
         // The tile's rows fetched from other members: (tile row, extra
         // batch, row in it).
-        let mut fetched: Vec<(usize, usize, usize)> = Vec::new();
+        let mut from_members: Vec<(usize, usize, usize)> = Vec::new();
         let mut places: Vec<(usize, usize)> = Vec::with_capacity(tile_rows + PREFETCH_ROWS);
         for start in (0..n).step_by(tile_rows) {
-            let rows = &picks.rows[start..n.min(start + tile_rows)];
-            if let Some(run) = packed_run(&p.packed, rows, local) {
+            let tile_picks = &rows[start..n.min(start + tile_rows)];
+            if let Some(run) = packed_run(&p.packed, tile_picks, local) {
                 // Records back to back (an unshuffled read by as many
                 // ranks as the copy's stride): one forward copy.
                 tile[..run.len()].copy_from_slice(run);
-                p.untile(&tile, rows.len(), &mut outs);
+                p.untile(&tile, tile_picks.len(), outs);
                 continue;
             }
             // The tile's picks and those a prefetch ahead of its last.
             places.clear();
-            let ahead = &picks.rows[start..n.min(start + rows.len() + PREFETCH_ROWS)];
+            let ahead = &rows[start..n.min(start + tile_picks.len() + PREFETCH_ROWS)];
             places.extend(ahead.iter().map(place));
-            for (i, &(b, at)) in places[..rows.len()].iter().enumerate() {
+            for (i, &(b, at)) in places[..tile_picks.len()].iter().enumerate() {
                 if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
                     && b < local
                 {
@@ -520,18 +641,17 @@ impl Gather {
                 }
                 match record_at(b, at) {
                     Some(from) => tile[i * record..(i + 1) * record].copy_from_slice(from),
-                    None => fetched.push((i, b - local, at)),
+                    None => from_members.push((i, b - local, at)),
                 }
             }
             // Rows other members sent as columns, column by column into
             // the tile.
-            for (values, &(_, slot)) in extra_values.iter().zip(&p.outputs) {
-                fetched_into_tile(&mut tile, record, slot, values, &fetched);
+            for (values, &(_, slot)) in fetched.values.iter().zip(&p.outputs) {
+                fetched_into_tile(&mut tile, record, slot, values, &from_members);
             }
-            fetched.clear();
-            p.untile(&tile, rows.len(), &mut outs);
+            from_members.clear();
+            p.untile(&tile, tile_picks.len(), outs);
         }
-        self.packed_arrays(p, outs, n)
     }
 
     /// The arrays of a packed gather's columns, by projected column.
@@ -587,6 +707,12 @@ impl Shard {
     /// Lets shuffled batches gather from packed rows ([`Gather::packing`]).
     pub fn packing(mut self, arena: Arc<Arena>, metrics: Arc<Metrics>) -> Self {
         self.gather = self.gather.packing(arena, metrics);
+        self
+    }
+
+    /// Splits each batch's packed gather into `ways` parts ([`Gather::split`]).
+    pub fn split(mut self, ways: usize) -> Self {
+        self.gather = self.gather.split(ways);
         self
     }
 
@@ -1176,7 +1302,7 @@ mod tests {
     use crate::catalog::AttemptKey;
     use crate::memory::Budget;
     use crate::memory::arena::HostMemory;
-    use crate::order::{Shuffle, Split};
+    use crate::order::Shuffle;
     use arrow::array::{
         AsArray, FixedSizeBinaryArray, FixedSizeListArray, Float32Array, Float64Array, Int16Array,
         Int64Array, StringArray,
@@ -1346,6 +1472,59 @@ mod tests {
         assert!(arena.stats().live_bytes >= packed);
         assert_eq!(data.packed().give_up(), packed);
         assert_eq!(data.packed().bytes(), 0);
+    }
+
+    #[test]
+    fn a_batch_gathered_in_parts_on_threads_is_the_batch_gathered_whole() {
+        let batches = vec![
+            batch(0, 700),
+            batch(700, 1300).slice(100, 1000),
+            batch(1700, 2299),
+        ];
+        let data = Arc::new(SealedData::from_batches(
+            batches[0].schema(),
+            vec![],
+            batches,
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let wide = ["c0", "c5", "c4", "c3"].map(String::from).to_vec();
+        for shuffle in [
+            Shuffle::None,
+            Shuffle::Global,
+            Shuffle::Block { block_rows: 64 },
+        ] {
+            // Through a tile (every column) and straight from each record
+            // (four wide ones); strided and scattered rows.
+            for (world, columns) in [(3, vec![]), (1, wide.clone()), (8, wide.clone())] {
+                let plan = plan(shuffle, world, columns);
+                for rank in 0..world {
+                    let shard = |split: Option<usize>| {
+                        let shard = Shard::new(data.clone(), &plan, rank)
+                            .expect("shard")
+                            .packing(arena.clone(), Arc::default());
+                        match split {
+                            Some(ways) => shard.split(ways),
+                            None => shard,
+                        }
+                    };
+                    let whole: Vec<RecordBatch> = shard(Some(1))
+                        .batches()
+                        .collect::<Result<_>>()
+                        .expect("whole");
+                    // Parts of 16 rows and more: 333 rows a batch in two,
+                    // three and five parts, and in as many as it has rows.
+                    for ways in [2, 3, 5, 333] {
+                        let split = shard(Some(ways));
+                        let parts: Vec<RecordBatch> =
+                            split.batches().collect::<Result<_>>().expect("parts");
+                        assert_eq!(parts, whole, "{shuffle:?} world {world} rank {rank} {ways}");
+                        if shuffle != Shuffle::None {
+                            assert!(split.gather.packed.get().is_some_and(Option::is_some));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -1571,13 +1750,17 @@ mod tests {
                 .iter()
                 .map(|b| b.project(&indices).expect("projection"))
                 .collect();
-            for packing in [false, true] {
+            // Packed, the batch also split among three threads.
+            for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
                 let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
                 if packing {
                     gather = gather.packing(arena.clone(), Arc::default());
                 }
+                if let Some(ways) = split {
+                    gather = gather.split(ways);
+                }
                 let got = gather.batch(&picks, &extra).expect("gathered");
-                assert_eq!(got, want, "{columns:?} packing {packing}");
+                assert_eq!(got, want, "{columns:?} packing {packing} split {split:?}");
                 let packed = gather.packed.get().is_some_and(Option::is_some);
                 assert_eq!(packed, packing);
             }
@@ -1652,6 +1835,15 @@ mod tests {
             .map(|rows| peer.gathered_records(&Picks::new(rows.clone())))
             .collect::<Result<_>>()
             .expect("records");
+        // The same records gathered in parts on three threads.
+        let parts = Gather::new(member.clone(), &columns, "d", None)
+            .expect("gather")
+            .packing(arena.clone(), Arc::default())
+            .split(3);
+        for (rows, whole) in sent.iter().zip(&records) {
+            let got = parts.gathered_records(&Picks::new(rows.clone()));
+            assert_eq!(&got.expect("records in parts"), whole);
+        }
         // The same rows as the member's columns.
         let held_columns: Vec<RecordBatch> = held
             .iter()
@@ -1716,13 +1908,16 @@ mod tests {
             (&elsewhere, "other records"),
             (&columns_sent, "columns"),
         ] {
-            for packing in [false, true] {
+            for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
                 let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
                 if packing {
                     gather = gather.packing(arena.clone(), Arc::default());
                 }
+                if let Some(ways) = split {
+                    gather = gather.split(ways);
+                }
                 let got = gather.batch(&picks, extra).expect("gathered");
-                assert_eq!(got, want, "{what}, packing {packing}");
+                assert_eq!(got, want, "{what}, packing {packing} split {split:?}");
                 // Records laid out as the rank's copy are copied whole.
                 let whole = gather.packed_copy().and_then(|p| p.own_records(&extra[0]));
                 assert_eq!(whole.is_some(), packing && what == "records", "{what}");
@@ -1825,23 +2020,10 @@ mod tests {
 
     fn plan(shuffle: Shuffle, world_size: u32, columns: Vec<String>) -> ReadPlan {
         ReadPlan {
-            dataset: "d".into(),
-            world_size,
             epoch: 1,
             seed: 7,
-            shuffle,
-            batch_rows: 333,
-            drop_last: false,
             columns,
-            start_sample: 0,
-            split: Split { count: 1, index: 0 },
-            locality: Default::default(),
-            ranks_per_node: 0,
-            nodes: vec![],
-            resume_world_size: 0,
-            filter: String::new(),
-            select: Vec::new(),
-            max_rows: 0,
+            ..ReadPlan::new("d", world_size, shuffle, 333)
         }
     }
 }

@@ -27,10 +27,10 @@ use arrow::array::{Array, AsArray, FixedSizeBinaryArray, RecordBatch, RecordBatc
 use arrow::buffer::{Buffer, MutableBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
-use super::packed::Slot;
+use super::packed::{Packed, Slot};
 use super::{
-    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, prefetch, untile_records,
-    untile_steps,
+    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, gather_ways, prefetch,
+    untile_records, untile_steps,
 };
 use crate::error::{Error, Result};
 
@@ -172,11 +172,33 @@ impl Gather {
             .map(|&(b, r)| (b, p.packed.position(b, r)))
             .collect();
         let mut out = MutableBuffer::with_capacity(places.len() * record);
-        for (i, &(b, at)) in places.iter().enumerate() {
-            if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS) {
-                prefetch(p.packed.at(b, at));
-            }
-            out.extend_from_slice(p.packed.at(b, at));
+        // In parts on threads of their own, as a batch of columns is
+        // (`Gather::gather_packed`).
+        let ways = self.split.unwrap_or_else(|| gather_ways(places.len()));
+        let part = places.len().div_ceil(ways.max(1)).max(1);
+        if ways <= 1 || part >= places.len() {
+            copy_records(&p.packed, &places, &mut out);
+        } else {
+            let (first, rest) = places.split_at(part);
+            std::thread::scope(|scope| {
+                let others: Vec<_> = rest
+                    .chunks(part)
+                    .map(|places| {
+                        scope.spawn(move || {
+                            let mut out = MutableBuffer::with_capacity(places.len() * record);
+                            copy_records(&p.packed, places, &mut out);
+                            out
+                        })
+                    })
+                    .collect();
+                copy_records(&p.packed, first, &mut out);
+                for other in others {
+                    let part = other
+                        .join()
+                        .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                    out.extend_from_slice(part.as_slice());
+                }
+            });
         }
         let internal = |e: arrow::error::ArrowError| Error::Internal(format!("records: {e}"));
         let array =
@@ -261,5 +283,16 @@ impl Gather {
         let options = RecordBatchOptions::new().with_row_count(Some(n));
         RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
             .map_err(|e| Error::Internal(format!("records into columns: {e}")))
+    }
+}
+
+/// Appends the records at `places` (`(batch, record)` in `packed`) to
+/// `out`, each asked for a few records ahead.
+fn copy_records(packed: &Packed, places: &[(usize, usize)], out: &mut MutableBuffer) {
+    for (i, &(b, at)) in places.iter().enumerate() {
+        if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS) {
+            prefetch(packed.at(b, at));
+        }
+        out.extend_from_slice(packed.at(b, at));
     }
 }

@@ -549,6 +549,9 @@ pub(super) async fn shard_messages(
         if packing(&t.plan, shard.data(), u64::from(t.plan.world_size)) {
             shard = shard.packing(state.arena().clone(), state.metrics.clone());
         }
+        if let Some(threads) = state.config.gather_threads {
+            shard = shard.split(threads);
+        }
         let messages = Messages::new(&shard.schema())?;
         start(&tx, &messages)?;
         let stream = ShardStream {
@@ -574,6 +577,9 @@ pub(super) async fn shard_messages(
     };
     if packing(&t.plan, gather.data(), ranks) {
         gather = gather.packing(state.arena().clone(), state.metrics.clone());
+    }
+    if let Some(threads) = state.config.gather_threads {
+        gather = gather.split(threads);
     }
     // Members send each other the gathered columns (or their packed
     // records, decided at a member's first message: see `PeerStream`); the
@@ -706,6 +712,7 @@ struct Run {
 fn spawn_stream(tx: Sender, mut work: impl Batches, mut run: Run) {
     let tx = Arc::new(tx);
     tokio::spawn(async move {
+        let _counted = crate::read::Streaming::begin();
         let dataset = run.dataset.clone();
         let idle = run.idle;
         let stalled = || {
