@@ -1,8 +1,9 @@
 //! Training through the Flight API: datasets ingested over `DoPut` and
 //! sealed, jobs submitted with action `train` on CPU ranks (classification
 //! with AdamW, regression with SGD), progress streamed back, checkpoints
-//! written and resumed, bad jobs refused, a job that fails shown `failed`,
-//! and a job cancelled when its caller hangs up.
+//! written and resumed, bad jobs refused, a job that fails shown `failed`
+//! (one whose loss diverges among them), and a job cancelled when its
+//! caller hangs up.
 
 use std::sync::Arc;
 
@@ -137,6 +138,38 @@ async fn softmax_regression_separates_three_classes() {
     let jobs = c.jobs(last.job).await.expect("job status");
     assert_eq!(jobs.jobs[0].state, "finished");
     assert_eq!(jobs.jobs[0].step, last.total_steps);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_loss_is_no_longer_a_number_fails_at_that_step() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    write_points(&mut c, "wild", 1000, three_classes).await;
+    let diverging = TrainJob {
+        hidden: vec![8],
+        learning_rate: 1e30,
+        ..job("wild")
+    };
+    let stream = timed("train", c.train(diverging))
+        .await
+        .expect("train starts");
+    let err = timed("training", stream.try_collect::<Vec<_>>())
+        .await
+        .expect_err("the loss diverges");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(
+        err.to_string().contains("training stopped at step"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("start again with a lower lr"),
+        "{err}"
+    );
+    let jobs = c.jobs(0).await.expect("jobs").jobs;
+    let failed = jobs.iter().max_by_key(|j| j.job).expect("the job");
+    assert_eq!(failed.state, "failed", "{failed:?}");
+    assert!(failed.step < failed.total_steps, "{failed:?}");
     server.stop().await;
 }
 

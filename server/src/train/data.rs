@@ -168,6 +168,7 @@ impl TrainData {
             ));
         }
         out.check_nulls(&nulls)?;
+        out.check_finite(features, label, kind)?;
         if let LabelKind::Classes(classes) = kind
             && let Some((row, v)) = out.label_outside(classes)
         {
@@ -235,6 +236,69 @@ impl TrainData {
                     "{} is null at row {row}, a row the job's filter selects; add \
                      `AND \"{}\" IS NOT NULL` to the filter, or fill the column",
                     n.column, n.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a NaN or an infinite value in a feature (or regression
+    /// label) of a row the job trains on, naming the column and the row:
+    /// one such value makes every weight it reaches NaN, and the ReLU of a
+    /// NaN is 0, so the loss could stay a number while the model is lost.
+    fn check_finite(&self, features: &[String], label: &str, kind: LabelKind) -> Result<()> {
+        /// Per stored batch, a column's values and width.
+        type PerBatch<'a> = Vec<&'a (Float32Array, usize)>;
+        // (feature or label, name, values)
+        let mut columns: Vec<(&str, &str, PerBatch<'_>)> = features
+            .iter()
+            .enumerate()
+            .map(|(c, name)| {
+                let per_batch = self.features.iter().map(|cols| &cols[c]).collect();
+                ("feature", name.as_str(), per_batch)
+            })
+            .collect();
+        if kind == LabelKind::Values {
+            columns.push(("label", label, self.labels.iter().collect()));
+        }
+        for (what, column, per_batch) in &columns {
+            // The first stored row (of those trained on) holding a value
+            // that is not finite, and the value.
+            let bad = |b: usize, r: usize| {
+                let (values, width) = per_batch[b];
+                values.values()[r * width..(r + 1) * width]
+                    .iter()
+                    .copied()
+                    .find(|v| !v.is_finite())
+            };
+            let found = match &self.selection {
+                Some(s) => (0..s.len()).map(|i| s.row(i)).find_map(|row| {
+                    let (b, r) = self.locate(row);
+                    bad(b, r).map(|v| (row, v))
+                }),
+                None => per_batch
+                    .iter()
+                    .zip(&self.starts)
+                    .find_map(|(&(values, width), start)| {
+                        let i = values.values().iter().position(|v| !v.is_finite())?;
+                        Some((start + (i / width) as u64, values.values()[i]))
+                    }),
+            };
+            if let Some((row, v)) = found {
+                let leave_out = if v.is_nan() {
+                    format!("`isnan(\"{column}\") = false`")
+                } else {
+                    format!("`abs(\"{column}\") < 'Infinity'`")
+                };
+                return Err(Error::invalid(format!(
+                    "{what} column '{column}' holds {v} at row {row}{}; a value that is not a number makes every \
+                     weight it reaches NaN: fix or drop those rows, or leave them out with a \
+                     filter such as {leave_out} (for a scalar column)",
+                    if self.selection.is_some() {
+                        ", a row the job's filter selects"
+                    } else {
+                        ""
+                    }
                 )));
             }
         }

@@ -613,6 +613,17 @@ impl Job {
                     Error::Aborted(format!("training job cancelled at step {step} of {total}"))
                 }));
             }
+            // The global batch's loss, the same sum on every rank: all stop
+            // together rather than train on NaN to the end.
+            if !agree[0].is_finite() {
+                return Err(Error::FailedPrecondition(format!(
+                    "training stopped at step {step} of {total} (epoch {epoch}): the loss of the \
+                     global batch is {} — the model diverged, or the batch holds NaN or infinite \
+                     features or labels; start again with a lower lr (this job's: {}) or with \
+                     those rows left out (a filter such as \"isnan(col) = false\")",
+                    agree[0], self.spec.lr
+                )));
+            }
             b.all_reduce_mean(&mut grads);
             opt.update(
                 &mut b,

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use arrow::array::{
     ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int32Array, RecordBatch, StringArray,
 };
-use arrow::datatypes::{DataType, Field, Schema};
+use arrow::datatypes::{DataType, Field, Float32Type, Schema};
 
 use super::*;
 use crate::catalog::{AttemptKey, SealedData};
@@ -805,4 +805,112 @@ fn a_filter_can_leave_out_the_rows_with_nulls() {
             "{filter}: {err}"
         );
     }
+}
+
+/// A loss that is no longer a number stops every rank at that step with
+/// the advice to lower the learning rate, instead of training on NaN to
+/// the end.
+#[test]
+fn a_loss_that_is_not_finite_stops_the_job_at_its_step() {
+    let cancel = AtomicBool::new(false);
+    let hooks = quiet_hooks(&cancel);
+    let mut s = spec(2);
+    s.lr = 1e30;
+    s.epochs = 3;
+    let job = prepare(s, &dataset(600)).expect("valid job");
+    let err = job.run(None, &hooks).expect_err("diverges");
+    let Error::FailedPrecondition(m) = &err else {
+        panic!("{err:?}");
+    };
+    assert!(m.contains("the loss of the global batch is"), "{m}");
+    assert!(
+        m.contains("lower lr (this job's: 1000000000000000000000000000000)"),
+        "{m}"
+    );
+    let step: u64 = m["training stopped at step ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("a step");
+    assert!(step > 0 && step < job.total_steps(), "{m}");
+}
+
+/// A NaN or infinite feature value in a row a job trains on is refused
+/// before it starts, naming the column and the row (trained on, it would
+/// turn the weights it reaches to NaN while the ReLU kept the loss a
+/// number); a filter that leaves the row out trains.
+#[test]
+fn features_that_are_not_numbers_are_refused_naming_the_row() {
+    let data = dataset(600);
+    let with = |column: &str, row: usize, value: f32| {
+        let mut batches = data.batches().to_vec();
+        let i = batches[0].schema().index_of(column).expect("column");
+        let (b, r) = (row / 97, row % 97);
+        let array = batches[b].column(i);
+        let mut columns = batches[b].columns().to_vec();
+        columns[i] = match array.data_type() {
+            DataType::FixedSizeList(field, width) => {
+                let list = array.as_fixed_size_list();
+                let mut values = list
+                    .values()
+                    .as_primitive::<Float32Type>()
+                    .values()
+                    .to_vec();
+                values[r * *width as usize + 1] = value;
+                Arc::new(FixedSizeListArray::new(
+                    field.clone(),
+                    *width,
+                    Arc::new(Float32Array::from(values)),
+                    None,
+                )) as ArrayRef
+            }
+            _ => {
+                let mut values = array.as_primitive::<Float32Type>().values().to_vec();
+                values[r] = value;
+                Arc::new(Float32Array::from(values))
+            }
+        };
+        batches[b] = RecordBatch::try_new(batches[b].schema(), columns).expect("batch");
+        SealedData::from_batches(batches[0].schema(), vec![], batches)
+    };
+    for (column, row, value, shown) in [
+        ("s", 102, f32::NAN, "NaN"),
+        ("vec", 300, f32::INFINITY, "inf"),
+        ("vec", 5, f32::NEG_INFINITY, "-inf"),
+    ] {
+        let data = with(column, row, value);
+        let err = prepare(spec(2), &data).expect_err("not a number");
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        let want = format!("feature column '{column}' holds {shown} at row {row};");
+        assert!(err.to_string().contains(&want), "{err}");
+        // A filter that keeps the row: refused, naming it as selected.
+        let mut s = spec(2);
+        s.filter = "class >= 0".into();
+        let err = prepare(s, &data).expect_err("selected");
+        assert!(
+            err.to_string().contains(&format!(
+                "holds {shown} at row {row}, a row the job's filter selects"
+            )),
+            "{err}"
+        );
+    }
+    // Regression labels are checked too.
+    let mut s = spec(2);
+    s.task = TaskSpec::Regression;
+    s.label = "target".into();
+    let err = prepare(s.clone(), &with("target", 42, f32::NAN)).expect_err("label");
+    assert!(
+        err.to_string()
+            .contains("label column 'target' holds NaN at row 42;"),
+        "{err}"
+    );
+    // Left out as the message says, the job trains.
+    let data = with("s", 102, f32::NAN);
+    let mut s = spec(2);
+    s.filter = "isnan(s) = false".into();
+    let job = prepare(s, &data).expect("the filter leaves the row out");
+    assert_eq!(job.data.rows(), 599);
+    let outcome = run(&job, None);
+    assert!(outcome.last.loss.is_finite());
+    assert!(outcome.params.iter().flatten().all(|v| v.is_finite()));
 }
