@@ -236,6 +236,14 @@ impl ServerConfig {
                 "--tls-cert and --tls-key go together: give both to serve over TLS, or neither",
             ));
         }
+        if self.memory_limit == 0 {
+            return Err(Error::invalid(format!(
+                "--memory-limit 0 bytes is less than one slab of the cache ({}): it leaves the \
+                 cache no memory; give a size such as 4GiB, or leave it out for half of this \
+                 machine's memory",
+                show_size(MIN_MEMORY_LIMIT)
+            )));
+        }
         if self.memory_limit < MIN_MEMORY_LIMIT {
             return Err(Error::invalid(format!(
                 "--memory-limit {} bytes is less than one slab of the cache ({}); give a unit, \
@@ -591,6 +599,12 @@ mod tests {
         };
         let err = with(100).validate().expect_err("100 bytes");
         assert!(err.to_string().contains("--memory-limit 100MiB"), "{err}");
+        // No unit to suggest for nothing at all.
+        let err = with(0).validate().expect_err("0 bytes").to_string();
+        assert!(
+            err.contains("leaves the cache no memory") && !err.contains("0MiB"),
+            "{err}"
+        );
         with(MIN_MEMORY_LIMIT).validate().expect("one slab");
         if let Some(machine) = machine_memory() {
             let err = with(machine + 1)
