@@ -13,7 +13,9 @@
 //! batch's records by row residue modulo the world size of the plan that
 //! built it, so a rank's rows of an unshuffled read by that many ranks are
 //! one run of records, copied into the tile as one forward stream. Other
-//! columns go through Arrow's `interleave`. Every path gives the same
+//! columns go through Arrow's `interleave`. Where cores are to spare, a
+//! batch's packed gather is split into parts gathered on threads of their
+//! own ([`gather_ways`], `--gather-threads`). Every path gives the same
 //! arrays. A member's rows of another member's rank stream cross between
 //! them as those [`records`] where the copy holds every gathered column.
 //!
@@ -93,6 +95,45 @@ fn gather_ways(rows: usize) -> usize {
         .min(MAX_WAYS)
         .min(rows / WAY_ROWS)
         .max(1)
+}
+
+/// Runs `gather` over `rows` in parts of `part` rows, appending to `outs`
+/// (one buffer per output) in order: the first part on this thread, each
+/// other on a thread of its own into buffers from `empty(rows)`, joined
+/// when done. A part that panics panics here, as one gather would.
+fn in_parts<T: Sync>(
+    rows: &[T],
+    part: usize,
+    outs: &mut [MutableBuffer],
+    empty: impl Fn(usize) -> Vec<MutableBuffer> + Sync,
+    gather: impl Fn(&[T], &mut [MutableBuffer]) + Sync,
+) {
+    if part == 0 || part >= rows.len() {
+        return gather(rows, outs);
+    }
+    let (first, rest) = rows.split_at(part);
+    let (empty, gather) = (&empty, &gather);
+    std::thread::scope(|scope| {
+        let others: Vec<_> = rest
+            .chunks(part)
+            .map(|rows| {
+                scope.spawn(move || {
+                    let mut outs = empty(rows.len());
+                    gather(rows, &mut outs);
+                    outs
+                })
+            })
+            .collect();
+        gather(first, outs);
+        for other in others {
+            let parts = other
+                .join()
+                .unwrap_or_else(|e| std::panic::resume_unwind(e));
+            for (out, part) in outs.iter_mut().zip(parts) {
+                out.extend_from_slice(part.as_slice());
+            }
+        }
+    });
 }
 
 /// What other members sent of a batch's rows, for [`Gather::gather_rows`]:
@@ -475,7 +516,7 @@ impl Gather {
     /// others), gathered by [`Gather::gather_rows`] — in [`gather_ways`]
     /// parts at once, each on a thread of its own, when the server has
     /// cores to spare: a scattered gather waits on memory a record at a
-    /// time, so one thread alone cannot keep a fast socket full.
+    /// time, and other cores can wait on other records meanwhile.
     fn gather_packed(
         &self,
         p: &PackedGather,
@@ -514,33 +555,9 @@ impl Gather {
         let mut outs = outputs(n);
         let ways = self.split.unwrap_or_else(|| gather_ways(n));
         // Parts of whole groups of 16 rows (the transposes' step).
-        let part = n.div_ceil(ways.max(1)).next_multiple_of(16).max(1);
-        if ways <= 1 || part >= n {
-            self.gather_rows(p, &picks.rows, fetched, &mut outs);
-            return self.packed_arrays(p, outs, n);
-        }
-        let (first, rest) = picks.rows.split_at(part);
-        std::thread::scope(|scope| {
-            let others: Vec<_> = rest
-                .chunks(part)
-                .map(|rows| {
-                    scope.spawn(move || {
-                        let mut outs = outputs(rows.len());
-                        self.gather_rows(p, rows, fetched, &mut outs);
-                        outs
-                    })
-                })
-                .collect();
-            self.gather_rows(p, first, fetched, &mut outs);
-            for other in others {
-                // A part that panicked fails the stream as one gather would.
-                let parts = other
-                    .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
-                for (out, part) in outs.iter_mut().zip(parts) {
-                    out.extend_from_slice(part.as_slice());
-                }
-            }
+        let part = n.div_ceil(ways.max(1)).next_multiple_of(16);
+        in_parts(&picks.rows, part, &mut outs, outputs, |rows, outs| {
+            self.gather_rows(p, rows, fetched, outs)
         });
         self.packed_arrays(p, outs, n)
     }

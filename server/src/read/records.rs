@@ -29,8 +29,8 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use super::packed::{Packed, Slot};
 use super::{
-    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, gather_ways, prefetch,
-    untile_records, untile_steps,
+    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, gather_ways, in_parts,
+    prefetch, untile_records, untile_steps,
 };
 use crate::error::{Error, Result};
 
@@ -175,31 +175,13 @@ impl Gather {
         // In parts on threads of their own, as a batch of columns is
         // (`Gather::gather_packed`).
         let ways = self.split.unwrap_or_else(|| gather_ways(places.len()));
-        let part = places.len().div_ceil(ways.max(1)).max(1);
-        if ways <= 1 || part >= places.len() {
-            copy_records(&p.packed, &places, &mut out);
-        } else {
-            let (first, rest) = places.split_at(part);
-            std::thread::scope(|scope| {
-                let others: Vec<_> = rest
-                    .chunks(part)
-                    .map(|places| {
-                        scope.spawn(move || {
-                            let mut out = MutableBuffer::with_capacity(places.len() * record);
-                            copy_records(&p.packed, places, &mut out);
-                            out
-                        })
-                    })
-                    .collect();
-                copy_records(&p.packed, first, &mut out);
-                for other in others {
-                    let part = other
-                        .join()
-                        .unwrap_or_else(|e| std::panic::resume_unwind(e));
-                    out.extend_from_slice(part.as_slice());
-                }
-            });
-        }
+        in_parts(
+            &places,
+            places.len().div_ceil(ways.max(1)),
+            std::slice::from_mut(&mut out),
+            |rows| vec![MutableBuffer::with_capacity(rows * record)],
+            |places, out| copy_records(&p.packed, places, &mut out[0]),
+        );
         let internal = |e: arrow::error::ArrowError| Error::Internal(format!("records: {e}"));
         let array =
             FixedSizeBinaryArray::try_new_with_len(record as i32, out.into(), None, places.len())
