@@ -185,6 +185,16 @@ async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxEr
     Ok(())
 }
 
+/// `bin serve` on a free loopback port with `limit` bytes of memory and the
+/// `--server-arg`s.
+fn serve_command(bin: &Path, limit: u64, extra: &[String]) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
+        .arg(limit.to_string())
+        .args(extra);
+    cmd
+}
+
 /// A server child process, killed on drop.
 struct ChildServer {
     child: Child,
@@ -362,10 +372,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 None => std::env::current_exe()?.with_file_name("flightdeck"),
             };
             let limit = (payload * 3).max(1 << 30);
-            let mut cmd = Command::new(&bin);
-            cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-                .arg(limit.to_string())
-                .args(&args.server_args);
+            let mut cmd = serve_command(&bin, limit, &args.server_args);
             if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
                 if std::env::var_os("FLIGHTDECK_TLS_ROOT_CERTS").is_none() {
                     return Err(
@@ -789,10 +796,7 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     let limit = (payload * 3 / n as u64).max(1 << 30);
     let mut members = Vec::new();
     for _ in 0..n {
-        let mut cmd = Command::new(&bin);
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-            .arg(limit.to_string())
-            .args(&run.args.server_args);
+        let cmd = serve_command(&bin, limit, &run.args.server_args);
         members.push(ChildServer::start(cmd, "a cluster member")?);
     }
     let uris: Vec<String> = members.iter().map(|m| m.uri.clone()).collect();
@@ -806,10 +810,7 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
     // A server of its own holding just the partitions of each member: the
     // rows one node's `NODE` read takes (a short node's transfer aside),
     // read by as many ranks, with the fixed costs of a read of that size.
-    let mut cmd = Command::new(&bin);
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--memory-limit"])
-        .arg(limit.to_string())
-        .args(&run.args.server_args);
+    let cmd = serve_command(&bin, limit, &run.args.server_args);
     let rows_server = ChildServer::start(cmd, "a server of each member's rows")?;
     let single_rows = rows_server.uri.clone();
     let node_rows = |g: usize| format!("cluster-node-{g}");

@@ -236,21 +236,18 @@ impl ServerConfig {
                 "--tls-cert and --tls-key go together: give both to serve over TLS, or neither",
             ));
         }
-        if self.memory_limit == 0 {
-            return Err(Error::invalid(format!(
-                "--memory-limit 0 bytes is less than one slab of the cache ({}): it leaves the \
-                 cache no memory; give a size such as 4GiB, or leave it out for half of this \
-                 machine's memory",
-                show_size(MIN_MEMORY_LIMIT)
-            )));
-        }
         if self.memory_limit < MIN_MEMORY_LIMIT {
+            // A number of bytes meant as MiB; none at all is not a unit away.
+            let hint = match self.memory_limit {
+                0 => ": it leaves the cache no memory; give a size such as 4GiB, or leave it out \
+                      for half of this machine's memory"
+                    .to_string(),
+                n => format!("; give a unit, e.g. --memory-limit {n}MiB"),
+            };
             return Err(Error::invalid(format!(
-                "--memory-limit {} bytes is less than one slab of the cache ({}); give a unit, \
-                 e.g. --memory-limit {}MiB",
+                "--memory-limit {} bytes is less than one slab of the cache ({}){hint}",
                 self.memory_limit,
                 show_size(MIN_MEMORY_LIMIT),
-                self.memory_limit
             )));
         }
         if self.stream_idle_timeout.is_zero() {

@@ -291,9 +291,9 @@ impl TrainData {
                     format!("`abs(\"{column}\") < 'Infinity'`")
                 };
                 return Err(Error::invalid(format!(
-                    "{what} column '{column}' holds {v} at row {row}{}; a value that is not a number makes every \
-                     weight it reaches NaN: fix or drop those rows, or leave them out with a \
-                     filter such as {leave_out} (for a scalar column)",
+                    "{what} column '{column}' holds {v} at row {row}{}; a value that is not \
+                     finite makes every weight it reaches NaN: fix or drop those rows, or leave \
+                     them out with a filter such as {leave_out} (for a scalar column)",
                     if self.selection.is_some() {
                         ", a row the job's filter selects"
                     } else {

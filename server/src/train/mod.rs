@@ -614,13 +614,14 @@ impl Job {
                 }));
             }
             // The global batch's loss, the same sum on every rank: all stop
-            // together rather than train on NaN to the end.
+            // together rather than train on NaN to the end. (The data was
+            // checked to be finite when the job was prepared: this is the
+            // model diverging.)
             if !agree[0].is_finite() {
                 return Err(Error::FailedPrecondition(format!(
                     "training stopped at step {step} of {total} (epoch {epoch}): the loss of the \
-                     global batch is {} — the model diverged, or the batch holds NaN or infinite \
-                     features or labels; start again with a lower lr (this job's: {}) or with \
-                     those rows left out (a filter such as \"isnan(col) = false\")",
+                     global batch is {} — the model diverged past what f32 holds; start again \
+                     with a lower lr (this job's: {})",
                     agree[0], self.spec.lr
                 )));
             }
