@@ -22,7 +22,17 @@ public final class FlightDeckException extends RuntimeException {
   static FlightDeckException of(FlightRuntimeException e, String location) {
     String message = e.getMessage() == null ? "" : e.getMessage();
     String code = grpcCode(e);
-    if (code.equals("UNAVAILABLE") && !message.contains(location)) {
+    if (code.equals("UNAVAILABLE") && sentCode(e) == null) {
+      // The transport's, not a server's: say which server and what to check.
+      Throwable root = e;
+      while (root.getCause() != null && root.getCause() != root) {
+        root = root.getCause();
+      }
+      String why = root == e || root.getMessage() == null ? message : root.getMessage();
+      message = "cannot reach the flightdeck server at " + location + " (" + why + "): start "
+          + "it (flightdeck serve) or point option uri at a running one (with uri local, "
+          + "each executor's FLIGHTDECK_URI, else grpc://127.0.0.1:50051)";
+    } else if (code.equals("UNAVAILABLE") && !message.contains(location)) {
       message = message + " (server " + location + ")";
     }
     FlightDeckException out = new FlightDeckException(code, message);
@@ -40,15 +50,24 @@ public final class FlightDeckException extends RuntimeException {
    * in its trailer is taken where there is one.
    */
   static String grpcCode(FlightRuntimeException e) {
+    String sent = sentCode(e);
+    return sent != null ? sent : e.status().code().name();
+  }
+
+  /** The code a flightdeck server sent in its trailer; null where there is none. */
+  private static String sentCode(FlightRuntimeException e) {
     ErrorFlightMetadata trailers = e.status().metadata();
-    String sent = trailers == null ? null : trailers.get(CODE_TRAILER);
-    if (sent != null) {
-      try {
-        return io.grpc.Status.fromCodeValue(Integer.parseInt(sent.trim())).getCode().name();
-      } catch (NumberFormatException notANumber) {
-        // Not ours: Flight's code below.
-      }
+    // get() throws rather than answer null for a key that is not there (an
+    // error of the transport, such as a server not running, has none).
+    if (trailers == null || !trailers.containsKey(CODE_TRAILER)) {
+      return null;
     }
-    return e.status().code().name();
+    try {
+      return io.grpc.Status.fromCodeValue(Integer.parseInt(trailers.get(CODE_TRAILER).trim()))
+          .getCode()
+          .name();
+    } catch (NumberFormatException notANumber) {
+      return null; // not ours: Flight's code
+    }
   }
 }
