@@ -672,6 +672,43 @@ def check_options_a_writer_gets_wrong_are_refused(spark, fmt):
             ).save()
 
 
+def check_unknown_options_are_refused(spark, fmt):
+    """An option the source does not take is refused before anything is
+    read or sent, naming the one meant where the spelling is close (a
+    misspelt `filter` would read every row, a misspelt `uris` send every
+    partition to this node's server); `filter` on a write and a path say
+    what to give instead. No server runs: nothing gets that far."""
+    register(spark, "flightdeck_py")
+    df = spark.range(10)
+
+    def write(path=None, **options):
+        w = df.write.format(fmt).option("dataset", "x").mode("overwrite")
+        for k, v in options.items():
+            w = w.option(k, v)
+        w.save(path)
+
+    def read(path=None, **options):
+        r = spark.read.format(fmt).option("dataset", "x")
+        for k, v in options.items():
+            r = r.option(k, v)
+        r.load(path).count()
+
+    listed = r"; format\('flightdeck'\) takes uri, uris, dataset, batch_rows, token and, for reads, filter"
+    with pytest.raises(Exception, match=r"unknown option 'fliter' \(did you mean 'filter'\?\)" + listed):
+        read(fliter="id < 5")
+    with pytest.raises(Exception, match=r"unknown option 'urls' \(did you mean 'uris'\?\)" + listed):
+        write(urls="grpc://127.0.0.1:1")
+    with pytest.raises(Exception, match=r"unknown option 'batchrows' \(did you mean 'batch_rows'\?\)"):
+        write(batchrows="100")
+    with pytest.raises(Exception, match=r"unknown option 'shuffle'" + listed):
+        read(shuffle="global")
+    with pytest.raises(Exception, match="option filter selects the rows a read sends; a write"):
+        write(filter="id < 5")
+    for run in (write, read):
+        with pytest.raises(Exception, match=r"takes no path: name the dataset with .option\("):
+            run("/tmp/somewhere")
+
+
 def check_batch_rows_keeps_each_message_under_the_servers_limit(spark, fmt):
     """Spark hands a writer batches of `maxRecordsPerBatch` rows; wide rows
     make such a batch more than a server takes in one message (1 MiB here).
@@ -728,6 +765,10 @@ def check_an_append_onto_an_unfinished_write(spark, uri, fmt):
 
 def test_python_source_options_a_writer_gets_wrong_are_refused(spark):
     check_options_a_writer_gets_wrong_are_refused(spark, "flightdeck_py")
+
+
+def test_python_source_unknown_options_are_refused(spark):
+    check_unknown_options_are_refused(spark, "flightdeck_py")
 
 
 def test_python_source_batch_rows_keeps_messages_under_the_servers_limit(spark):

@@ -27,6 +27,7 @@ from test_spark import (  # noqa: E402
     check_a_read_never_mixes_two_writes,
     check_a_write_whose_server_dies_fails,
     check_the_token_option,
+    check_unknown_options_are_refused,
     fail_first_attempt,
     source,
 )
@@ -113,6 +114,26 @@ def test_a_write_whose_server_dies_fails_instead_of_waiting_for_ever(spark):
     check_a_write_whose_server_dies_fails(
         spark, lambda df, uri, name: write(df, uri, name, batch_rows=1000)
     )
+
+
+def test_a_server_that_is_not_running_is_named(spark):
+    """The first mistake a job tends to make, no server at its `uri`, fails
+    naming the server and what to check: it failed with a bare
+    `NoSuchElementException` (the connector read a trailer the transport's
+    error does not have)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"grpc://127.0.0.1:{s.getsockname()[1]}"
+    said = (
+        f"UNAVAILABLE: cannot reach the flightdeck server at {uri} "
+        r"\(.*Connection refused.*\): start it \(flightdeck serve\) or point option uri at"
+    )
+    with pytest.raises(Exception, match=said):
+        spark.read.format("flightdeck").option("uri", uri).option("dataset", "x").load()
+    with pytest.raises(Exception, match=said):
+        write(spark.range(10), uri, "x")
 
 
 def test_every_type_round_trips(flightdeck_server, spark):
@@ -237,6 +258,10 @@ def test_reads_send_only_the_rows_a_filter_selects(flightdeck_server, spark):
 
 def test_options_a_writer_gets_wrong_are_refused(spark):
     check_options_a_writer_gets_wrong_are_refused(spark, "flightdeck")
+
+
+def test_unknown_options_are_refused(spark):
+    check_unknown_options_are_refused(spark, "flightdeck")
 
 
 def test_batch_rows_keeps_messages_under_the_servers_limit(spark):

@@ -34,7 +34,9 @@ server beside every executor (a `uris` that names none is refused). When
 the partitions landed on several servers, the driver seals them as one
 dataset (`Client.seal_cluster`) through the first of them. `batch_rows`
 sets the rows of each record batch sent (default: the batches Spark hands
-over, `spark.sql.execution.arrow.maxRecordsPerBatch` rows) or read.
+over, `spark.sql.execution.arrow.maxRecordsPerBatch` rows) or read. Any
+other option is refused, naming the one meant where the spelling is close
+(`fliter` would otherwise read every row), as is `filter` on a write.
 
 Reads give a sealed dataset back as a DataFrame: one Spark partition per
 stored partition, rows in the dataset's own order (partition order, then
@@ -65,6 +67,7 @@ with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
 
 from __future__ import annotations
 
+import difflib
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -85,6 +88,42 @@ def parse_uris(value: str | list[str] | None) -> list[str]:
         return []
     items = value.split(",") if isinstance(value, str) else list(value)
     return [u.strip() for u in items if u.strip()]
+
+
+#: The options a write takes (keys in any case, as Spark passes them).
+WRITE_OPTIONS = ("uri", "uris", "dataset", "batch_rows", "token")
+#: The options a read takes: a write's and `filter`.
+READ_OPTIONS = WRITE_OPTIONS + ("filter",)
+OPTIONS_TEXT = "uri, uris, dataset, batch_rows, token and, for reads, filter"
+
+
+def check_options(options: Mapping[str, str], read: bool) -> None:
+    """Refuses an option the data source does not take, naming the one
+    meant where the spelling is close: a misspelt `filter` would otherwise
+    read every row, a misspelt `uris` send every partition to this node's
+    server. `read`: whether the options are a read's (`filter` is not a
+    write's)."""
+    known = READ_OPTIONS if read else WRITE_OPTIONS
+    for key in options:
+        name = key.lower()
+        if name in known:
+            continue
+        if name == "filter":
+            raise InvalidArgument(
+                "option filter selects the rows a read sends; a write stores every row of the "
+                "DataFrame: filter the DataFrame before writing it"
+            )
+        if name in ("path", "paths"):
+            raise InvalidArgument(
+                "format('flightdeck') takes no path: name the dataset with "
+                ".option('dataset', NAME) and call save() or load() without arguments"
+            )
+        close = difflib.get_close_matches(name, READ_OPTIONS, n=1)
+        raise InvalidArgument(
+            f"unknown option {key!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; format('flightdeck') takes {OPTIONS_TEXT}"
+        )
 
 
 def _uris_option(options: Mapping[str, str]) -> list[str]:
@@ -440,7 +479,9 @@ def _token(options: Mapping[str, str]) -> str | None:
 
 
 def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
-    """A read's `uri`, `dataset`, `batch_rows` and `filter` options."""
+    """A read's `uri`, `dataset`, `batch_rows` and `filter` options;
+    refuses any other (:func:`check_options`)."""
+    check_options(options, read=True)
     dataset = options.get("dataset")
     if not dataset:
         raise InvalidArgument("set the dataset to read: .option('dataset', NAME)")
@@ -483,6 +524,7 @@ try:  # Spark 4: Python data sources
         """Streams each task's partition; seals on commit, drops on abort."""
 
         def __init__(self, options: dict, schema, overwrite: bool) -> None:
+            check_options(options, read=False)
             self.uri = options.get("uri", "local")
             self.uris = _uris_option(options)
             self.token = _token(options)

@@ -3,6 +3,7 @@ package flightdeck.spark;
 import java.io.Serializable;
 import java.util.ArrayList;
 import java.util.List;
+import java.util.Locale;
 import java.util.Map;
 
 /**
@@ -17,13 +18,39 @@ import java.util.Map;
  * boolean expression over the dataset's columns that the server evaluates
  * so that only the rows it selects are sent (the read plan's filter;
  * Spark's own filters on simple columns are pushed down the same way).
+ * Any other option is refused, naming the one meant where the spelling is
+ * close.
  */
 record Options(
     String uri, List<String> uris, String dataset, int batchRows, String token, String filter)
     implements Serializable {
 
-  /** Reads Spark's options (keys in any case). */
+  /** Every option a read takes; a write takes all but {@code filter}. */
+  static final List<String> NAMES = List.of("uri", "uris", "dataset", "batch_rows", "token", "filter");
+
+  /**
+   * Reads Spark's options (keys in any case); refuses any other, naming the
+   * one meant where the spelling is close: a misspelt {@code filter} would
+   * otherwise read every row, a misspelt {@code uris} send every partition
+   * to this node's server.
+   */
   static Options of(Map<String, String> options) {
+    for (String key : options.keySet()) {
+      String name = key.toLowerCase(Locale.ROOT);
+      if (NAMES.contains(name)) {
+        continue;
+      }
+      if (name.equals("path") || name.equals("paths")) {
+        throw new IllegalArgumentException("format(\"flightdeck\") takes no path: name the "
+            + "dataset with .option(\"dataset\", NAME) and call save() or load() without "
+            + "arguments");
+      }
+      String close = closest(name);
+      throw new IllegalArgumentException("unknown option '" + key + "'"
+          + (close == null ? "" : " (did you mean '" + close + "'?)")
+          + "; format('flightdeck') takes uri, uris, dataset, batch_rows, token and, for "
+          + "reads, filter");
+    }
     String dataset = get(options, "dataset", "");
     if (dataset.isEmpty()) {
       throw new IllegalArgumentException(
@@ -62,6 +89,39 @@ record Options(
     }
     return new Options(uri, List.copyOf(uris), dataset, batchRows,
         get(options, "token", ""), get(options, "filter", "").strip());
+  }
+
+  /** The option {@code name} is closest to, if a third of its letters or fewer differ. */
+  private static String closest(String name) {
+    String best = null;
+    int bestEdits = Math.max(1, name.length() / 3) + 1;
+    for (String known : NAMES) {
+      int edits = edits(name, known);
+      if (edits < bestEdits) {
+        best = known;
+        bestEdits = edits;
+      }
+    }
+    return best;
+  }
+
+  /** Levenshtein distance: insertions, deletions and substitutions. */
+  private static int edits(String a, String b) {
+    int[] row = new int[b.length() + 1];
+    for (int j = 0; j <= b.length(); j++) {
+      row[j] = j;
+    }
+    for (int i = 1; i <= a.length(); i++) {
+      int diagonal = row[0];
+      row[0] = i;
+      for (int j = 1; j <= b.length(); j++) {
+        int above = row[j];
+        int substitute = diagonal + (a.charAt(i - 1) == b.charAt(j - 1) ? 0 : 1);
+        row[j] = Math.min(substitute, Math.min(above, row[j - 1]) + 1);
+        diagonal = above;
+      }
+    }
+    return row[b.length()];
   }
 
   private static String get(Map<String, String> options, String key, String otherwise) {
