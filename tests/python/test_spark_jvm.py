@@ -7,7 +7,9 @@ Arrow carries round-trips (read back with the Python client and with
 `spark.read.format("flightdeck")`); a type Arrow cannot carry is refused
 before any byte is sent; a read sends only the rows its filter selects (the
 `filter` option, and Spark's filters pushed down); a read never mixes two
-writes; the `token` option."""
+writes; the `token` option; TLS servers trusted through
+FLIGHTDECK_TLS_ROOT_CERTS; unknown options and unreachable servers
+refused saying what to give."""
 
 from __future__ import annotations
 
@@ -134,6 +136,78 @@ def test_a_server_that_is_not_running_is_named(spark):
         spark.read.format("flightdeck").option("uri", uri).option("dataset", "x").load()
     with pytest.raises(Exception, match=said):
         write(spark.range(10), uri, "x")
+
+
+# A job in a JVM of its own: FLIGHTDECK_TLS_ROOT_CERTS is read from the
+# environment, which a running JVM cannot be given.
+TLS_JOB = """
+import json, sys
+from pathlib import Path
+from pyspark.sql import SparkSession
+jar, uri, ca, roots = sys.argv[1:]
+spark = (SparkSession.builder.master("local[2]").config("spark.jars", jar)
+         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.ui.enabled", "false").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+def read():
+    return spark.read.format("flightdeck").option("uri", uri).option("dataset", "tls").load()
+out = {}
+try:
+    read()
+except Exception as e:
+    out["unreadable"] = str(e)[:2000]
+Path(roots).write_bytes(Path(ca).read_bytes())
+df = spark.range(0, 1000, numPartitions=2)
+df.write.format("flightdeck").option("uri", uri).option("dataset", "tls").mode("overwrite").save()
+back = read()
+out["rows"], out["sum"] = back.count(), back.groupBy().sum("id").first()[0]
+print(json.dumps(out))
+"""
+
+
+def test_tls_servers_are_trusted_by_the_authority_the_variable_names(spark, tmp_path):
+    """Over TLS the connector trusts the certificate authority whose PEM
+    file FLIGHTDECK_TLS_ROOT_CERTS names, as the Python and Rust clients
+    do: a job writes and reads a TLS server with it (a file it names that
+    cannot be read is refused naming it). Without it the JVM's trust store
+    does not know a private authority, and a scheme that does not match the
+    server fails the same way: each says what to give."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import RunningServer, make_test_certs
+
+    certs = make_test_certs(tmp_path)
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])
+    )
+    try:
+        uri = f"grpc+tls://{server.addr}"
+        roots = tmp_path / "roots.pem"
+        env = dict(os.environ, FLIGHTDECK_TLS_ROOT_CERTS=str(roots))
+        job = subprocess.run(
+            [sys.executable, "-c", TLS_JOB, str(SPARK_JAR), uri, str(certs["ca"]), str(roots)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert job.returncode == 0, job.stderr[-3000:]
+        out = json.loads(job.stdout.strip().splitlines()[-1])
+        assert f"FLIGHTDECK_TLS_ROOT_CERTS names '{roots}', which cannot be read" in out["unreadable"]
+        assert (out["rows"], out["sum"]) == (1000, sum(range(1000)))
+        with flightdeck.connect(uri, tls_root_certs=certs["ca"].read_bytes()) as c:
+            assert c.describe("tls").rows == 1000
+
+        hint = r"\): a server started with --tls-cert takes grpc\+tls:// and a client that trusts"
+        said = "the TLS handshake with the flightdeck server at {} failed \\(.*{}.*" + hint
+        with pytest.raises(Exception, match=said.format(re.escape(uri), "certification path")):
+            spark.read.format("flightdeck").option("uri", uri).option("dataset", "tls").load()
+        plain = f"grpc://{server.addr}"
+        with pytest.raises(Exception, match=said.format(re.escape(plain), "not SETTINGS")):
+            spark.read.format("flightdeck").option("uri", plain).option("dataset", "tls").load()
+    finally:
+        server.stop()
 
 
 def test_every_type_round_trips(flightdeck_server, spark):

@@ -22,22 +22,47 @@ public final class FlightDeckException extends RuntimeException {
   static FlightDeckException of(FlightRuntimeException e, String location) {
     String message = e.getMessage() == null ? "" : e.getMessage();
     String code = grpcCode(e);
-    if (code.equals("UNAVAILABLE") && sentCode(e) == null) {
+    boolean tls = tls(e);
+    if ((code.equals("UNAVAILABLE") || tls) && sentCode(e) == null) {
       // The transport's, not a server's: say which server and what to check.
       Throwable root = e;
       while (root.getCause() != null && root.getCause() != root) {
         root = root.getCause();
       }
       String why = root == e || root.getMessage() == null ? message : root.getMessage();
-      message = "cannot reach the flightdeck server at " + location + " (" + why + "): start "
-          + "it (flightdeck serve) or point option uri at a running one (with uri local, "
-          + "each executor's FLIGHTDECK_URI, else grpc://127.0.0.1:50051)";
+      message = tls
+          ? "the TLS handshake with the flightdeck server at " + location + " failed (" + why
+              + "): a server started with --tls-cert takes grpc+tls:// and a client that "
+              + "trusts its certificate authority (FLIGHTDECK_TLS_ROOT_CERTS naming its PEM "
+              + "file on the driver and every executor, or the JVM's trust store); one "
+              + "started without it takes grpc://"
+          : "cannot reach the flightdeck server at " + location + " (" + why + "): start "
+              + "it (flightdeck serve) or point option uri at a running one (with uri local, "
+              + "each executor's FLIGHTDECK_URI, else grpc://127.0.0.1:50051)";
     } else if (code.equals("UNAVAILABLE") && !message.contains(location)) {
       message = message + " (server " + location + ")";
     }
     FlightDeckException out = new FlightDeckException(code, message);
     out.initCause(e);
     return out;
+  }
+
+  /**
+   * Whether {@code e} came of TLS on one side only: a certificate the client
+   * does not trust, a plain server reached over TLS, or a TLS server (whose
+   * first bytes are a TLS record, not HTTP/2's SETTINGS) reached without.
+   */
+  private static boolean tls(Throwable e) {
+    for (Throwable c = e; c != null; c = c.getCause() == c ? null : c.getCause()) {
+      String said = c.getMessage() == null ? "" : c.getMessage();
+      if (c instanceof javax.net.ssl.SSLException
+          || c instanceof java.security.GeneralSecurityException
+          || c.getClass().getSimpleName().startsWith("NotSsl")
+          || said.contains("was not SETTINGS. Hex dump for first 5 bytes: 1")) {
+        return true;
+      }
+    }
+    return false;
   }
 
   /** The trailer in which a flightdeck server sends its error's gRPC code as a number. */

@@ -1,6 +1,11 @@
 package flightdeck.spark;
 
+import java.io.ByteArrayInputStream;
+import java.io.IOException;
 import java.net.URI;
+import java.nio.file.Files;
+import java.nio.file.InvalidPathException;
+import java.nio.file.Path;
 import java.util.Iterator;
 import java.util.Optional;
 import org.apache.arrow.flight.Action;
@@ -18,7 +23,9 @@ import org.apache.spark.sql.util.ArrowUtils;
 /**
  * A connection to one flightdeck server: its location (as {@link
  * ServerNames} reads a name), a Flight client, and the bearer token sent
- * with every call ({@code token} option, else {@code FLIGHTDECK_TOKEN}).
+ * with every call ({@code token} option, else {@code FLIGHTDECK_TOKEN}); over
+ * TLS, trusting the certificate authority {@code FLIGHTDECK_TLS_ROOT_CERTS}
+ * names (else the JVM's trust store).
  */
 final class Server implements AutoCloseable {
   /** The location, {@code grpc://HOST:PORT} or {@code grpc+tls://HOST:PORT}. */
@@ -65,8 +72,11 @@ final class Server implements AutoCloseable {
               + "flightdeck over TCP: give the server's grpc://HOST:PORT as the uri option "
               + "(FLIGHTDECK_URI may name the socket for Python and Rust clients only)");
     }
-    FlightClient client =
-        FlightClient.builder(allocator, new Location(URI.create(location))).build();
+    FlightClient.Builder builder = FlightClient.builder(allocator, new Location(URI.create(location)));
+    if (location.startsWith("grpc+tls://")) {
+      trustRoots(builder);
+    }
+    FlightClient client = builder.build();
     String bearer = token != null && !token.isEmpty() ? token : System.getenv("FLIGHTDECK_TOKEN");
     CallOption[] options = new CallOption[0];
     if (bearer != null && !bearer.isEmpty()) {
@@ -75,6 +85,31 @@ final class Server implements AutoCloseable {
       options = new CallOption[] {new HeaderCallOption(headers)};
     }
     return new Server(location, client, options, own);
+  }
+
+  /** The variable naming the PEM file of the certificate authority TLS servers are trusted by. */
+  static final String ROOTS_VARIABLE = "FLIGHTDECK_TLS_ROOT_CERTS";
+
+  /**
+   * Has a TLS connection trust the certificates in the PEM file {@code
+   * FLIGHTDECK_TLS_ROOT_CERTS} names, as the Python and Rust clients do (set
+   * it on the driver and every executor, {@code spark.executorEnv.*});
+   * without it, the JVM's own trust store.
+   */
+  private static void trustRoots(FlightClient.Builder builder) {
+    String roots = System.getenv(ROOTS_VARIABLE);
+    if (roots == null || roots.isEmpty()) {
+      return;
+    }
+    byte[] pem;
+    try {
+      pem = Files.readAllBytes(Path.of(roots));
+    } catch (IOException | InvalidPathException e) {
+      throw new IllegalArgumentException(ROOTS_VARIABLE + " names '" + roots + "', which cannot "
+          + "be read (" + e + "): set it to the PEM file of the servers' certificate authority, "
+          + "on the driver and on every executor (spark.executorEnv." + ROOTS_VARIABLE + ")");
+    }
+    builder.trustedCertificates(new ByteArrayInputStream(pem));
   }
 
   /** Runs action {@code kind} and returns its one result's body. */
