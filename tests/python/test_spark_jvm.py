@@ -232,6 +232,74 @@ def test_every_type_round_trips(flightdeck_server, spark):
     assert [r.id for r in back.select("id").collect()] == order
 
 
+def test_a_read_schema_is_checked_against_the_stored_columns_before_any_task(
+    flightdeck_server, spark
+):
+    """A column Spark has no type for is refused naming it and how to read
+    without it; a schema given to the read that names a column the dataset
+    lacks, or gives another type than the stored one (which the columnar
+    reader cannot convert), is refused when the read is planned, naming
+    the column: every task failed on it before."""
+    import pyarrow as pa
+
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    client.put_partition("raw", 0, pa.table(
+        {"id": pa.array([1, 2, 3], pa.int64()), "u": pa.array([7, 8, 9], pa.uint32())}
+    ))
+    client.seal("raw", partitions=1)
+    client.close()
+
+    def read(schema=None):
+        r = spark.read.format("flightdeck").option("uri", uri).option("dataset", "raw")
+        return (r.schema(schema) if schema else r).load().collect()
+
+    cannot = r"column 'u' of dataset 'raw' on .* is uint32, which Spark cannot hold; give the read a"
+    with pytest.raises(Exception, match=cannot):
+        read()
+    with pytest.raises(Exception, match=cannot):
+        read("id long, u long")
+    with pytest.raises(Exception, match="gives column 'id' of dataset 'raw' as int, but it is "
+                       "stored as bigint; the JVM connector reads columns as stored"):
+        read("id int")
+    with pytest.raises(Exception, match=r"names column 'nope', which dataset 'raw' on .* does "
+                       r"not have; its columns are \[id, u\]"):
+        read("id long, nope string")
+    assert [r.id for r in read("id long")] == [1, 2, 3]
+
+
+def test_a_read_reports_its_size_so_a_small_dataset_is_broadcast(flightdeck_server, spark):
+    """The scan tells Spark's planner the dataset's rows and its size (rows
+    times Spark's estimate of a row of the columns read): a join with a
+    small flightdeck dataset broadcasts it instead of shuffling both sides
+    (Spark took every source without statistics as too large to)."""
+    uri = flightdeck_server.uri
+    write(spark.range(0, 1000, numPartitions=2).selectExpr("id", "id * 2 AS twice"), uri, "small")
+
+    def stats(df):
+        return df._jdf.queryExecution().optimizedPlan().stats()
+
+    def read(**options):
+        r = spark.read.format("flightdeck").option("uri", uri).option("dataset", "small")
+        return r.options(**options).load()
+
+    small = read()
+    assert str(stats(small).sizeInBytes()) == str(1000 * 16)
+    assert str(stats(small.select("id")).sizeInBytes()) == str(1000 * 8)
+    joined = spark.range(0, 100_000).join(small, "id")
+    assert "BroadcastHashJoin" in joined._jdf.queryExecution().executedPlan().toString()
+    assert joined.count() == 1000
+    # Spark's cost-based optimizer also takes the row count; with a filter
+    # it is not known, and the size is the bound.
+    spark.conf.set("spark.sql.cbo.enabled", "true")
+    try:
+        assert str(stats(read()).rowCount().get()) == "1000"
+        filtered = stats(read(filter="id < 10"))
+        assert filtered.rowCount().isEmpty() and str(filtered.sizeInBytes()) == str(1000 * 16)
+    finally:
+        spark.conf.unset("spark.sql.cbo.enabled")
+
+
 def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server, spark):
     uri = flightdeck_server.uri
     df = spark.range(10).selectExpr("id", "make_interval(0, 0, 0, cast(id as int), 0, 0, 0) as gap")

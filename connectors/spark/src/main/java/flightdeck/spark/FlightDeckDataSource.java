@@ -3,10 +3,15 @@ package flightdeck.spark;
 import java.util.Map;
 import org.apache.arrow.flight.FlightDescriptor;
 import org.apache.arrow.flight.FlightRuntimeException;
+import org.apache.arrow.vector.types.FloatingPointPrecision;
+import org.apache.arrow.vector.types.pojo.ArrowType;
+import org.apache.arrow.vector.types.pojo.Field;
+import org.apache.arrow.vector.types.pojo.Schema;
 import org.apache.spark.sql.connector.catalog.Table;
 import org.apache.spark.sql.connector.catalog.TableProvider;
 import org.apache.spark.sql.connector.expressions.Transform;
 import org.apache.spark.sql.sources.DataSourceRegister;
+import org.apache.spark.sql.types.DataType;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.ArrowUtils;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
@@ -42,15 +47,46 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
     Options options = Options.of(map);
     try (Server server = Server.open(options.uri(), options.token())) {
       server.sealed(options.dataset());
-      try {
-        return ArrowUtils.fromArrowSchema(
-            server.client
-                .getSchema(FlightDescriptor.path(options.dataset()), server.options)
-                .getSchema());
-      } catch (FlightRuntimeException e) {
-        throw FlightDeckException.of(e, server.location);
+      StructType out = new StructType();
+      for (Field field : storedSchema(server, options.dataset()).getFields()) {
+        out = out.add(field.getName(), sparkType(field, options.dataset(), server.location),
+            field.isNullable());
       }
+      return out;
     }
+  }
+
+  /** The dataset's Arrow schema, as its server holds it. */
+  static Schema storedSchema(Server server, String dataset) {
+    try {
+      return server.client.getSchema(FlightDescriptor.path(dataset), server.options).getSchema();
+    } catch (FlightRuntimeException e) {
+      throw FlightDeckException.of(e, server.location);
+    }
+  }
+
+  /** The Spark type of a stored column; refused, naming the column, where Spark has none. */
+  static DataType sparkType(Field field, String dataset, String location) {
+    try {
+      return ArrowUtils.fromArrowField(field);
+    } catch (RuntimeException noSparkType) {
+      throw new FlightDeckException("INVALID_ARGUMENT", "column '" + field.getName()
+          + "' of dataset '" + dataset + "' on " + location + " is " + typeName(field)
+          + ", which Spark cannot hold; give the read a schema naming the columns to read "
+          + "without it, e.g. spark.read.schema(\"id long\")");
+    }
+  }
+
+  /** A stored column's type as Arrow's other libraries name it ({@code uint32}). */
+  private static String typeName(Field field) {
+    if (field.getType() instanceof ArrowType.Int i) {
+      return (i.getIsSigned() ? "int" : "uint") + i.getBitWidth();
+    }
+    if (field.getType() instanceof ArrowType.FloatingPoint f
+        && f.getPrecision() == FloatingPointPrecision.HALF) {
+      return "halffloat";
+    }
+    return field.getType().toString();
   }
 
   @Override

@@ -5,6 +5,7 @@ import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Comparator;
 import java.util.List;
+import java.util.OptionalLong;
 import org.apache.arrow.flight.FlightDescriptor;
 import org.apache.arrow.flight.FlightEndpoint;
 import org.apache.arrow.flight.FlightInfo;
@@ -13,6 +14,8 @@ import org.apache.arrow.flight.FlightStream;
 import org.apache.arrow.flight.Location;
 import org.apache.arrow.memory.BufferAllocator;
 import org.apache.arrow.vector.VectorSchemaRoot;
+import org.apache.arrow.vector.types.pojo.Field;
+import org.apache.arrow.vector.types.pojo.Schema;
 import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.connector.read.Batch;
 import org.apache.spark.sql.connector.read.InputPartition;
@@ -20,9 +23,13 @@ import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.read.Statistics;
 import org.apache.spark.sql.connector.read.SupportsPushDownFilters;
 import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.connector.read.SupportsReportStatistics;
 import org.apache.spark.sql.sources.Filter;
+import org.apache.spark.sql.types.DataType;
+import org.apache.spark.sql.types.StructField;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.ArrowUtils;
 import org.apache.spark.sql.vectorized.ArrowColumnVector;
@@ -44,6 +51,11 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  * partitions as there are stored partitions, so a filter that selects from
  * few of them still makes as many tasks. Spark evaluates its own filters
  * again on what arrives, so a pushed filter only ever saves work.
+ *
+ * <p>The scan reports the dataset's size to Spark's planner, and a read
+ * schema that does not match the stored columns is refused when the read
+ * is planned (the columnar reader hands Spark the stored vectors as they
+ * are).
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
@@ -81,23 +93,62 @@ final class FlightDeckScan {
 
     @Override
     public Scan build() {
-      Options o = options.withFilter(pushed.sql());
-      StructType s = schema;
-      return new Scan() {
+      return new DatasetScan(options.withFilter(pushed.sql()), schema);
+    }
+  }
+
+  /**
+   * The scan of a dataset, reporting its size to Spark's planner: the
+   * dataset's rows times Spark's estimate of a row of the columns read (no
+   * row count with a filter, the size then an upper bound), so a small
+   * dataset is broadcast into a join rather than shuffled.
+   */
+  static final class DatasetScan implements Scan, SupportsReportStatistics {
+    private final Options options;
+    private final StructType schema;
+    /** The dataset's rows, asked of the server once, when Spark first wants them. */
+    private Long rows;
+
+    DatasetScan(Options options, StructType schema) {
+      this.options = options;
+      this.schema = schema;
+    }
+
+    @Override
+    public StructType readSchema() {
+      return schema;
+    }
+
+    @Override
+    public String description() {
+      return "flightdeck dataset '" + options.dataset() + "'"
+          + (options.filter().isEmpty() ? "" : " where " + options.filter());
+    }
+
+    @Override
+    public Batch toBatch() {
+      return new Partitions(options, schema);
+    }
+
+    @Override
+    public Statistics estimateStatistics() {
+      if (rows == null) {
+        try (Server server = Server.open(options.uri(), options.token())) {
+          rows = server.sealed(options.dataset()).rows();
+        }
+      }
+      long perRow = Math.max(1, schema.defaultSize());
+      long size = rows > Long.MAX_VALUE / perRow ? Long.MAX_VALUE : rows * perRow;
+      OptionalLong count = options.filter().isEmpty() ? OptionalLong.of(rows) : OptionalLong.empty();
+      return new Statistics() {
         @Override
-        public StructType readSchema() {
-          return s;
+        public OptionalLong sizeInBytes() {
+          return OptionalLong.of(size);
         }
 
         @Override
-        public String description() {
-          return "flightdeck dataset '" + o.dataset() + "'"
-              + (o.filter().isEmpty() ? "" : " where " + o.filter());
-        }
-
-        @Override
-        public Batch toBatch() {
-          return new Partitions(o, s);
+        public OptionalLong numRows() {
+          return count;
         }
       };
     }
@@ -131,6 +182,7 @@ final class FlightDeckScan {
       FlightInfo selected = null;
       try (Server server = Server.open(options.uri(), options.token())) {
         info = server.sealed(options.dataset());
+        check(FlightDeckDataSource.storedSchema(server, options.dataset()), server.location);
         if (!options.filter().isEmpty()) {
           selected = selectedRows(server, info.sealedAs());
         }
@@ -168,6 +220,32 @@ final class FlightDeckScan {
         start += rows[i];
       }
       return out.toArray(new InputPartition[0]);
+    }
+
+    /**
+     * Refuses a read schema (one given to the read) that names a column the
+     * dataset does not have, or gives one another type than the one it is
+     * stored as, which the columnar reader cannot convert: before any task
+     * runs, naming the column, rather than failing every task.
+     */
+    private void check(Schema stored, String location) {
+      for (StructField want : schema.fields()) {
+        Field field = stored.getFields().stream()
+            .filter(f -> f.getName().equals(want.name()))
+            .findFirst()
+            .orElseThrow(() -> new FlightDeckException("INVALID_ARGUMENT", "the read's schema "
+                + "names column '" + want.name() + "', which dataset '" + options.dataset()
+                + "' on " + location + " does not have; its columns are "
+                + stored.getFields().stream().map(Field::getName).toList()));
+        DataType have = FlightDeckDataSource.sparkType(field, options.dataset(), location);
+        if (!have.simpleString().equals(want.dataType().simpleString())) {
+          throw new FlightDeckException("INVALID_ARGUMENT", "the read's schema gives column '"
+              + want.name() + "' of dataset '" + options.dataset() + "' as "
+              + want.dataType().simpleString() + ", but it is stored as " + have.simpleString()
+              + "; the JVM connector reads columns as stored: give " + have.simpleString()
+              + " (and cast after the read), or leave the column out");
+        }
+      }
     }
 
     /** The plan of the filter's rows, from {@code server}: its row count and each partition's. */
