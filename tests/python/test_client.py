@@ -133,7 +133,8 @@ def test_errors_keep_code_and_message(flightdeck_server):
     assert (info.rows, info.committed_partitions) == (5, 1)
     assert client.stats().host_live_bytes == info.bytes
 
-    with pytest.raises(flightdeck.Unavailable):
+    with pytest.raises(flightdeck.Unavailable, match="127.0.0.1:1.*; is a flightdeck server "
+                       "running there\\? Start one with `flightdeck serve`"):
         flightdeck.connect("127.0.0.1:1", timeout=5).stats()
 
 

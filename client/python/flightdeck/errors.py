@@ -177,6 +177,12 @@ def from_exception(exc: BaseException) -> FlightDeckError:
         code, message = "DEADLINE_EXCEEDED", text
     else:
         code, message = "UNKNOWN", text
+    if code == "UNAVAILABLE" and "failed to connect to all addresses" in message:
+        # The transport's: no server answered at all.
+        message += (
+            "; is a flightdeck server running there? Start one with `flightdeck serve`, or "
+            "connect to another (for 'local': FLIGHTDECK_URI, else grpc://127.0.0.1:50051)"
+        )
     cls = _CLASSES.get(code, FlightDeckError)
     return cls(message, code)
 
