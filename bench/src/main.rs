@@ -37,7 +37,7 @@ struct Args {
     /// Float32 features per row.
     #[arg(long, default_value_t = 64)]
     features: usize,
-    /// Features as one fixed_size_list<float32>[features] column.
+    /// Features as one `fixed_size_list<float32>[features]` column.
     #[arg(long)]
     vector: bool,
     /// Partitions (DoPut streams).

@@ -4,7 +4,7 @@
 //! buffer, and Arrow then copies a body that is not 64-byte aligned (it
 //! rarely is inside that buffer) into an aligned one: two copies of every
 //! byte a shard brings. Here the response body's frames are split into
-//! `FlightData` messages as they come ([`Deframer`]): the small fields
+//! `FlightData` messages as they come (`Deframer`): the small fields
 //! (header, app metadata) are gathered and decoded with prost, and the
 //! `data_body` is copied once, straight from the frames, into a 64-byte
 //! aligned buffer that Arrow then uses as it is.

@@ -95,7 +95,7 @@ struct ServeArgs {
     #[arg(long)]
     no_cuda: bool,
     /// The location other members and training ranks reach this server at,
-    /// e.g. grpc://node-7.cluster:50051 (default: grpc://<listen address>,
+    /// e.g. grpc://node-7.cluster:50051 (default: grpc:// and the listen address,
     /// the host name when listening on 0.0.0.0).
     #[arg(long)]
     advertise: Option<String>,

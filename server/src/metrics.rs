@@ -6,7 +6,7 @@
 //! flight, each rank's rows, bytes and read time, rows and bytes committed
 //! per dataset, attempts, seals, spills, restores and packed-copy builds
 //! with their durations, time to a read's first batch); what it *holds* is
-//! read from the [`State`] at each scrape ([`StateCollector`]: memory per
+//! read from the [`State`] at each scrape (`StateCollector`: memory per
 //! tier and the budget, datasets, traffic totals, training jobs). Labels
 //! are bounded:
 //! method names, status codes, dataset names, ranks and job ids — never

@@ -334,7 +334,7 @@ impl State {
     }
 
     /// Copies `batch` into the arena, drawing on `reservation` first, making
-    /// room as [`State::with_room`] does.
+    /// room as `State::with_room` does.
     pub async fn admit(
         &self,
         batch: &RecordBatch,
@@ -658,7 +658,7 @@ impl State {
 
     /// Seals a dataset; with `persist`, writes it to the store before
     /// answering, so a restart keeps it. A seal naming members seals the
-    /// dataset across them ([`State::seal_cluster`]).
+    /// dataset across them (`State::seal_cluster`).
     pub async fn seal(&self, req: &SealRequest) -> Result<pb::DatasetInfo> {
         if !req.members.is_empty() {
             return self.seal_cluster(req).await;

@@ -327,7 +327,7 @@ impl Drop for Chunk {
     }
 }
 
-/// An allocation not yet shared: writable, then [`ChunkMut::freeze`]d into an
+/// An allocation not yet shared: writable, then frozen (`ChunkMut::freeze`) into an
 /// Arrow [`Buffer`].
 pub struct ChunkMut {
     ptr: NonNull<u8>,

@@ -1,5 +1,5 @@
 //! Queries over cached datasets, on DataFusion: a read plan's `filter` and
-//! `select`, and the [`hash_bucket`] function that makes a deterministic
+//! `select`, and the `hash_bucket` function that makes a deterministic
 //! hold-out split expressible.
 //!
 //! A filter is evaluated once per (dataset generation, filter) over the
@@ -44,7 +44,7 @@ pub use interrupt::Interruptible;
 const KEPT_SELECTIONS: usize = 8;
 
 /// The DataFusion session every read-plan expression is planned in:
-/// default functions plus [`hash_bucket`]; made once (registering every
+/// default functions plus `hash_bucket`; made once (registering every
 /// function is not free) and shared, as planning an expression only reads it.
 pub fn session() -> &'static SessionContext {
     static SESSION: std::sync::OnceLock<SessionContext> = std::sync::OnceLock::new();
@@ -329,7 +329,7 @@ impl SelectionCache {
     }
 
     /// Keeps `selection` of filter `sql` (the oldest kept one goes beyond
-    /// [`KEPT_SELECTIONS`]); one made meanwhile by another reader is kept
+    /// `KEPT_SELECTIONS`); one made meanwhile by another reader is kept
     /// instead and returned.
     pub fn keep(&self, sql: &str, dataset: &str, selection: Selection) -> Arc<Selection> {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());

@@ -15,7 +15,7 @@
 //! one run of records, copied into the tile as one forward stream. Other
 //! columns go through Arrow's `interleave`. Where cores are to spare, a
 //! batch's packed gather is split into parts gathered on threads of their
-//! own ([`gather_ways`], `--gather-threads`). Every path gives the same
+//! own (`gather_ways`, `--gather-threads`). Every path gives the same
 //! arrays. A member's rows of another member's rank stream cross between
 //! them as those [`records`] where the copy holds every gathered column.
 //!
@@ -61,7 +61,7 @@ const WAY_ROWS: usize = 2048;
 static STREAMS: AtomicUsize = AtomicUsize::new(0);
 
 /// One open read stream, counted while it lives: the split of a batch's
-/// gather ([`gather_ways`]) leaves the cores to the streams there are.
+/// gather (`gather_ways`) leaves the cores to the streams there are.
 #[derive(Debug)]
 pub struct Streaming(());
 

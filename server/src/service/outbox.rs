@@ -1,5 +1,5 @@
 //! What read streams hold between the gather and the socket: each stream's
-//! [`Outbox`] of batches read ahead, and the server-wide [`ReadAhead`]
+//! Outbox ([`outbox`]) of batches read ahead, and the server-wide [`ReadAhead`]
 //! allowance those batches are charged to.
 //!
 //! Every gathered batch is charged to the allowance before it is gathered
