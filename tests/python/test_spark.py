@@ -676,22 +676,22 @@ def check_unknown_options_are_refused(spark, fmt):
     """An option the source does not take is refused before anything is
     read or sent, naming the one meant where the spelling is close (a
     misspelt `filter` would read every row, a misspelt `uris` send every
-    partition to this node's server); `filter` on a write and a path say
-    what to give instead. No server runs: nothing gets that far."""
+    partition to this node's server); `filter` on a write says what to do
+    instead. No server runs: nothing gets that far."""
     register(spark, "flightdeck_py")
     df = spark.range(10)
 
-    def write(path=None, **options):
+    def write(**options):
         w = df.write.format(fmt).option("dataset", "x").mode("overwrite")
         for k, v in options.items():
             w = w.option(k, v)
-        w.save(path)
+        w.save()
 
-    def read(path=None, **options):
+    def read(**options):
         r = spark.read.format(fmt).option("dataset", "x")
         for k, v in options.items():
             r = r.option(k, v)
-        r.load(path).count()
+        r.load().count()
 
     listed = r"; format\('flightdeck'\) takes uri, uris, dataset, batch_rows, token and, for reads, filter"
     with pytest.raises(Exception, match=r"unknown option 'fliter' \(did you mean 'filter'\?\)" + listed):
@@ -704,9 +704,33 @@ def check_unknown_options_are_refused(spark, fmt):
         read(shuffle="global")
     with pytest.raises(Exception, match="option filter selects the rows a read sends; a write"):
         write(filter="id < 5")
-    for run in (write, read):
-        with pytest.raises(Exception, match=r"takes no path: name the dataset with .option\("):
-            run("/tmp/somewhere")
+
+
+def check_a_table_made_in_sql(spark, uri, fmt, reads):
+    """`CREATE TABLE ... USING` the source, its options in `OPTIONS`: Spark
+    adds properties of its own (owner, provider, the table's path, ...),
+    which the source takes as Spark's and not as misspelt options, and the
+    table reads the dataset where Spark hands the reader its options
+    (`reads`; Spark gives a Python data source's reader none, which it says);
+    a misspelt option of the user's is refused all the same."""
+    register(spark, "flightdeck_py")
+    spark.range(0, 10, numPartitions=2).write.format(fmt).option("uri", uri).option(
+        "dataset", "in_sql"
+    ).mode("overwrite").save()
+    table = f"in_sql_{fmt}"
+    try:
+        spark.sql(f"CREATE TABLE {table} USING {fmt} OPTIONS (dataset 'in_sql', uri '{uri}')")
+        query = f"SELECT count(*) AS n, sum(id) AS s FROM {table}"
+        if reads:
+            assert spark.sql(query).first() == (10, 45)
+        else:
+            with pytest.raises(Exception, match="the read was given no options: .*CREATE TABLE"):
+                spark.sql(query).first()
+    finally:
+        spark.sql(f"DROP TABLE IF EXISTS {table}")
+    with pytest.raises(Exception, match=r"unknown option 'datset' \(did you mean 'dataset'\?\)"):
+        spark.sql(f"CREATE TABLE {table} USING {fmt} OPTIONS (datset 'in_sql', uri '{uri}')")
+    spark.sql(f"DROP TABLE IF EXISTS {table}")
 
 
 def check_batch_rows_keeps_each_message_under_the_servers_limit(spark, fmt):
@@ -769,6 +793,10 @@ def test_python_source_options_a_writer_gets_wrong_are_refused(spark):
 
 def test_python_source_unknown_options_are_refused(spark):
     check_unknown_options_are_refused(spark, "flightdeck_py")
+
+
+def test_python_source_and_a_table_made_in_sql(flightdeck_server, spark):
+    check_a_table_made_in_sql(spark, flightdeck_server.uri, "flightdeck_py", reads=False)
 
 
 def test_python_source_batch_rows_keeps_messages_under_the_servers_limit(spark):

@@ -27,6 +27,7 @@ from test_spark import (  # noqa: E402
     check_options_a_writer_gets_wrong_are_refused,
     check_an_empty_dataframe_writes_an_empty_dataset,
     check_a_read_never_mixes_two_writes,
+    check_a_table_made_in_sql,
     check_a_write_whose_server_dies_fails,
     check_the_token_option,
     check_unknown_options_are_refused,
@@ -404,6 +405,10 @@ def test_options_a_writer_gets_wrong_are_refused(spark):
 
 def test_unknown_options_are_refused(spark):
     check_unknown_options_are_refused(spark, "flightdeck")
+
+
+def test_a_table_made_in_sql_reads_the_dataset(flightdeck_server, spark):
+    check_a_table_made_in_sql(spark, flightdeck_server.uri, "flightdeck", reads=True)
 
 
 def test_batch_rows_keeps_messages_under_the_servers_limit(spark):

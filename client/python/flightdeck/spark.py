@@ -95,28 +95,31 @@ WRITE_OPTIONS = ("uri", "uris", "dataset", "batch_rows", "token")
 #: The options a read takes: a write's and `filter`.
 READ_OPTIONS = WRITE_OPTIONS + ("filter",)
 OPTIONS_TEXT = "uri, uris, dataset, batch_rows, token and, for reads, filter"
+#: What Spark adds to the options of a table made with `CREATE TABLE ...
+#: USING flightdeck OPTIONS (...)` (its catalog's reserved properties and the
+#: table's path; `option.*` repeats the options): not the user's, so neither
+#: refused nor used.
+SPARK_TABLE_PROPERTIES = (
+    "provider", "location", "comment", "owner", "external", "is_managed_location",
+    "collation", "table_type", "path", "paths",
+)
 
 
 def check_options(options: Mapping[str, str], read: bool) -> None:
     """Refuses an option the data source does not take, naming the one
     meant where the spelling is close: a misspelt `filter` would otherwise
     read every row, a misspelt `uris` send every partition to this node's
-    server. `read`: whether the options are a read's (`filter` is not a
-    write's)."""
+    server. What Spark adds itself (:data:`SPARK_TABLE_PROPERTIES`) passes.
+    `read`: whether the options are a read's (`filter` is not a write's)."""
     known = READ_OPTIONS if read else WRITE_OPTIONS
     for key in options:
         name = key.lower()
-        if name in known:
+        if name in known or name in SPARK_TABLE_PROPERTIES or name.startswith("option."):
             continue
         if name == "filter":
             raise InvalidArgument(
                 "option filter selects the rows a read sends; a write stores every row of the "
                 "DataFrame: filter the DataFrame before writing it"
-            )
-        if name in ("path", "paths"):
-            raise InvalidArgument(
-                "format('flightdeck') takes no path: name the dataset with "
-                ".option('dataset', NAME) and call save() or load() without arguments"
             )
         close = difflib.get_close_matches(name, READ_OPTIONS, n=1)
         raise InvalidArgument(
@@ -482,6 +485,13 @@ def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
     """A read's `uri`, `dataset`, `batch_rows` and `filter` options;
     refuses any other (:func:`check_options`)."""
     check_options(options, read=True)
+    if not options:
+        raise InvalidArgument(
+            "the read was given no options: set .option('dataset', NAME). (Through a table "
+            "made with CREATE TABLE ... USING a Python data source Spark hands the reader none "
+            "of the table's options, so such a table cannot be read: use spark.read.format(...)"
+            ".option(...), or the JVM connector, whose tables read.)"
+        )
     dataset = options.get("dataset")
     if not dataset:
         raise InvalidArgument("set the dataset to read: .option('dataset', NAME)")

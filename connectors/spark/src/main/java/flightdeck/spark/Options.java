@@ -29,6 +29,15 @@ record Options(
   static final List<String> NAMES = List.of("uri", "uris", "dataset", "batch_rows", "token", "filter");
 
   /**
+   * What Spark adds to the options of a table made with {@code CREATE TABLE
+   * ... USING flightdeck OPTIONS (...)} (its catalog's reserved properties and
+   * the table's path; {@code option.*} repeats the options): not the user's,
+   * so not refused, and not used.
+   */
+  static final List<String> SPARK_TABLE_PROPERTIES = List.of("provider", "location", "comment",
+      "owner", "external", "is_managed_location", "collation", "table_type", "path", "paths");
+
+  /**
    * Reads Spark's options (keys in any case); refuses any other, naming the
    * one meant where the spelling is close: a misspelt {@code filter} would
    * otherwise read every row, a misspelt {@code uris} send every partition
@@ -37,13 +46,9 @@ record Options(
   static Options of(Map<String, String> options) {
     for (String key : options.keySet()) {
       String name = key.toLowerCase(Locale.ROOT);
-      if (NAMES.contains(name)) {
+      if (NAMES.contains(name) || SPARK_TABLE_PROPERTIES.contains(name)
+          || name.startsWith("option.")) {
         continue;
-      }
-      if (name.equals("path") || name.equals("paths")) {
-        throw new IllegalArgumentException("format(\"flightdeck\") takes no path: name the "
-            + "dataset with .option(\"dataset\", NAME) and call save() or load() without "
-            + "arguments");
       }
       String close = closest(name);
       throw new IllegalArgumentException("unknown option '" + key + "'"
