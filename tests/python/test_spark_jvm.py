@@ -301,6 +301,34 @@ def test_a_read_reports_its_size_so_a_small_dataset_is_broadcast(flightdeck_serv
         spark.conf.unset("spark.sql.cbo.enabled")
 
 
+def test_a_count_reads_nothing_from_the_server(flightdeck_server, spark):
+    """Spark wants no column for `count()` (or a literal a row): the plan
+    has counted each partition's rows, filtered or not, so nothing is read —
+    an empty projection asked the server for every column, and a count of a
+    wide dataset moved all of it."""
+    uri = flightdeck_server.uri
+    df = spark.range(0, 10_000, numPartitions=4).selectExpr(
+        "id", *[f"cast(id * {i} as double) AS c{i}" for i in range(8)]
+    )
+    write(df, uri, "counted")
+    client = flightdeck.connect(uri)
+
+    def read(**options):
+        r = spark.read.format("flightdeck").option("uri", uri).option("dataset", "counted")
+        return r.options(**options).load()
+
+    before = client.stats()
+    assert read().count() == 10_000
+    assert read().selectExpr("1 AS one").count() == 10_000
+    assert read(filter="id < 100").count() == 100
+    after = client.stats()
+    assert (after.rows_served, after.bytes_served) == (before.rows_served, before.bytes_served)
+    # A column read is still read.
+    assert sorted(r.id for r in read().select("id").collect()) == list(range(10_000))
+    assert client.stats().rows_served == after.rows_served + 10_000
+    client.close()
+
+
 def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server, spark):
     uri = flightdeck_server.uri
     df = spark.range(10).selectExpr("id", "make_interval(0, 0, 0, cast(id as int), 0, 0, 0) as gap")

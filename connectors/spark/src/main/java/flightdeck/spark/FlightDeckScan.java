@@ -281,8 +281,43 @@ final class FlightDeckScan {
 
     @Override
     public PartitionReader<ColumnarBatch> createColumnarReader(InputPartition partition) {
-      return new Reader((Part) partition);
+      Part part = (Part) partition;
+      return part.columns().isEmpty() ? new Counted(part) : new Reader(part);
     }
+  }
+
+  /**
+   * A partition of which Spark wants no column ({@code count()}, a literal
+   * per row): its rows, which the plan already counted, as batches without
+   * vectors, and nothing read from the server (an empty projection asks the
+   * server for every column).
+   */
+  static final class Counted implements PartitionReader<ColumnarBatch> {
+    private long remaining;
+    private ColumnarBatch batch;
+
+    Counted(Part part) {
+      this.remaining = part.rows();
+    }
+
+    @Override
+    public boolean next() {
+      if (remaining <= 0) {
+        return false;
+      }
+      int rows = (int) Math.min(remaining, Integer.MAX_VALUE);
+      batch = new ColumnarBatch(new ColumnVector[0], rows);
+      remaining -= rows;
+      return true;
+    }
+
+    @Override
+    public ColumnarBatch get() {
+      return batch;
+    }
+
+    @Override
+    public void close() {}
   }
 
   /** One stored partition's rows, batch by batch. */
