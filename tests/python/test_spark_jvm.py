@@ -233,40 +233,48 @@ def test_every_type_round_trips(flightdeck_server, spark):
     assert [r.id for r in back.select("id").collect()] == order
 
 
-def test_a_read_schema_is_checked_against_the_stored_columns_before_any_task(
+def test_a_read_schema_is_cast_on_the_server_or_refused_before_any_task(
     flightdeck_server, spark
 ):
-    """A column Spark has no type for is refused naming it and how to read
-    without it; a schema given to the read that names a column the dataset
-    lacks, or gives another type than the stored one (which the columnar
-    reader cannot convert), is refused when the read is planned, naming
-    the column: every task failed on it before."""
+    """A column Spark has no type for is refused naming it and what to do;
+    a schema given to the read may ask a column as another simple type
+    (the server casts it: the columnar reader hands Spark the vectors as
+    they arrive), and Spark's filters on a cast column are left to Spark,
+    which compares as the schema types it; a column the dataset lacks, or a
+    type it is not cast to, is refused when the read is planned, naming it.
+    Before, every task failed on each of these inside Spark."""
     import pyarrow as pa
 
     uri = flightdeck_server.uri
     client = flightdeck.connect(uri)
     client.put_partition("raw", 0, pa.table(
-        {"id": pa.array([1, 2, 3], pa.int64()), "u": pa.array([7, 8, 9], pa.uint32())}
+        {"id": pa.array([1, 2, 3, 9, 20], pa.int64()), "u": pa.array([7, 8, 9, 10, 11], pa.uint32())}
     ))
     client.seal("raw", partitions=1)
     client.close()
 
-    def read(schema=None):
+    def read(schema=None, where=None):
         r = spark.read.format("flightdeck").option("uri", uri).option("dataset", "raw")
-        return (r.schema(schema) if schema else r).load().collect()
+        df = (r.schema(schema) if schema else r).load()
+        return [tuple(row) for row in (df.where(where) if where else df).collect()]
 
-    cannot = r"column 'u' of dataset 'raw' on .* is uint32, which Spark cannot hold; give the read a"
-    with pytest.raises(Exception, match=cannot):
+    with pytest.raises(Exception, match=r"column 'u' of dataset 'raw' on .* is uint32, which Spark "
+                       r"cannot hold; give the read a schema that reads it as a type it is cast to"):
         read()
-    with pytest.raises(Exception, match=cannot):
-        read("id long, u long")
-    with pytest.raises(Exception, match="gives column 'id' of dataset 'raw' as int, but it is "
-                       "stored as bigint; the JVM connector reads columns as stored"):
-        read("id int")
+    assert read("id long") == [(1,), (2,), (3,), (9,), (20,)]
+    assert read("id int, u long") == [(1, 7), (2, 8), (3, 9), (9, 10), (20, 11)]
+    assert read("u double, id string") == [(7.0, "1"), (8.0, "2"), (9.0, "3"), (10.0, "9"), (11.0, "20")]
+    # As strings '9' > '10': a filter compared as numbers on the server
+    # would have dropped rows Spark keeps.
+    assert read("id string", where="id > '10'") == [("2",), ("3",), ("9",), ("20",)]
+    assert read("id long, u long", where="u > 8") == [(3, 9), (9, 10), (20, 11)]
+    with pytest.raises(Exception, match=r"gives column 'id' of dataset 'raw' as timestamp, but it "
+                       r"is stored as int64; the JVM connector reads a column as stored \(bigint\) "
+                       r"or cast to boolean, tinyint, .*: give one of those, or leave it out"):
+        read("id timestamp")
     with pytest.raises(Exception, match=r"names column 'nope', which dataset 'raw' on .* does "
                        r"not have; its columns are \[id, u\]"):
         read("id long, nope string")
-    assert [r.id for r in read("id long")] == [1, 2, 3]
 
 
 def test_a_read_reports_its_size_so_a_small_dataset_is_broadcast(flightdeck_server, spark):

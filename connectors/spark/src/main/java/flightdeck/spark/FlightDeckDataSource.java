@@ -67,18 +67,27 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
 
   /** The Spark type of a stored column; refused, naming the column, where Spark has none. */
   static DataType sparkType(Field field, String dataset, String location) {
+    DataType type = sparkTypeOrNull(field);
+    if (type == null) {
+      throw new FlightDeckException("INVALID_ARGUMENT", "column '" + field.getName()
+          + "' of dataset '" + dataset + "' on " + location + " is " + typeName(field)
+          + ", which Spark cannot hold; give the read a schema that reads it as a type it is "
+          + "cast to, or without it, e.g. spark.read.schema(\"id long\")");
+    }
+    return type;
+  }
+
+  /** The Spark type of a stored column; null where Spark has none. */
+  static DataType sparkTypeOrNull(Field field) {
     try {
       return ArrowUtils.fromArrowField(field);
     } catch (RuntimeException noSparkType) {
-      throw new FlightDeckException("INVALID_ARGUMENT", "column '" + field.getName()
-          + "' of dataset '" + dataset + "' on " + location + " is " + typeName(field)
-          + ", which Spark cannot hold; give the read a schema naming the columns to read "
-          + "without it, e.g. spark.read.schema(\"id long\")");
+      return null;
     }
   }
 
   /** A stored column's type as Arrow's other libraries name it ({@code uint32}). */
-  private static String typeName(Field field) {
+  static String typeName(Field field) {
     if (field.getType() instanceof ArrowType.Int i) {
       return (i.getIsSigned() ? "int" : "uint") + i.getBitWidth();
     }

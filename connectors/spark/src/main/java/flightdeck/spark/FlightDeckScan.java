@@ -52,10 +52,11 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  * few of them still makes as many tasks. Spark evaluates its own filters
  * again on what arrives, so a pushed filter only ever saves work.
  *
- * <p>The scan reports the dataset's size to Spark's planner, and a read
- * schema that does not match the stored columns is refused when the read
- * is planned (the columnar reader hands Spark the stored vectors as they
- * are).
+ * <p>The scan reports the dataset's size to Spark's planner; a count reads
+ * nothing. A read schema may ask a column as another simple type, which the
+ * server casts it to (the columnar reader hands Spark the vectors as they
+ * arrive); anything else that does not match the stored columns is refused
+ * when the read is planned.
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
@@ -93,7 +94,7 @@ final class FlightDeckScan {
 
     @Override
     public Scan build() {
-      return new DatasetScan(options.withFilter(pushed.sql()), schema);
+      return new DatasetScan(options, pushed.sql(), schema);
     }
   }
 
@@ -104,13 +105,19 @@ final class FlightDeckScan {
    * dataset is broadcast into a join rather than shuffled.
    */
   static final class DatasetScan implements Scan, SupportsReportStatistics {
+    private final Options base;
+    /** The SQL of Spark's filters the scan took (may be empty). */
+    private final String pushed;
+    /** The options with Spark's filters joined to the {@code filter} option. */
     private final Options options;
     private final StructType schema;
     /** The dataset's rows, asked of the server once, when Spark first wants them. */
     private Long rows;
 
-    DatasetScan(Options options, StructType schema) {
-      this.options = options;
+    DatasetScan(Options base, String pushed, StructType schema) {
+      this.base = base;
+      this.pushed = pushed;
+      this.options = base.withFilter(pushed);
       this.schema = schema;
     }
 
@@ -127,7 +134,7 @@ final class FlightDeckScan {
 
     @Override
     public Batch toBatch() {
-      return new Partitions(options, schema);
+      return new Partitions(base, pushed, schema);
     }
 
     @Override
@@ -164,7 +171,13 @@ final class FlightDeckScan {
    * member holding it ({@code holder}; "": the plan's default).
    */
   record Part(
-      Options options, List<String> columns, long start, long rows, long sealedAs, String holder)
+      Options options,
+      List<String> columns,
+      List<String> select,
+      long start,
+      long rows,
+      long sealedAs,
+      String holder)
       implements InputPartition, Serializable {
     /** The holder's host: Spark prefers an executor there, where the rows are. */
     @Override
@@ -174,17 +187,49 @@ final class FlightDeckScan {
     }
   }
 
-  /** Plans one Spark partition per stored partition, from the dataset's description. */
-  record Partitions(Options options, StructType schema) implements Batch {
+  /**
+   * The Spark types a read schema may ask a column as, whatever it is stored
+   * as, and the Arrow type the server casts it to (DataFusion's
+   * {@code arrow_cast}); a cast the values do not allow fails the read.
+   */
+  static final java.util.Map<String, String> CASTS = new java.util.LinkedHashMap<>();
+
+  static {
+    CASTS.put("boolean", "Boolean");
+    CASTS.put("tinyint", "Int8");
+    CASTS.put("smallint", "Int16");
+    CASTS.put("int", "Int32");
+    CASTS.put("bigint", "Int64");
+    CASTS.put("float", "Float32");
+    CASTS.put("double", "Float64");
+    CASTS.put("string", "Utf8");
+    CASTS.put("date", "Date32");
+    CASTS.put("binary", "Binary");
+  }
+
+  /**
+   * Plans one Spark partition per stored partition, from the dataset's
+   * description: the {@code base} options (the {@code filter} option among
+   * them) and {@code pushed}, the SQL of Spark's filters (may be empty).
+   */
+  record Partitions(Options base, String pushed, StructType schema) implements Batch {
     @Override
     public InputPartition[] planInputPartitions() {
       Wire.DatasetInfo info;
       FlightInfo selected = null;
-      try (Server server = Server.open(options.uri(), options.token())) {
-        info = server.sealed(options.dataset());
-        check(FlightDeckDataSource.storedSchema(server, options.dataset()), server.location);
+      List<String> select;
+      Options options;
+      try (Server server = Server.open(base.uri(), base.token())) {
+        info = server.sealed(base.dataset());
+        select = conversions(
+            FlightDeckDataSource.storedSchema(server, base.dataset()), server.location);
+        // Spark's filters compare the columns as the read schema types them;
+        // a column cast on the server compares otherwise before the cast (a
+        // number against a string), so where anything is cast they are left
+        // to Spark, which evaluates them on what arrives in any case.
+        options = select.isEmpty() ? base.withFilter(pushed) : base;
         if (!options.filter().isEmpty()) {
-          selected = selectedRows(server, info.sealedAs());
+          selected = selectedRows(server, options, info.sealedAs());
         }
       }
       List<String> columns = Arrays.asList(schema.fieldNames());
@@ -204,7 +249,8 @@ final class FlightDeckScan {
             long start = total * i / n;
             long end = total * (i + 1) / n;
             if (end > start) {
-              out.add(new Part(options, columns, start, end - start, info.sealedAs(), ""));
+              out.add(new Part(
+                  options, columns, select, start, end - start, info.sealedAs(), ""));
             }
           }
           return out.toArray(new InputPartition[0]);
@@ -214,7 +260,7 @@ final class FlightDeckScan {
       for (int i = 0; i < parts.size(); i++) {
         // Served by the member holding it, nothing fetched from the others.
         if (rows[i] > 0 || selected == null) {
-          out.add(new Part(options, columns, start, rows[i], info.sealedAs(),
+          out.add(new Part(options, columns, select, start, rows[i], info.sealedAs(),
               parts.get(i).holder()));
         }
         start += rows[i];
@@ -223,35 +269,50 @@ final class FlightDeckScan {
     }
 
     /**
-     * Refuses a read schema (one given to the read) that names a column the
-     * dataset does not have, or gives one another type than the one it is
-     * stored as, which the columnar reader cannot convert: before any task
-     * runs, naming the column, rather than failing every task.
+     * What the read asks of the server for the read schema (one given to
+     * the read may differ from the stored columns): nothing where every
+     * column is read as stored, else a select list that casts on the server
+     * each column Spark wants as another type ({@link #CASTS}), since the
+     * columnar reader hands Spark the vectors as they arrive. A column the
+     * dataset lacks, or a type it is not cast to, is refused here, naming
+     * it, rather than failing every task.
      */
-    private void check(Schema stored, String location) {
+    private List<String> conversions(Schema stored, String location) {
+      List<String> select = new ArrayList<>();
+      boolean cast = false;
       for (StructField want : schema.fields()) {
         Field field = stored.getFields().stream()
             .filter(f -> f.getName().equals(want.name()))
             .findFirst()
             .orElseThrow(() -> new FlightDeckException("INVALID_ARGUMENT", "the read's schema "
-                + "names column '" + want.name() + "', which dataset '" + options.dataset()
+                + "names column '" + want.name() + "', which dataset '" + base.dataset()
                 + "' on " + location + " does not have; its columns are "
                 + stored.getFields().stream().map(Field::getName).toList()));
-        DataType have = FlightDeckDataSource.sparkType(field, options.dataset(), location);
-        if (!have.simpleString().equals(want.dataType().simpleString())) {
-          throw new FlightDeckException("INVALID_ARGUMENT", "the read's schema gives column '"
-              + want.name() + "' of dataset '" + options.dataset() + "' as "
-              + want.dataType().simpleString() + ", but it is stored as " + have.simpleString()
-              + "; the JVM connector reads columns as stored: give " + have.simpleString()
-              + " (and cast after the read), or leave the column out");
+        String name = Filters.quote(want.name());
+        DataType have = FlightDeckDataSource.sparkTypeOrNull(field);
+        if (have != null && have.simpleString().equals(want.dataType().simpleString())) {
+          select.add(name);
+          continue;
         }
+        String target = CASTS.get(want.dataType().simpleString());
+        if (target == null) {
+          throw new FlightDeckException("INVALID_ARGUMENT", "the read's schema gives column '"
+              + want.name() + "' of dataset '" + base.dataset() + "' as "
+              + want.dataType().simpleString() + ", but it is stored as "
+              + FlightDeckDataSource.typeName(field) + "; the JVM connector reads a column as "
+              + "stored" + (have == null ? "" : " (" + have.simpleString() + ")") + " or cast to "
+              + String.join(", ", CASTS.keySet()) + ": give one of those, or leave it out");
+        }
+        select.add("arrow_cast(" + name + ", '" + target + "') AS " + name);
+        cast = true;
       }
+      return cast ? select : List.of();
     }
 
     /** The plan of the filter's rows, from {@code server}: its row count and each partition's. */
-    private FlightInfo selectedRows(Server server, long sealedAs) {
+    private static FlightInfo selectedRows(Server server, Options options, long sealedAs) {
       byte[] plan = Wire.readFrom(options.dataset(), 0, 0, options.batchRows(), List.of(),
-          options.filter(), sealedAs, "");
+          List.of(), options.filter(), sealedAs, "");
       try {
         return server.client.getInfo(FlightDescriptor.command(plan), server.options);
       } catch (FlightRuntimeException e) {
@@ -343,7 +404,8 @@ final class FlightDeckScan {
         FlightInfo info = server.client.getInfo(
             FlightDescriptor.command(
                 Wire.readFrom(o.dataset(), part.start(), part.rows(), o.batchRows(),
-                    part.columns(), o.filter(), part.sealedAs(), part.holder())),
+                    part.select().isEmpty() ? part.columns() : List.of(), part.select(),
+                    o.filter(), part.sealedAs(), part.holder())),
             server.options);
         FlightEndpoint endpoint = info.getEndpoints().get(0);
         Server serving = server;

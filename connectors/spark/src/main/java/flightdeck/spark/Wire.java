@@ -170,7 +170,8 @@ final class Wire {
   /**
    * {@code ReadPlan} for one rank reading unshuffled {@code rows} rows from
    * {@code startSample} (0: to the end), projected to {@code columns} (none:
-   * all), over the rows {@code filter} selects (empty: every row), of the
+   * all) or read as the SQL expressions {@code select} (none: the columns),
+   * over the rows {@code filter} selects (empty: every row), of the
    * dataset as sealed when {@code sealedAs} was described (0: as it is now),
    * served by member {@code holder} of a dataset sealed across servers
    * ("": the plan's default).
@@ -181,6 +182,7 @@ final class Wire {
       long rows,
       int batchRows,
       List<String> columns,
+      List<String> select,
       String filter,
       long sealedAs,
       String holder) {
@@ -191,6 +193,7 @@ final class Wire {
         .repeatedString(8, columns)
         .uint64(9, startSample)
         .string(17, filter)
+        .repeatedString(18, select)
         .uint64(19, sealedAs)
         .uint64(20, rows);
     if (!holder.isEmpty()) {
