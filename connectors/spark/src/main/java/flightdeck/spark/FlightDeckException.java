@@ -37,8 +37,9 @@ public final class FlightDeckException extends RuntimeException {
               + "file on the driver and every executor, or the JVM's trust store); one "
               + "started without it takes grpc://"
           : "cannot reach the flightdeck server at " + location + " (" + why + "): start "
-              + "it (flightdeck serve) or point option uri at a running one (with uri local, "
-              + "each executor's FLIGHTDECK_URI, else grpc://127.0.0.1:50051)";
+              + "it (flightdeck serve) or point option uri at a running one (or uris at "
+              + "running ones; with uri local, each executor's FLIGHTDECK_URI, else "
+              + "grpc://127.0.0.1:50051)";
     } else if (code.equals("UNAVAILABLE") && !message.contains(location)) {
       message = message + " (server " + location + ")";
     }
