@@ -4,7 +4,9 @@ import java.io.Serializable;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Comparator;
+import java.util.LinkedHashMap;
 import java.util.List;
+import java.util.Map;
 import java.util.OptionalLong;
 import org.apache.arrow.flight.FlightDescriptor;
 import org.apache.arrow.flight.FlightEndpoint;
@@ -192,7 +194,7 @@ final class FlightDeckScan {
    * as, and the Arrow type the server casts it to (DataFusion's
    * {@code arrow_cast}); a cast the values do not allow fails the read.
    */
-  static final java.util.Map<String, String> CASTS = new java.util.LinkedHashMap<>();
+  static final Map<String, String> CASTS = new LinkedHashMap<>();
 
   static {
     CASTS.put("boolean", "Boolean");
