@@ -1,12 +1,9 @@
 package flightdeck.spark;
 
 import java.util.Map;
-import org.apache.arrow.flight.FlightDescriptor;
-import org.apache.arrow.flight.FlightRuntimeException;
 import org.apache.arrow.vector.types.FloatingPointPrecision;
 import org.apache.arrow.vector.types.pojo.ArrowType;
 import org.apache.arrow.vector.types.pojo.Field;
-import org.apache.arrow.vector.types.pojo.Schema;
 import org.apache.spark.sql.connector.catalog.Table;
 import org.apache.spark.sql.connector.catalog.TableProvider;
 import org.apache.spark.sql.connector.expressions.Transform;
@@ -46,22 +43,12 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
   public StructType inferSchema(CaseInsensitiveStringMap map) {
     Options options = Options.of(map);
     try (Server server = Server.open(options.uri(), options.token())) {
-      server.sealed(options.dataset());
       StructType out = new StructType();
-      for (Field field : storedSchema(server, options.dataset()).getFields()) {
+      for (Field field : server.sealed(options.dataset()).arrowSchema().getFields()) {
         out = out.add(field.getName(), sparkType(field, options.dataset(), server.location),
             field.isNullable());
       }
       return out;
-    }
-  }
-
-  /** The dataset's Arrow schema, as its server holds it. */
-  static Schema storedSchema(Server server, String dataset) {
-    try {
-      return server.client.getSchema(FlightDescriptor.path(dataset), server.options).getSchema();
-    } catch (FlightRuntimeException e) {
-      throw FlightDeckException.of(e, server.location);
     }
   }
 

@@ -19,11 +19,20 @@ public final class FlightDeckException extends RuntimeException {
     this.code = code;
   }
 
+  /**
+   * The error {@code e} from the server at {@code location}, with the gRPC
+   * code the server answered with: Flight's own codes fold several into one
+   * ({@code FAILED_PRECONDITION}, which says to change something first,
+   * arrives as {@code INVALID_ARGUMENT}), so the code the server sent in its
+   * trailer is taken where there is one. An error of the transport (no
+   * trailer) says which server could not be reached and what to check.
+   */
   static FlightDeckException of(FlightRuntimeException e, String location) {
     String message = e.getMessage() == null ? "" : e.getMessage();
-    String code = grpcCode(e);
+    String sent = sentCode(e);
+    String code = sent != null ? sent : e.status().code().name();
     boolean tls = tls(e);
-    if ((code.equals("UNAVAILABLE") || tls) && sentCode(e) == null) {
+    if (sent == null && (code.equals("UNAVAILABLE") || tls)) {
       // The transport's, not a server's: say which server and what to check.
       Throwable root = e;
       while (root.getCause() != null && root.getCause() != root) {
@@ -68,17 +77,6 @@ public final class FlightDeckException extends RuntimeException {
 
   /** The trailer in which a flightdeck server sends its error's gRPC code as a number. */
   static final String CODE_TRAILER = "flightdeck-grpc-code";
-
-  /**
-   * The gRPC code the server answered with. Flight's own codes fold several
-   * into one ({@code FAILED_PRECONDITION}, which says to change something
-   * first, arrives as {@code INVALID_ARGUMENT}), so the code the server sent
-   * in its trailer is taken where there is one.
-   */
-  static String grpcCode(FlightRuntimeException e) {
-    String sent = sentCode(e);
-    return sent != null ? sent : e.status().code().name();
-  }
 
   /** The code a flightdeck server sent in its trailer; null where there is none. */
   private static String sentCode(FlightRuntimeException e) {

@@ -223,8 +223,7 @@ final class FlightDeckScan {
       Options options;
       try (Server server = Server.open(base.uri(), base.token())) {
         info = server.sealed(base.dataset());
-        select = conversions(
-            FlightDeckDataSource.storedSchema(server, base.dataset()), server.location);
+        select = conversions(info.arrowSchema(), server.location);
         // Spark's filters compare the columns as the read schema types them;
         // a column cast on the server compares otherwise before the cast (a
         // number against a string), so where anything is cast they are left

@@ -2,13 +2,18 @@ package flightdeck.spark;
 
 import com.google.protobuf.CodedInputStream;
 import com.google.protobuf.CodedOutputStream;
+import java.io.ByteArrayInputStream;
 import java.io.ByteArrayOutputStream;
 import java.io.IOException;
 import java.io.UncheckedIOException;
+import java.nio.channels.Channels;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
 import java.util.SortedMap;
+import org.apache.arrow.vector.ipc.ReadChannel;
+import org.apache.arrow.vector.ipc.message.MessageSerializer;
+import org.apache.arrow.vector.types.pojo.Schema;
 
 /**
  * The few messages of {@code protos/flightdeck.proto} the connector sends
@@ -240,12 +245,32 @@ final class Wire {
    * are every member's on a dataset sealed across servers (from its
    * layout), this server's otherwise; {@code sealedAs} identifies this seal
    * of it (the layout id on a cluster, else the generation), for read plans
-   * that must not mix two writes.
+   * that must not mix two writes; {@code schema} is its Arrow schema as an
+   * IPC schema message (empty before the first commit).
    */
   record DatasetInfo(
-      int state, long rows, List<Partition> partitions, long sealedAs, double writtenSecondsAgo) {
+      int state,
+      long rows,
+      List<Partition> partitions,
+      long sealedAs,
+      double writtenSecondsAgo,
+      byte[] schema) {
     static final int SEALED = 2;
     static final int SEALING = 3;
+
+    /** The dataset's Arrow schema, decoded from {@code schema}. */
+    Schema arrowSchema() {
+      if (schema.length == 0) {
+        return new Schema(List.of());
+      }
+      try {
+        return MessageSerializer.deserializeSchema(
+            new ReadChannel(Channels.newChannel(new ByteArrayInputStream(schema))));
+      } catch (IOException e) {
+        throw new IllegalStateException(
+            "the server's DatasetInfo.schema does not decode: " + e.getMessage(), e);
+      }
+    }
 
     boolean sealed() {
       return state == SEALED;
@@ -263,6 +288,7 @@ final class Wire {
     long generation = 0;
     long layout = 0;
     double writtenSecondsAgo = 0;
+    byte[] schema = new byte[0];
     List<Partition> partitions = new ArrayList<>();
     List<Partition> everyMember = new ArrayList<>();
     try {
@@ -271,6 +297,7 @@ final class Wire {
         switch (tag >>> 3) {
           case 2 -> state = in.readEnum();
           case 3 -> rows = in.readUInt64();
+          case 6 -> schema = in.readByteArray();
           case 7 -> partitions.add(partition(in.readByteArray()));
           case 8 -> generation = in.readUInt64();
           case 12 -> layout = layoutPartitions(in.readByteArray(), everyMember);
@@ -283,7 +310,7 @@ final class Wire {
           "the server's DatasetInfo does not decode: " + e.getMessage(), e);
     }
     return new DatasetInfo(state, rows, everyMember.isEmpty() ? partitions : everyMember,
-        layout != 0 ? layout : generation, writtenSecondsAgo);
+        layout != 0 ? layout : generation, writtenSecondsAgo, schema);
   }
 
   /** The partitions of every member of a {@code ClusterLayout}; returns its id. */
