@@ -2,8 +2,8 @@
 # Runs every test of the project: Rust (unit, property, end-to-end over
 # loopback), the JVM Spark connector's build, and Python (a plain
 # pyarrow.flight client, the Python client, PySpark with both Spark
-# connectors, against the server binary). Sets up .venv with the Python test
-# dependencies on first use.
+# connectors, a JDBC client of the SQL endpoint, against the server
+# binary). Sets up .venv with the Python test dependencies on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +41,9 @@ scripts/python-env.sh
 
 echo "==> JVM Spark connector (connectors/spark)"
 mvn -q -B -f connectors/spark/pom.xml package
+
+echo "==> JDBC client of the Flight SQL endpoint (tests/jdbc)"
+mvn -q -B -f tests/jdbc/pom.xml package
 
 echo "==> CUDA kernels: NVRTC and ptxas, no GPU needed"
 scripts/gpu-check.sh kernels

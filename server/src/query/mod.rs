@@ -30,7 +30,7 @@ use datafusion::logical_expr::simplify::SimplifyContext;
 use datafusion::logical_expr::{Expr, ExprSchemable};
 use datafusion::optimizer::simplify_expressions::ExprSimplifier;
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::prelude::SessionContext;
+use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result, panic_message};
@@ -43,13 +43,25 @@ pub use interrupt::Interruptible;
 /// Filters kept per dataset generation; the oldest is dropped past this.
 const KEPT_SELECTIONS: usize = 8;
 
+/// DataFusion's settings for every expression and query a client writes.
+///
+/// SQL's string types (`VARCHAR`, `TEXT`, …) are Arrow's `Utf8`, not
+/// DataFusion's default `Utf8View`: every client reads `Utf8`, while Spark
+/// and Arrow Java's Flight SQL JDBC driver refuse a `Utf8View` column (a
+/// `CAST(x AS VARCHAR)` result) or parameter outright.
+pub fn config() -> SessionConfig {
+    let mut config = SessionConfig::new();
+    config.options_mut().sql_parser.map_string_types_to_utf8view = false;
+    config
+}
+
 /// The DataFusion session every read-plan expression is planned in:
 /// default functions plus `hash_bucket`; made once (registering every
 /// function is not free) and shared, as planning an expression only reads it.
 pub fn session() -> &'static SessionContext {
     static SESSION: std::sync::OnceLock<SessionContext> = std::sync::OnceLock::new();
     SESSION.get_or_init(|| {
-        let ctx = SessionContext::new();
+        let ctx = SessionContext::new_with_config(config());
         ctx.register_udf(HashBucket::udf());
         ctx
     })

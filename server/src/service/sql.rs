@@ -32,7 +32,8 @@ use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
 use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
 use arrow_flight::sql::{
     ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
-    ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetDbSchemas,
+    ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetCrossReference,
+    CommandGetDbSchemas, CommandGetExportedKeys, CommandGetImportedKeys, CommandGetPrimaryKeys,
     CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
     CommandStatementQuery, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
     TicketStatementQuery,
@@ -54,7 +55,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
-use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
+use datafusion::prelude::{DataFrame, SessionContext};
 use datafusion::sql::parser::Statement as DfStatement;
 use flightdeck_protos as pb;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
@@ -136,7 +137,7 @@ impl SqlService {
         // tables, join build sides, sort buffers): a quarter of the budget,
         // and no more than the budget has free.
         let limit = query_memory(self.state.config.memory_limit);
-        let config = SessionConfig::new()
+        let config = crate::query::config()
             .with_default_catalog_and_schema(CATALOG, SCHEMA)
             .with_information_schema(true);
         let reserve = sort_merge_reserve(limit, config.target_partitions());
@@ -290,7 +291,7 @@ impl SqlService {
     async fn run(&self, sql: &str, params: Option<ParamValues>) -> Result<DoGetStream> {
         let ctx = self.session(None)?;
         let plan = self.plan(&ctx, sql, params).await?;
-        let schema: SchemaRef = Arc::new(plan.schema().as_arrow().clone());
+        let schema: SchemaRef = Arc::new(answer_schema(&plan));
         let results = start(sql, DataFrame::new(ctx.state(), plan), &self.state.metrics)?;
         let declared = schema.clone();
         let batches = tokio_stream::wrappers::ReceiverStream::new(results).map(move |item| {
@@ -331,10 +332,10 @@ impl SqlService {
         let params = Schema::new(
             params
                 .into_iter()
-                .map(|(name, f)| f.as_ref().clone().with_name(name))
+                .map(|(name, f)| plain_field(&f).with_name(name))
                 .collect::<Vec<_>>(),
         );
-        Ok((plan.schema().as_arrow().clone(), params))
+        Ok((answer_schema(&plan), params))
     }
 
     /// Action `derive`: runs `sql` (reading `source`, when given, also as
@@ -575,13 +576,71 @@ fn query_error(sql: &str, e: DataFusionError) -> Error {
 }
 
 /// `batch` with the declared schema's field names and nullability (strict
-/// clients compare the stream's schema with the advertised one); as it is
-/// when the columns do not fit it.
+/// clients compare the stream's schema with the advertised one), its
+/// columns cast where the declared type differs (see [`plain_type`]); as it
+/// is when the columns do not fit it.
 fn conform(schema: &SchemaRef, batch: RecordBatch) -> RecordBatch {
     if batch.schema() == *schema {
         return batch;
     }
-    RecordBatch::try_new(schema.clone(), batch.columns().to_vec()).unwrap_or(batch)
+    let columns = batch
+        .columns()
+        .iter()
+        .zip(schema.fields())
+        .map(|(column, field)| {
+            if column.data_type() == field.data_type() {
+                Ok(column.clone())
+            } else {
+                arrow::compute::cast(column, field.data_type())
+            }
+        })
+        .collect::<std::result::Result<Vec<_>, _>>();
+    match columns {
+        Ok(columns) => RecordBatch::try_new(schema.clone(), columns).unwrap_or(batch),
+        Err(_) => batch,
+    }
+}
+
+/// The schema a query's answer is sent in: its plan's, in [`plain_type`]s.
+fn answer_schema(plan: &LogicalPlan) -> Schema {
+    plain_schema(plan.schema().as_arrow())
+}
+
+/// `schema` in [`plain_type`]s.
+fn plain_schema(schema: &Schema) -> Schema {
+    Schema::new_with_metadata(
+        schema
+            .fields()
+            .iter()
+            .map(|f| plain_field(f))
+            .collect::<Vec<_>>(),
+        schema.metadata().clone(),
+    )
+}
+
+/// `field` of its [`plain_type`].
+fn plain_field(field: &arrow::datatypes::Field) -> arrow::datatypes::Field {
+    field.clone().with_data_type(plain_type(field.data_type()))
+}
+
+/// `data_type` with Arrow's view layouts (`Utf8View`, `BinaryView`, at any
+/// depth) as their plain counterparts, the types SQL answers and parameters
+/// are sent in: Arrow Java's Flight SQL JDBC driver (and with it Spark's
+/// JDBC source and JVM tools) refuses a view column outright, and a dataset
+/// written from pyarrow's or Polars' `string_view` holds them.
+fn plain_type(data_type: &arrow::datatypes::DataType) -> arrow::datatypes::DataType {
+    use arrow::datatypes::DataType;
+    let field = |f: &arrow::datatypes::FieldRef| Arc::new(plain_field(f));
+    match data_type {
+        DataType::Utf8View => DataType::Utf8,
+        DataType::BinaryView => DataType::Binary,
+        DataType::List(f) => DataType::List(field(f)),
+        DataType::LargeList(f) => DataType::LargeList(field(f)),
+        DataType::FixedSizeList(f, n) => DataType::FixedSizeList(field(f), *n),
+        DataType::Struct(fields) => DataType::Struct(fields.iter().map(field).collect()),
+        DataType::Map(f, sorted) => DataType::Map(field(f), *sorted),
+        other => other.clone(),
+    }
 }
 
 /// An IPC schema message.
@@ -732,8 +791,7 @@ impl FlightSqlService for SqlService {
         let plan = self
             .plan(&ctx, &handle.query, param_values(&handle.parameters)?)
             .await?;
-        let schema = plan.schema().as_arrow().clone();
-        command_info(&schema, &cmd, request)
+        command_info(&answer_schema(&plan), &cmd, request)
     }
 
     async fn do_get_prepared_statement(
@@ -874,7 +932,7 @@ impl FlightSqlService for SqlService {
         let mut builder = query.into_builder();
         for (name, schema) in self.tables() {
             builder
-                .append(CATALOG, SCHEMA, name, "TABLE", &schema)
+                .append(CATALOG, SCHEMA, name, "TABLE", &plain_schema(&schema))
                 .map_err(Status::from)?;
         }
         let schema = builder.schema();
@@ -923,7 +981,115 @@ impl FlightSqlService for SqlService {
         Ok(Response::new(one_batch(schema, builder.build())))
     }
 
+    // Datasets have no primary or foreign keys: the key listings answer
+    // with no rows, as a database whose tables declare none does (JDBC
+    // tools ask for them when they show a table).
+
+    async fn get_flight_info_primary_keys(
+        &self,
+        query: CommandGetPrimaryKeys,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        command_info(&primary_keys_schema(), &query, request)
+    }
+
+    async fn do_get_primary_keys(
+        &self,
+        _query: CommandGetPrimaryKeys,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        Ok(Response::new(no_rows(primary_keys_schema())))
+    }
+
+    async fn get_flight_info_exported_keys(
+        &self,
+        query: CommandGetExportedKeys,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        command_info(&foreign_keys_schema(), &query, request)
+    }
+
+    async fn do_get_exported_keys(
+        &self,
+        _query: CommandGetExportedKeys,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        Ok(Response::new(no_rows(foreign_keys_schema())))
+    }
+
+    async fn get_flight_info_imported_keys(
+        &self,
+        query: CommandGetImportedKeys,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        command_info(&foreign_keys_schema(), &query, request)
+    }
+
+    async fn do_get_imported_keys(
+        &self,
+        _query: CommandGetImportedKeys,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        Ok(Response::new(no_rows(foreign_keys_schema())))
+    }
+
+    async fn get_flight_info_cross_reference(
+        &self,
+        query: CommandGetCrossReference,
+        request: Request<FlightDescriptor>,
+    ) -> std::result::Result<Response<FlightInfo>, Status> {
+        command_info(&foreign_keys_schema(), &query, request)
+    }
+
+    async fn do_get_cross_reference(
+        &self,
+        _query: CommandGetCrossReference,
+        _request: Request<Ticket>,
+    ) -> std::result::Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        Ok(Response::new(no_rows(foreign_keys_schema())))
+    }
+
     async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
+}
+
+/// The columns of a `CommandGetPrimaryKeys` answer (FlightSql.proto).
+fn primary_keys_schema() -> Schema {
+    use arrow::datatypes::{DataType, Field};
+    Schema::new(vec![
+        Field::new("catalog_name", DataType::Utf8, true),
+        Field::new("db_schema_name", DataType::Utf8, true),
+        Field::new("table_name", DataType::Utf8, false),
+        Field::new("column_name", DataType::Utf8, false),
+        Field::new("key_name", DataType::Utf8, true),
+        Field::new("key_sequence", DataType::Int32, false),
+    ])
+}
+
+/// The columns of an answer to `CommandGetExportedKeys`,
+/// `CommandGetImportedKeys` and `CommandGetCrossReference` (FlightSql.proto).
+fn foreign_keys_schema() -> Schema {
+    use arrow::datatypes::{DataType, Field};
+    Schema::new(vec![
+        Field::new("pk_catalog_name", DataType::Utf8, true),
+        Field::new("pk_db_schema_name", DataType::Utf8, true),
+        Field::new("pk_table_name", DataType::Utf8, false),
+        Field::new("pk_column_name", DataType::Utf8, false),
+        Field::new("fk_catalog_name", DataType::Utf8, true),
+        Field::new("fk_db_schema_name", DataType::Utf8, true),
+        Field::new("fk_table_name", DataType::Utf8, false),
+        Field::new("fk_column_name", DataType::Utf8, false),
+        Field::new("key_sequence", DataType::Int32, false),
+        Field::new("fk_key_name", DataType::Utf8, true),
+        Field::new("pk_key_name", DataType::Utf8, true),
+        Field::new("update_rule", DataType::UInt8, false),
+        Field::new("delete_rule", DataType::UInt8, false),
+    ])
+}
+
+/// An answer of `schema`'s columns and no rows.
+fn no_rows(schema: Schema) -> DoGetStream {
+    let schema = Arc::new(schema);
+    one_batch(schema.clone(), Ok(RecordBatch::new_empty(schema)))
 }
 
 fn table_types_schema() -> Schema {
