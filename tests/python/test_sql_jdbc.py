@@ -5,7 +5,7 @@ test command does) makes the JDBC calls and prints what the driver returns.
 Tables and columns listed, an aggregate, a result without rows (the probe by
 which Spark's JDBC source learns a query's columns), strings made in SQL
 read and bound, prepared statements run with several parameter sets, keys
-answered with none, an unknown table named."""
+answered with none, an unknown table named, a token in the URL."""
 
 from __future__ import annotations
 
@@ -171,3 +171,20 @@ def test_datasets_have_no_keys_and_say_so(server, events):
                        ("exported-keys", "events")):
         assert answer == {"columns": [], "rows": []}, answer
 
+
+def test_a_token_in_the_url_reaches_a_server_with_tokens(tmp_path):
+    # The driver shakes hands with its `token` first, then sends it on every
+    # call; the handshake was UNIMPLEMENTED, so no connection was made.
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer w-jdbc-1\nreader r-jdbc-1\n")
+    guarded = RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+    try:
+        client = flightdeck.connect(guarded.uri, token="w-jdbc-1")
+        client.put_partition("t", 0, pa.table({"x": pa.array(range(10), pa.int64())}))
+        client.seal("t", partitions=1)
+        [read] = jdbc(guarded.uri + "?token=r-jdbc-1", ("query", "SELECT sum(x) AS s FROM t"))
+        assert read == {"columns": [["s", "BIGINT"]], "rows": [["45"]]}
+        [refused] = jdbc(guarded.uri, ("query", "SELECT sum(x) AS s FROM t"))
+        assert "this server needs a token" in refused["error"], refused
+    finally:
+        assert guarded.stop() == 0, "".join(guarded.stderr_lines)

@@ -64,14 +64,23 @@ impl FlightService for FlightdeckService {
     type ListActionsStream = Stream<ActionType>;
     type DoExchangeStream = Stream<FlightData>;
 
+    /// With `--auth-token-file`, a handshake that carries a token this
+    /// server accepts (the token check runs before any call) is answered
+    /// with one empty response: clients that authenticate by handshake
+    /// first, such as Arrow Java's Flight SQL JDBC driver given a `token`,
+    /// then send the same token on every call. Without tokens there is
+    /// nothing to shake hands over.
     async fn handshake(
         &self,
         _request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
-        Err(Status::unimplemented(
-            "Handshake is not used by flightdeck: send 'authorization: Bearer TOKEN' on every \
-             call when the server has --auth-token-file",
-        ))
+        if self.state.tokens.is_none() {
+            return Err(Status::unimplemented(
+                "Handshake is not used by flightdeck: this server takes no token (it has no \
+                 --auth-token-file); call it without one",
+            ));
+        }
+        Ok(Response::new(once(HandshakeResponse::default())))
     }
 
     async fn list_flights(
