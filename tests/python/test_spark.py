@@ -651,6 +651,35 @@ def test_every_type_round_trips_through_the_python_source(flightdeck_server, spa
     assert sorted(back.collect(), key=lambda r: r.id) == sorted(df.collect(), key=lambda r: r.id)
 
 
+def check_view_columns_read_as_strings_and_bytes(spark, uri, fmt):
+    """Columns a pyarrow or Polars writer stored in Arrow's view layouts
+    (`string_view`, `binary_view`) read as Spark strings and bytes."""
+    import pyarrow as pa
+
+    client = flightdeck.connect(uri)
+    client.put_partition("views", 0, pa.table({
+        "n": pa.array([1, 2, 3], pa.int64()),
+        "s": pa.array(["a", None, "c"], pa.string_view()),
+        "b": pa.array([b"x", b"y", None], pa.binary_view()),
+        "l": pa.array([["p"], None, []], pa.list_(pa.string_view())),
+    }))
+    client.seal("views", partitions=1)
+    df = spark.read.format(fmt).option("uri", uri).option("dataset", "views").load()
+    assert df.schema.simpleString() == "struct<n:bigint,s:string,b:binary,l:array<string>>"
+    assert [tuple(r) for r in df.orderBy("n").collect()] == [
+        (1, "a", bytearray(b"x"), ["p"]), (2, None, bytearray(b"y"), None), (3, "c", None, []),
+    ]
+    assert df.filter("s = 'c'").select("n").collect()[0].n == 3
+    client.drop("views")
+
+
+def test_python_source_reads_view_columns(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    check_view_columns_read_as_strings_and_bytes(spark, flightdeck_server.uri, "flightdeck_py")
+
+
 def check_options_a_writer_gets_wrong_are_refused(spark, fmt):
     """Options that would send the rows somewhere unintended, or not at all,
     are refused naming what to give: a `uris` naming no server (an empty

@@ -31,6 +31,7 @@ from test_spark import (  # noqa: E402
     check_a_write_whose_server_dies_fails,
     check_the_token_option,
     check_unknown_options_are_refused,
+    check_view_columns_read_as_strings_and_bytes,
     fail_first_attempt,
     source,
 )
@@ -441,6 +442,10 @@ def test_options_a_writer_gets_wrong_are_refused(spark):
 
 def test_unknown_options_are_refused(spark):
     check_unknown_options_are_refused(spark, "flightdeck")
+
+
+def test_view_columns_read_as_strings_and_bytes(flightdeck_server, spark):
+    check_view_columns_read_as_strings_and_bytes(spark, flightdeck_server.uri, "flightdeck")
 
 
 def test_a_table_made_in_sql_reads_the_dataset(flightdeck_server, spark):

@@ -427,6 +427,24 @@ def filter_sql(f, kinds: Mapping[str, str]) -> str | None:
     return None
 
 
+def _plain(t: pa.DataType) -> pa.DataType:
+    """`t` with Arrow's view layouts (`string_view`, `binary_view`, at any
+    depth) as plain strings and bytes: Spark has no type for a view, and
+    the reader's batches are cast to the plain type."""
+    if pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_binary_view(t):
+        return pa.binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        item = t.value_field.with_type(_plain(t.value_type))
+        if pa.types.is_fixed_size_list(t):
+            return pa.list_(item, t.list_size)
+        return pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_plain(f.type)) for f in t])
+    return t
+
+
 def _read_schema(info, dataset: str, location: str):
     """The Spark schema of a sealed dataset, from its description."""
     from pyspark.sql.pandas.types import from_arrow_type
@@ -436,7 +454,8 @@ def _read_schema(info, dataset: str, location: str):
     fields = []
     for field in schema or []:
         try:
-            fields.append(StructField(field.name, from_arrow_type(field.type), field.nullable))
+            spark_type = from_arrow_type(_plain(field.type))
+            fields.append(StructField(field.name, spark_type, field.nullable))
         except Exception:  # Spark has no type for it
             raise InvalidArgument(
                 f"column '{field.name}' of dataset '{dataset}' on {location} is {field.type}, "
