@@ -5,7 +5,8 @@ test command does) makes the JDBC calls and prints what the driver returns.
 Tables and columns listed, an aggregate, a result without rows (the probe by
 which Spark's JDBC source learns a query's columns), strings made in SQL
 read and bound, prepared statements run with several parameter sets, keys
-answered with none, an unknown table named, a token in the URL."""
+answered with none, an unknown table named, a token in the URL, TLS with the
+authority's certificate."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pyarrow.compute as pc
 import pytest
 
 import flightdeck
-from conftest import REPO, RunningServer, scaled
+from conftest import REPO, RunningServer, make_test_certs, scaled
 from test_query import write
 
 CHECK = REPO / "tests" / "jdbc" / "target"
@@ -46,8 +47,9 @@ def events(server) -> pa.Table:
 def jdbc(uri: str, *calls: tuple[str, ...]) -> list:
     """What the driver returned for each call (`tests/jdbc`'s JdbcCheck)."""
     where = urlparse(uri)
+    tls = "true" if where.scheme == "grpc+tls" else "false"
     extra = f"&{where.query}" if where.query else ""
-    url = f"jdbc:arrow-flight-sql://{where.hostname}:{where.port}?useEncryption=false{extra}"
+    url = f"jdbc:arrow-flight-sql://{where.hostname}:{where.port}?useEncryption={tls}{extra}"
     out = subprocess.run(
         ["java", "--add-opens=java.base/java.nio=ALL-UNNAMED",
          "-cp", f"{CHECK / 'classes'}:{CHECK / 'lib'}/*", "flightdeck.jdbc.JdbcCheck",
@@ -188,3 +190,22 @@ def test_a_token_in_the_url_reaches_a_server_with_tokens(tmp_path):
         assert "this server needs a token" in refused["error"], refused
     finally:
         assert guarded.stop() == 0, "".join(guarded.stderr_lines)
+
+
+def test_tls_with_the_authoritys_certificate(tmp_path):
+    certs = make_test_certs(tmp_path)
+    tls = RunningServer("--memory-limit", "256MiB",
+                        "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"]))
+    uri = f"grpc+tls://{tls.addr}"
+    try:
+        client = flightdeck.connect(uri, tls_root_certs=certs["ca"].read_bytes())
+        client.put_partition("t", 0, pa.table({"x": pa.array(range(5), pa.int64())}))
+        client.seal("t", partitions=1)
+        trusted, untrusted = (
+            jdbc(uri + query, ("query", "SELECT sum(x) AS s FROM t"))[0]
+            for query in (f"?tlsRootCerts={certs['ca']}", "")
+        )
+        assert trusted == {"columns": [["s", "BIGINT"]], "rows": [["10"]]}
+        assert "unable to find valid certification path" in untrusted["error"], untrusted
+    finally:
+        assert tls.stop() == 0, "".join(tls.stderr_lines)
