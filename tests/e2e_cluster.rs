@@ -1315,6 +1315,13 @@ async fn an_operator_queries_a_cluster_dataset_and_derives_from_it_from_the_comm
     let ids: Vec<i64> = rows.iter().map(|r| r["id"].as_i64().expect("id")).collect();
     assert_eq!(ids, [0, 500, 1000, 1500], "{out}");
     assert!(rows.iter().all(|r| r["x"].is_number()), "{out}");
+    // A null is a key with null, as in every other line.
+    let nulls = r#"SELECT id, CASE WHEN id = 0 THEN NULL ELSE x END AS x FROM "Clicks" WHERE id < 2 ORDER BY id"#;
+    let (ok, out, err) = sql(&[nulls, "--json"], "r-secret").await;
+    assert!(ok, "{err}");
+    let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(first, serde_json::json!({"id": 0, "x": null}), "{out}");
 
     for (query, words) in [
         (

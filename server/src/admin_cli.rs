@@ -376,9 +376,12 @@ pub async fn sql(args: SqlArgs) -> Result<(), String> {
         None if args.json => usize::MAX,
         None => SQL_ROWS_SHOWN,
     };
-    let mut lines = args
-        .json
-        .then(|| arrow::json::LineDelimitedWriter::new(std::io::stdout().lock()));
+    // A null is written as `null`, not left out: every line has every key.
+    let mut lines = args.json.then(|| {
+        arrow::json::WriterBuilder::new()
+            .with_explicit_nulls(true)
+            .build::<_, arrow::json::writer::LineDelimited>(std::io::stdout().lock())
+    });
     let mut batches = result.batches;
     let (mut kept, mut shown, mut rows) = (Vec::new(), 0usize, 0u64);
     while let Some(batch) = batches.try_next().await.map_err(said)? {
