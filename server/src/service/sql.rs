@@ -39,8 +39,7 @@ use arrow_flight::sql::{
     TicketStatementQuery,
 };
 use arrow_flight::{
-    Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
-    IpcMessage, SchemaAsIpc, Ticket,
+    Action, FlightDescriptor, FlightEndpoint, FlightInfo, IpcMessage, SchemaAsIpc, Ticket,
 };
 use bytes::Bytes;
 use datafusion::catalog::{Session, TableProvider};
@@ -60,7 +59,7 @@ use datafusion::sql::parser::Statement as DfStatement;
 use flightdeck_protos as pb;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use prost::Message;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 
 use crate::catalog::{ClusterState, DatasetState, SealRequest};
 use crate::convert::{self, ShardTicket};
@@ -743,21 +742,6 @@ fn one_batch(
 #[tonic::async_trait]
 impl FlightSqlService for SqlService {
     type FlightService = SqlService;
-
-    async fn do_handshake(
-        &self,
-        _request: Request<Streaming<HandshakeRequest>>,
-    ) -> std::result::Result<
-        Response<
-            Pin<Box<dyn Stream<Item = std::result::Result<HandshakeResponse, Status>> + Send>>,
-        >,
-        Status,
-    > {
-        Err(Status::unimplemented(
-            "Handshake is not used by flightdeck: send 'authorization: Bearer TOKEN' on every \
-             call when the server has --auth-token-file",
-        ))
-    }
 
     async fn get_flight_info_statement(
         &self,
