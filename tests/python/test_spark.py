@@ -617,9 +617,13 @@ def test_spark_reads_refuse_an_unsealed_dataset_and_columns_spark_cannot_hold(
     register(spark, "flightdeck_py")
     uri = flightdeck_server.uri
     client = flightdeck.connect(uri)
-    batch = pa.record_batch(
-        {"id": pa.array([1, 2, 3], pa.int64()), "u": pa.array([7, 8, 9], pa.uint32())}
-    )
+    import decimal
+
+    batch = pa.record_batch({
+        "id": pa.array([1, 2, 3], pa.int64()),
+        "u": pa.array([7, 8, 9], pa.uint32()),
+        "w": pa.array([decimal.Decimal(1)] * 3, pa.decimal256(40, 2)),
+    })
     client.put_partition("raw", 0, [batch])
 
     def read(schema=None):
@@ -629,7 +633,8 @@ def test_spark_reads_refuse_an_unsealed_dataset_and_columns_spark_cannot_hold(
     with pytest.raises(Exception, match="'raw' is still being written; read it once"):
         read("id long").collect()
     client.seal("raw", partitions=1)
-    with pytest.raises(Exception, match="column 'u' of dataset 'raw' .* is uint32, which Spark"):
+    with pytest.raises(Exception, match=r"column 'w' of dataset 'raw' .* is decimal256\(40, 2\), "
+                       "which Spark"):
         read()
     # Without it, or with a type it converts to, the dataset reads.
     assert [r.id for r in read("id long").collect()] == [1, 2, 3]
@@ -671,6 +676,94 @@ def check_view_columns_read_as_strings_and_bytes(spark, uri, fmt):
     ]
     assert df.filter("s = 'c'").select("n").collect()[0].n == 3
     client.drop("views")
+
+
+def check_other_writers_types_read_as_spark_reads_parquet(spark, uri, fmt):
+    """A dataset a pyarrow, Polars or pandas writer stored with types Spark
+    does not hold reads as Spark's own Parquet reader gives them: unsigned
+    integers widened (`uint64` as `decimal(20,0)`, its largest value kept),
+    half floats, `date64`, `time32`, timestamps and durations finer than a
+    microsecond (the digits below it dropped), `decimal256`, fixed-size
+    binary and lists, large lists and dictionaries as the types Spark has,
+    inside structs, maps and lists too. Before, each was refused (or failed
+    inside Spark's reader). One Spark has no type for is refused naming it,
+    and a read schema without it reads the rest."""
+    import datetime
+    import decimal
+
+    import numpy as np
+    import pyarrow as pa
+
+    utc = datetime.timezone.utc
+    client = flightdeck.connect(uri)
+    client.put_partition("produced", 0, pa.table({
+        "id": pa.array([1, 2], pa.int64()),
+        "u8": pa.array([255, None], pa.uint8()),
+        "u16": pa.array([65535, 0], pa.uint16()),
+        "u32": pa.array([4294967295, 3], pa.uint32()),
+        "u64": pa.array([2**64 - 1, 4], pa.uint64()),
+        "f16": pa.array(np.array([1.5, -2.0], np.float16)),
+        "d64": pa.array([86_400_000, 0], pa.date64()),
+        "t32": pa.array([1_500, 0], pa.time32("ms")),
+        "ts_ns": pa.array([1_000_007, 2_000_000_000], pa.timestamp("ns", tz="UTC")),
+        "ts_ms": pa.array([1_500, 0], pa.timestamp("ms")),
+        "dur_ns": pa.array([3_000_009, 0], pa.duration("ns")),
+        "dec": pa.array([decimal.Decimal("1.25"), None], pa.decimal256(20, 2)),
+        "fsb": pa.array([b"ab", b"cd"], pa.binary(2)),
+        "fsl": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float32(), 2)),
+        "ll": pa.array([[5], []], pa.large_list(pa.int64())),
+        "cat": pa.array(["x", "y"]).dictionary_encode(),
+        "st": pa.array([{"a": 7, "t": 1_000}, None],
+                       pa.struct([("a", pa.uint8()), ("t", pa.timestamp("ms"))])),
+        "mp": pa.array([[("k", 9)], []], pa.map_(pa.string(), pa.uint16())),
+        "lu": pa.array([[1, 2], None], pa.list_(pa.uint32())),
+    }))
+    client.seal("produced", partitions=1)
+    df = spark.read.format(fmt).option("uri", uri).option("dataset", "produced").load()
+    assert df.schema.simpleString() == (
+        "struct<id:bigint,u8:smallint,u16:int,u32:bigint,u64:decimal(20,0),f16:float,"
+        "d64:date,t32:time(6),ts_ns:timestamp,ts_ms:timestamp_ntz,"
+        "dur_ns:interval day to second,dec:decimal(20,2),fsb:binary,fsl:array<float>,"
+        "ll:array<bigint>,cat:string,st:struct<a:smallint,t:timestamp_ntz>,"
+        "mp:map<string,int>,lu:array<bigint>>"
+    )
+    first, second = df.orderBy("id").collect()
+    assert tuple(first) == (
+        1, 255, 65535, 4294967295, decimal.Decimal(2**64 - 1), 1.5,
+        datetime.date(1970, 1, 2), datetime.time(0, 0, 1, 500_000),
+        datetime.datetime(1970, 1, 1, 0, 0, 0, 1_000, tzinfo=utc).astimezone().replace(tzinfo=None),
+        datetime.datetime(1970, 1, 1, 0, 0, 1, 500_000),
+        datetime.timedelta(microseconds=3_000), decimal.Decimal("1.25"), bytearray(b"ab"),
+        [1.0, 2.0], [5], "x", (7, datetime.datetime(1970, 1, 1, 0, 0, 1)), {"k": 9}, [1, 2],
+    )
+    assert second.u8 is None and second.u64 == 4 and second.f16 == -2.0
+    assert second.st is None and second.lu is None and second.mp == {} and second.ll == []
+    assert second.ts_ns.second == 2 and second.cat == "y"
+    # Spark's filters on a widened column select as on the stored values.
+    assert [r.id for r in df.where("u32 > 4000000000").collect()] == [1]
+    assert [r.id for r in df.where("cat = 'y'").collect()] == [2]
+
+    client.put_partition("wide", 0, pa.table({
+        "id": pa.array([1], pa.int64()),
+        "big": pa.array([decimal.Decimal("1.5")], pa.decimal256(40, 2)),
+    }))
+    client.seal("wide", partitions=1)
+    wide = spark.read.format(fmt).option("uri", uri).option("dataset", "wide")
+    with pytest.raises(Exception, match=r"column 'big' of dataset 'wide' on .* is "
+                       r"decimal256\(40, 2\), which Spark cannot hold"):
+        wide.load().collect()
+    assert [tuple(r) for r in wide.schema("id long").load().collect()] == [(1,)]
+    client.drop("produced")
+    client.drop("wide")
+
+
+def test_python_source_reads_other_writers_types(flightdeck_server, spark):
+    if not hasattr(spark, "dataSource"):
+        pytest.skip("Python data sources need Spark 4")
+    register(spark, "flightdeck_py")
+    check_other_writers_types_read_as_spark_reads_parquet(
+        spark, flightdeck_server.uri, "flightdeck_py"
+    )
 
 
 def test_python_source_reads_view_columns(flightdeck_server, spark):

@@ -31,6 +31,7 @@ from test_spark import (  # noqa: E402
     check_a_write_whose_server_dies_fails,
     check_the_token_option,
     check_unknown_options_are_refused,
+    check_other_writers_types_read_as_spark_reads_parquet,
     check_view_columns_read_as_strings_and_bytes,
     fail_first_attempt,
     source,
@@ -237,8 +238,8 @@ def test_every_type_round_trips(flightdeck_server, spark):
 def test_a_read_schema_is_cast_on_the_server_or_refused_before_any_task(
     flightdeck_server, spark
 ):
-    """A column Spark has no type for is refused naming it and what to do;
-    a schema given to the read may ask a column as another simple type
+    """A column Spark holds only as a wider type is read as that; a schema
+    given to the read may ask a column as another simple type
     (the server casts it: the columnar reader hands Spark the vectors as
     they arrive), and Spark's filters on a cast column are left to Spark,
     which compares as the schema types it; a column the dataset lacks, or a
@@ -259,9 +260,7 @@ def test_a_read_schema_is_cast_on_the_server_or_refused_before_any_task(
         df = (r.schema(schema) if schema else r).load()
         return [tuple(row) for row in (df.where(where) if where else df).collect()]
 
-    with pytest.raises(Exception, match=r"column 'u' of dataset 'raw' on .* is uint32, which Spark "
-                       r"cannot hold; give the read a schema that reads it as a type it is cast to"):
-        read()
+    assert read() == [(1, 7), (2, 8), (3, 9), (9, 10), (20, 11)]
     assert read("id long") == [(1,), (2,), (3,), (9,), (20,)]
     assert read("id int, u long") == [(1, 7), (2, 8), (3, 9), (9, 10), (20, 11)]
     assert read("u double, id string") == [(7.0, "1"), (8.0, "2"), (9.0, "3"), (10.0, "9"), (11.0, "20")]
@@ -336,6 +335,29 @@ def test_a_count_reads_nothing_from_the_server(flightdeck_server, spark):
     assert sorted(r.id for r in read().select("id").collect()) == list(range(10_000))
     assert client.stats().rows_served == after.rows_served + 10_000
     client.close()
+
+
+def test_other_writers_types_read_as_spark_reads_parquet(flightdeck_server, spark):
+    check_other_writers_types_read_as_spark_reads_parquet(spark, flightdeck_server.uri, "flightdeck")
+    # A column cast to the type Spark holds keeps Spark's filters on the
+    # server: the widening keeps every value, so they select the same rows.
+    import pyarrow as pa
+
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    client.put_partition("unsigned", 0, pa.table({
+        "id": pa.array(range(100), pa.int64()), "u": pa.array(range(100), pa.uint16()),
+    }))
+    client.seal("unsigned", partitions=1)
+    df = spark.read.format("flightdeck").option("uri", uri).option("dataset", "unsigned").load()
+    where = df.where("u >= 90 AND id <> 95")
+    plan = where._jdf.queryExecution().executedPlan().toString()
+    scan = next(line for line in plan.splitlines() if "flightdeck dataset 'unsigned'" in line)
+    assert '"u" >= 90' in scan, scan
+    served = client.stats().rows_served
+    assert sorted(r.u for r in where.collect()) == [90, 91, 92, 93, 94, 96, 97, 98, 99]
+    assert client.stats().rows_served - served == 9
+    client.drop("unsigned")
 
 
 def test_a_type_arrow_cannot_carry_is_refused_before_any_byte(flightdeck_server, spark):

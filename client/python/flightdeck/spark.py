@@ -57,8 +57,11 @@ integer, string and boolean columns join that condition, and Spark still
 evaluates them on what arrives. Spark's Python data sources cannot prune
 columns: a schema given to the read
 (`spark.read.schema("id long, x float")`) names the columns the server
-sends, and reads a dataset with a column Spark cannot hold (unsigned
-integers, half floats) without it.
+sends, and reads a dataset with a column Spark cannot hold (a `decimal256`
+wider than 38 digits) without it. Columns another Arrow writer stored as
+types Spark does not hold (unsigned integers, half floats, `date64`,
+dictionaries, nanosecond timestamps, …) read as Spark's Parquet reader
+gives them (see `_readable`).
 
 Spark ML vectors (`VectorUDT`) are structs on the wire: convert them first
 with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
@@ -74,6 +77,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
@@ -427,21 +431,52 @@ def filter_sql(f, kinds: Mapping[str, str]) -> str | None:
     return None
 
 
-def _plain(t: pa.DataType) -> pa.DataType:
-    """`t` with Arrow's view layouts (`string_view`, `binary_view`, at any
-    depth) as plain strings and bytes: Spark has no type for a view, and
-    the reader's batches are cast to the plain type."""
+def _readable(t: pa.DataType) -> pa.DataType | None:
+    """The Arrow type Spark reads a stored type as; None where it has none.
+
+    Types Spark holds stay; the others that convert without losing values
+    become the type Spark's own Parquet reader gives them (the reader's
+    batches are cast to it): Arrow's view layouts (`string_view`,
+    `binary_view`) plain strings and bytes, unsigned integers the next
+    signed type (`uint64` `decimal128(20, 0)`), half floats `float32`,
+    `date64` `date32`, `time32` `time64[ns]`, dictionaries their values —
+    at any depth in lists, structs and maps. A `decimal256` wider than 38
+    digits has none."""
     if pa.types.is_string_view(t):
         return pa.string()
     if pa.types.is_binary_view(t):
         return pa.binary()
+    if pa.types.is_unsigned_integer(t):
+        wider = {8: pa.int16(), 16: pa.int32(), 32: pa.int64()}
+        return wider.get(t.bit_width, pa.decimal128(20, 0))
+    if pa.types.is_float16(t):
+        return pa.float32()
+    if pa.types.is_date64(t):
+        return pa.date32()
+    if pa.types.is_time32(t):
+        return pa.time64("ns")
+    if pa.types.is_decimal256(t):
+        return pa.decimal128(t.precision, t.scale) if t.precision <= 38 else None
+    if pa.types.is_dictionary(t):
+        return _readable(t.value_type)
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        item = t.value_field.with_type(_plain(t.value_type))
+        item = _readable(t.value_type)
+        if item is None:
+            return None
+        item = t.value_field.with_type(item)
         if pa.types.is_fixed_size_list(t):
             return pa.list_(item, t.list_size)
         return pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item)
+    if pa.types.is_map(t):
+        key, item = _readable(t.key_type), _readable(t.item_type)
+        if key is None or item is None:
+            return None
+        return pa.map_(t.key_field.with_type(key), t.item_field.with_type(item))
     if pa.types.is_struct(t):
-        return pa.struct([f.with_type(_plain(f.type)) for f in t])
+        types = [_readable(f.type) for f in t]
+        if None in types:
+            return None
+        return pa.struct([f.with_type(ty) for f, ty in zip(t, types)])
     return t
 
 
@@ -454,14 +489,17 @@ def _read_schema(info, dataset: str, location: str):
     fields = []
     for field in schema or []:
         try:
-            spark_type = from_arrow_type(_plain(field.type))
-            fields.append(StructField(field.name, spark_type, field.nullable))
+            readable = _readable(field.type)
+            spark_type = from_arrow_type(readable) if readable is not None else None
         except Exception:  # Spark has no type for it
+            spark_type = None
+        if spark_type is None:
             raise InvalidArgument(
                 f"column '{field.name}' of dataset '{dataset}' on {location} is {field.type}, "
                 "which Spark cannot hold; give the read a schema naming the columns to read "
                 "without it, e.g. spark.read.schema(\"id long\")"
-            ) from None
+            )
+        fields.append(StructField(field.name, spark_type, field.nullable))
     return StructType(fields)
 
 
@@ -704,11 +742,18 @@ try:  # Spark 4: Python data sources
                 )
 
         def _for_spark(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-            """`batch` with the Arrow types Spark expects of the read's schema."""
+            """`batch` with the Arrow types Spark expects of the read's
+            schema. Timestamps and durations finer than Spark's microseconds
+            drop the digits below them, as Spark does for pandas'
+            nanoseconds; every other conversion must keep the values."""
             if batch.schema.equals(self.arrow):
                 return batch
             try:
-                return batch.cast(self.arrow)
+                columns = [
+                    pc.cast(column, options=pc.CastOptions(field.type, allow_time_truncate=True))
+                    for column, field in zip(batch.columns, self.arrow)
+                ]
+                return pa.RecordBatch.from_arrays(columns, schema=self.arrow)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                 raise InvalidArgument(
                     f"dataset '{self.dataset}' cannot be read as {self.spark_schema.simpleString()}"

@@ -1,7 +1,6 @@
 package flightdeck.spark;
 
 import java.util.Map;
-import org.apache.arrow.vector.types.FloatingPointPrecision;
 import org.apache.arrow.vector.types.pojo.ArrowType;
 import org.apache.arrow.vector.types.pojo.Field;
 import org.apache.spark.sql.connector.catalog.Table;
@@ -10,7 +9,6 @@ import org.apache.spark.sql.connector.expressions.Transform;
 import org.apache.spark.sql.sources.DataSourceRegister;
 import org.apache.spark.sql.types.DataType;
 import org.apache.spark.sql.types.StructType;
-import org.apache.spark.sql.util.ArrowUtils;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
 /**
@@ -52,9 +50,12 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
     }
   }
 
-  /** The Spark type of a stored column; refused, naming the column, where Spark has none. */
+  /**
+   * The Spark type of a stored column (see {@link SparkTypes}); refused,
+   * naming the column, where Spark has none.
+   */
   static DataType sparkType(Field field, String dataset, String location) {
-    DataType type = sparkTypeOrNull(field);
+    DataType type = SparkTypes.sparkType(field);
     if (type == null) {
       throw new FlightDeckException("INVALID_ARGUMENT", "column '" + field.getName()
           + "' of dataset '" + dataset + "' on " + location + " is " + typeName(field)
@@ -64,23 +65,13 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
     return type;
   }
 
-  /** The Spark type of a stored column; null where Spark has none. */
-  static DataType sparkTypeOrNull(Field field) {
-    try {
-      return ArrowUtils.fromArrowField(field);
-    } catch (RuntimeException noSparkType) {
-      return null;
-    }
-  }
-
   /** A stored column's type as Arrow's other libraries name it ({@code uint32}). */
   static String typeName(Field field) {
     if (field.getType() instanceof ArrowType.Int i) {
       return (i.getIsSigned() ? "int" : "uint") + i.getBitWidth();
     }
-    if (field.getType() instanceof ArrowType.FloatingPoint f
-        && f.getPrecision() == FloatingPointPrecision.HALF) {
-      return "halffloat";
+    if (field.getType() instanceof ArrowType.Decimal d && d.getBitWidth() == 256) {
+      return "decimal256(" + d.getPrecision() + ", " + d.getScale() + ")";
     }
     return field.getType().toString();
   }

@@ -55,10 +55,12 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  * again on what arrives, so a pushed filter only ever saves work.
  *
  * <p>The scan reports the dataset's size to Spark's planner; a count reads
- * nothing. A read schema may ask a column as another simple type, which the
- * server casts it to (the columnar reader hands Spark the vectors as they
- * arrive); anything else that does not match the stored columns is refused
- * when the read is planned.
+ * nothing. A column stored as a type Spark does not hold is cast on the
+ * server to the one it reads it as ({@link SparkTypes}); a read schema may
+ * ask a column as another simple type, which the server casts it to too
+ * (the columnar reader hands Spark the vectors as they arrive); anything
+ * else that does not match the stored columns is refused when the read is
+ * planned.
  */
 final class FlightDeckScan {
   private FlightDeckScan() {}
@@ -223,12 +225,14 @@ final class FlightDeckScan {
       Options options;
       try (Server server = Server.open(base.uri(), base.token())) {
         info = server.sealed(base.dataset());
-        select = conversions(info.arrowSchema(), server.location);
+        Conversions read = conversions(info.arrowSchema(), server.location);
+        select = read.select();
         // Spark's filters compare the columns as the read schema types them;
-        // a column cast on the server compares otherwise before the cast (a
-        // number against a string), so where anything is cast they are left
-        // to Spark, which evaluates them on what arrives in any case.
-        options = select.isEmpty() ? base.withFilter(pushed) : base;
+        // a column the schema asks as another type compares otherwise
+        // before the cast (a number against a string), so where one is they
+        // are left to Spark, which evaluates them on what arrives in any
+        // case. The casts to the type Spark holds keep every value.
+        options = read.retyped() ? base : base.withFilter(pushed);
         if (!options.filter().isEmpty()) {
           selected = selectedRows(server, options, info.sealedAs());
         }
@@ -273,14 +277,16 @@ final class FlightDeckScan {
      * What the read asks of the server for the read schema (one given to
      * the read may differ from the stored columns): nothing where every
      * column is read as stored, else a select list that casts on the server
-     * each column Spark wants as another type ({@link #CASTS}), since the
-     * columnar reader hands Spark the vectors as they arrive. A column the
+     * each column Spark holds only as another type ({@link SparkTypes}) or
+     * wants as another type ({@link #CASTS}), since the columnar reader
+     * hands Spark the vectors as they arrive. A column the
      * dataset lacks, or a type it is not cast to, is refused here, naming
      * it, rather than failing every task.
      */
-    private List<String> conversions(Schema stored, String location) {
+    private Conversions conversions(Schema stored, String location) {
       List<String> select = new ArrayList<>();
       boolean cast = false;
+      boolean retyped = false;
       for (StructField want : schema.fields()) {
         Field field = stored.getFields().stream()
             .filter(f -> f.getName().equals(want.name()))
@@ -290,9 +296,16 @@ final class FlightDeckScan {
                 + "' on " + location + " does not have; its columns are "
                 + stored.getFields().stream().map(Field::getName).toList()));
         String name = Filters.quote(want.name());
-        DataType have = FlightDeckDataSource.sparkTypeOrNull(field);
+        DataType have = SparkTypes.sparkType(field);
         if (have != null && have.simpleString().equals(want.dataType().simpleString())) {
-          select.add(name);
+          // As stored, or as the server casts it to the type Spark holds.
+          Field read = SparkTypes.readable(field);
+          if (read == field) {
+            select.add(name);
+          } else {
+            select.add(cast(name, SparkTypes.castName(read)));
+            cast = true;
+          }
           continue;
         }
         String target = CASTS.get(want.dataType().simpleString());
@@ -304,10 +317,23 @@ final class FlightDeckScan {
               + "stored" + (have == null ? "" : " (" + have.simpleString() + ")") + " or cast to "
               + String.join(", ", CASTS.keySet()) + ": give one of those, or leave it out");
         }
-        select.add("arrow_cast(" + name + ", '" + target + "') AS " + name);
+        select.add(cast(name, target));
         cast = true;
+        retyped = true;
       }
-      return cast ? select : List.of();
+      return new Conversions(cast ? select : List.of(), retyped);
+    }
+
+    /**
+     * What a read asks of the server: its select list (empty: every column
+     * as stored), and whether it casts a column to another type than the
+     * stored one's Spark type (the read schema asked so).
+     */
+    private record Conversions(List<String> select, boolean retyped) {}
+
+    /** The select item that has the server cast column {@code name} to Arrow type {@code type}. */
+    private static String cast(String name, String type) {
+      return "arrow_cast(" + name + ", '" + type.replace("'", "''") + "') AS " + name;
     }
 
     /** The plan of the filter's rows, from {@code server}: its row count and each partition's. */
