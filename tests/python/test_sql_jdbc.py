@@ -166,6 +166,49 @@ def test_strings_made_in_sql_are_read_and_bound(server, events):
     assert client.read_table(plan.shards[0]).schema.field("l").type == pa.string()
 
 
+def test_unsigned_and_half_float_columns_read_with_their_values(server):
+    # The driver refused a half-float column — listing the table's columns
+    # too — and read an unsigned value as the signed one of its bits (255
+    # as -1). Answers carry them as wider types that keep every value;
+    # a parameter compared with one binds as before.
+    import numpy as np
+
+    client = flightdeck.connect(server.uri)
+    client.put_partition("unsigned", 0, pa.table({
+        "u8": pa.array([255, None], pa.uint8()),
+        "u16": pa.array([65535, 1], pa.uint16()),
+        "u32": pa.array([4294967295, 2], pa.uint32()),
+        "u64": pa.array([2**64 - 1, 3], pa.uint64()),
+        "h": pa.array(np.array([1.5, -2.0], np.float16)),
+        "l": pa.array([[255], []], pa.list_(pa.uint8())),
+    }))
+    client.seal("unsigned", partitions=1)
+    answer, listed, bound = jdbc(
+        server.uri,
+        ("query", "SELECT * FROM unsigned ORDER BY u16 DESC"),
+        ("columns", "unsigned"),
+        ("prepared", "SELECT u16 FROM unsigned WHERE u8 = ?", "int:255"),
+    )
+    assert answer == {"columns": [
+        ["u8", "SMALLINT"], ["u16", "INTEGER"], ["u32", "BIGINT"], ["u64", "DECIMAL"],
+        ["h", "FLOAT"], ["l", "ARRAY"],
+    ], "rows": [
+        ["255", "65535", "4294967295", str(2**64 - 1), "1.5", "[255]"],
+        [None, "1", "2", "3", "-2.0", "[]"],
+    ]}
+    assert [(r[3], r[5]) for r in listed["rows"]] == [
+        ("u8", "SMALLINT"), ("u16", "INTEGER"), ("u32", "BIGINT"), ("u64", "DECIMAL"),
+        ("h", "FLOAT"), ("l", "ARRAY"),
+    ]
+    assert bound == [{"columns": [["u16", "INTEGER"]], "rows": [["65535"]]}]
+    # Every Flight SQL client gets the same types; the dataset keeps its own.
+    got = client.sql("SELECT u8, u64, h FROM unsigned ORDER BY u16 DESC")
+    assert got.schema.types == [pa.int16(), pa.decimal128(20, 0), pa.float32()]
+    assert got.column("u64").to_pylist()[0] == 2**64 - 1
+    assert client.read_table(client.plan("unsigned").shards[0]).schema.field("u8").type == pa.uint8()
+    client.drop("unsigned")
+
+
 def test_datasets_have_no_keys_and_say_so(server, events):
     # Tools ask for a table's keys when they show it; the calls were
     # UNIMPLEMENTED. (The driver gives a listing without rows no columns.)

@@ -331,7 +331,7 @@ impl SqlService {
         let params = Schema::new(
             params
                 .into_iter()
-                .map(|(name, f)| plain_field(&f).with_name(name))
+                .map(|(name, f)| sent_field(&f, Sent::Parameter).with_name(name))
                 .collect::<Vec<_>>(),
         );
         Ok((answer_schema(&plan), params))
@@ -576,7 +576,7 @@ fn query_error(sql: &str, e: DataFusionError) -> Error {
 
 /// `batch` with the declared schema's field names and nullability (strict
 /// clients compare the stream's schema with the advertised one), its
-/// columns cast where the declared type differs (see [`plain_type`]); as it
+/// columns cast where the declared type differs (see [`sent_type`]); as it
 /// is when the columns do not fit it.
 fn conform(schema: &SchemaRef, batch: RecordBatch) -> RecordBatch {
     if batch.schema() == *schema {
@@ -600,39 +600,60 @@ fn conform(schema: &SchemaRef, batch: RecordBatch) -> RecordBatch {
     }
 }
 
-/// The schema a query's answer is sent in: its plan's, in [`plain_type`]s.
+/// The schema a query's answer is sent in: its plan's, in [`Sent::Answer`] types.
 fn answer_schema(plan: &LogicalPlan) -> Schema {
-    plain_schema(plan.schema().as_arrow())
+    sent_schema(plan.schema().as_arrow(), Sent::Answer)
 }
 
-/// `schema` in [`plain_type`]s.
-fn plain_schema(schema: &Schema) -> Schema {
+/// `schema` as sent in `sent`.
+fn sent_schema(schema: &Schema, sent: Sent) -> Schema {
     Schema::new_with_metadata(
         schema
             .fields()
             .iter()
-            .map(|f| plain_field(f))
+            .map(|f| sent_field(f, sent))
             .collect::<Vec<_>>(),
         schema.metadata().clone(),
     )
 }
 
-/// `field` of its [`plain_type`].
-fn plain_field(field: &arrow::datatypes::Field) -> arrow::datatypes::Field {
-    field.clone().with_data_type(plain_type(field.data_type()))
+/// What a type sent to Flight SQL clients is sent as (see [`sent_type`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Sent {
+    /// A prepared statement's parameter: what the client binds values as.
+    Parameter,
+    /// A column of an answer (and of a table's schema in `GetTables`).
+    Answer,
 }
 
-/// `data_type` with Arrow's view layouts (`Utf8View`, `BinaryView`, at any
-/// depth) as their plain counterparts, the types SQL answers and parameters
-/// are sent in: Arrow Java's Flight SQL JDBC driver (and with it Spark's
-/// JDBC source and JVM tools) refuses a view column outright, and a dataset
-/// written from pyarrow's or Polars' `string_view` holds them.
-fn plain_type(data_type: &arrow::datatypes::DataType) -> arrow::datatypes::DataType {
+/// `field` of its [`sent_type`].
+fn sent_field(field: &arrow::datatypes::Field, sent: Sent) -> arrow::datatypes::Field {
+    field
+        .clone()
+        .with_data_type(sent_type(field.data_type(), sent))
+}
+
+/// `data_type` in a type every Flight SQL client reads, at any depth:
+/// Arrow's view layouts (`Utf8View`, `BinaryView`) as their plain
+/// counterparts, and in answers unsigned integers as the next wider signed
+/// type (`UInt64` as `Decimal128(20, 0)`) and half floats as `Float32`,
+/// which keep every value. Arrow Java's Flight SQL JDBC driver (and with it
+/// Spark's JDBC source and JVM tools) refuses a view or half-float column
+/// outright — a listing of the table's columns too — and reads an unsigned
+/// value as the signed one of its bits (255 as -1); datasets written from
+/// pyarrow, Polars or pandas hold them.
+fn sent_type(data_type: &arrow::datatypes::DataType, sent: Sent) -> arrow::datatypes::DataType {
     use arrow::datatypes::DataType;
-    let field = |f: &arrow::datatypes::FieldRef| Arc::new(plain_field(f));
+    let field = |f: &arrow::datatypes::FieldRef| Arc::new(sent_field(f, sent));
+    let answer = sent == Sent::Answer;
     match data_type {
         DataType::Utf8View => DataType::Utf8,
         DataType::BinaryView => DataType::Binary,
+        DataType::UInt8 if answer => DataType::Int16,
+        DataType::UInt16 if answer => DataType::Int32,
+        DataType::UInt32 if answer => DataType::Int64,
+        DataType::UInt64 if answer => DataType::Decimal128(20, 0),
+        DataType::Float16 if answer => DataType::Float32,
         DataType::List(f) => DataType::List(field(f)),
         DataType::LargeList(f) => DataType::LargeList(field(f)),
         DataType::FixedSizeList(f, n) => DataType::FixedSizeList(field(f), *n),
@@ -916,7 +937,13 @@ impl FlightSqlService for SqlService {
         let mut builder = query.into_builder();
         for (name, schema) in self.tables() {
             builder
-                .append(CATALOG, SCHEMA, name, "TABLE", &plain_schema(&schema))
+                .append(
+                    CATALOG,
+                    SCHEMA,
+                    name,
+                    "TABLE",
+                    &sent_schema(&schema, Sent::Answer),
+                )
                 .map_err(Status::from)?;
         }
         let schema = builder.schema();
