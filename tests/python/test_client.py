@@ -75,6 +75,41 @@ def test_round_trip_every_type(flightdeck_server):
     assert client.stats().rows == 1000
 
 
+def test_a_dataframe_is_written_and_anything_else_refused_naming_what_is_taken(
+    flightdeck_server,
+):
+    # A pandas DataFrame went through iter() as its column names and failed
+    # with an AttributeError; any other non-Arrow value likewise.
+    import pandas as pd
+
+    client = flightdeck.connect(flightdeck_server.uri)
+    df = pd.DataFrame({"id": range(10), "x": np.arange(10) / 2})
+    client.put_partition("frames", 0, df[df.id >= 4])  # an index of 4..9: left out
+
+    class Exported:
+        """A DataFrame of another library: it hands over an Arrow stream."""
+
+        def __arrow_c_stream__(self, requested_schema=None):
+            table = pa.table({"id": pa.array([20, 21]), "x": pa.array([0.0, 0.5])})
+            return table.__arrow_c_stream__(requested_schema)
+
+    client.put_partition("frames", 1, Exported())
+    info = client.seal("frames", partitions=2)
+    assert flightdeck.dataset_schema(info).names == ["id", "x"]
+    got = client.read_table(client.plan("frames").shards[0])
+    assert got.column("id").to_pylist() == [4, 5, 6, 7, 8, 9, 20, 21]
+    assert got.column("x").to_pylist()[:2] == [2.0, 2.5]
+
+    for bad, got in [({"id": [1]}, "dict"), ("abc", "str"), (5, "int"),
+                     ([mixed_table(range(2))], "list of Table"), ([1, 2], "list of int")]:
+        with pytest.raises(flightdeck.InvalidArgument, match=(
+            "a partition's data is a pyarrow Table, RecordBatch or RecordBatchReader, an "
+            rf"iterable of RecordBatches, or a DataFrame \(pandas, Polars\); got {got}$"
+        )):
+            client.put_partition("refused", 0, bad)
+    assert client.list_datasets("refused") == []
+
+
 def test_list_datasets_by_name_prefix(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
     for name in ["train/a", "train/b", "eval/a"]:

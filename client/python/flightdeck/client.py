@@ -39,7 +39,9 @@ def check_not_forked_after_connect() -> None:
 #: Rows per message when a whole Table is written.
 _TABLE_CHUNK_ROWS = 65_536
 
-Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
+#: What a partition is written from: Arrow data, or a DataFrame (pandas,
+#: Polars, anything with `__arrow_c_stream__`; see `_arrow_data`).
+Data = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch], Any]
 
 
 def normalize_uri(uri: str, local: str | None = None) -> str:
@@ -235,6 +237,28 @@ def _describe_dataset(info: wire.Message) -> str:
 wire.DatasetInfo.__str__ = _describe_dataset  # type: ignore[method-assign]
 
 
+def _arrow_data(data: Data) -> Data:
+    """`data` as Arrow: a pandas DataFrame as a table of its columns (its
+    index left out), and any other DataFrame that hands over its data as an
+    Arrow stream (Polars, DuckDB, …: the `__arrow_c_stream__` protocol) as
+    the table of that stream; Arrow data as it is."""
+    if isinstance(data, (pa.Table, pa.RecordBatch, pa.RecordBatchReader)):
+        return data
+    if type(data).__module__.split(".")[0] == "pandas":
+        return pa.Table.from_pandas(data, preserve_index=False)
+    if hasattr(data, "__arrow_c_stream__"):
+        return pa.table(data)
+    return data
+
+
+def _not_data(data: object, item: object = None) -> InvalidArgument:
+    got = type(data).__name__ + ("" if item is None else f" of {type(item).__name__}")
+    return InvalidArgument(
+        f"a partition's data is a pyarrow Table, RecordBatch or RecordBatchReader, an iterable "
+        f"of RecordBatches, or a DataFrame (pandas, Polars); got {got}"
+    )
+
+
 def _expected(data: Data) -> tuple[int, int]:
     """Bytes and rows `data` will send, where it holds them already (a
     table, a batch or a list of batches); 0, 0 for a stream."""
@@ -255,6 +279,8 @@ def _schema_and_batches(
         return data.schema, iter([data])
     if isinstance(data, pa.RecordBatchReader):
         return data.schema, iter(data)
+    if isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__iter__"):
+        raise _not_data(data)
     batches = iter(data)
     if schema is not None:
         return schema, batches
@@ -264,6 +290,8 @@ def _schema_and_batches(
         raise InvalidArgument(
             "cannot infer the schema of an empty partition: pass schema=, or a Table"
         ) from None
+    if not isinstance(first, pa.RecordBatch):
+        raise _not_data(data, first)
 
     def chained() -> Iterator[pa.RecordBatch]:
         yield first
@@ -381,7 +409,10 @@ class Client:
         replace: bool = False,
     ) -> wire.Message:
         """Streams one attempt of one partition; returns the `PutAck` once
-        the server committed it. `write_id` names the write (a Spark job) the
+        the server committed it. `data` is a pyarrow Table, RecordBatch or
+        RecordBatchReader, an iterable of RecordBatches, or a DataFrame (a
+        pandas one's index is left out; Polars and others that export an
+        Arrow stream). `write_id` names the write (a Spark job) the
         attempt belongs to: once `drop(..., abort_write=write_id)` has been
         sent, the server refuses every attempt of it.
 
@@ -401,6 +432,7 @@ class Client:
         the server's ``--admission-wait``) and is then admitted whole or
         refused with :class:`ResourceExhausted` before it is sent.
         """
+        data = _arrow_data(data)
         expected_bytes, expected_rows = _expected(data)
         schema, batches = _schema_and_batches(data, schema)
         cmd = wire.PutPartition(
