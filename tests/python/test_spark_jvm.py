@@ -268,6 +268,11 @@ def test_a_read_schema_is_cast_on_the_server_or_refused_before_any_task(
     # would have dropped rows Spark keeps.
     assert read("id string", where="id > '10'") == [("2",), ("3",), ("9",), ("20",)]
     assert read("id long, u long", where="u > 8") == [(3, 9), (9, 10), (20, 11)]
+    # Filters on the columns read as stored still go to the server.
+    client = flightdeck.connect(uri)
+    served = client.stats().rows_served
+    assert read("id long, u double", where="id >= 9 AND u > 10") == [(20, 11.0)]
+    assert client.stats().rows_served - served == 2
     with pytest.raises(Exception, match=r"gives column 'id' of dataset 'raw' as timestamp, but it "
                        r"is stored as int64; the JVM connector reads a column as stored \(bigint\) "
                        r"or cast to boolean, tinyint, .*: give one of those, or leave it out"):

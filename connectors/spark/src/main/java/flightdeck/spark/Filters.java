@@ -1,7 +1,9 @@
 package flightdeck.spark;
 
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.List;
+import java.util.Set;
 import org.apache.spark.sql.sources.And;
 import org.apache.spark.sql.sources.EqualTo;
 import org.apache.spark.sql.sources.Filter;
@@ -35,8 +37,28 @@ import org.apache.spark.sql.types.StructType;
 final class Filters {
   private Filters() {}
 
-  /** {@code filters} that translate, and their SQL joined with AND. */
-  record Pushed(List<Filter> filters, String sql) {}
+  /** {@code filters} that translate, and the SQL of each. */
+  record Pushed(List<Filter> filters, List<String> sqls) {
+    static final Pushed NONE = new Pushed(List.of(), List.of());
+
+    /** The SQL of every filter, joined with AND ("" for none). */
+    String sql() {
+      return String.join(" AND ", sqls);
+    }
+
+    /** The filters that name none of {@code columns}. */
+    Pushed without(Set<String> columns) {
+      List<Filter> kept = new ArrayList<>();
+      List<String> keptSql = new ArrayList<>();
+      for (int i = 0; i < filters.size(); i++) {
+        if (Arrays.stream(filters.get(i).references()).noneMatch(columns::contains)) {
+          kept.add(filters.get(i));
+          keptSql.add(sqls.get(i));
+        }
+      }
+      return new Pushed(kept, keptSql);
+    }
+  }
 
   /** The part of {@code filters} (a conjunction) that the server can evaluate. */
   static Pushed push(Filter[] filters, StructType schema) {
@@ -49,7 +71,7 @@ final class Filters {
         sql.add(s);
       }
     }
-    return new Pushed(pushed, String.join(" AND ", sql));
+    return new Pushed(pushed, sql);
   }
 
   /** {@code f} as SQL with the same rows selected, or null. */

@@ -4,10 +4,12 @@ import java.io.Serializable;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Comparator;
+import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.OptionalLong;
+import java.util.Set;
 import org.apache.arrow.flight.FlightDescriptor;
 import org.apache.arrow.flight.FlightEndpoint;
 import org.apache.arrow.flight.FlightInfo;
@@ -71,7 +73,7 @@ final class FlightDeckScan {
     private final Options options;
     private final StructType full;
     private StructType schema;
-    private Filters.Pushed pushed = new Filters.Pushed(List.of(), "");
+    private Filters.Pushed pushed = Filters.Pushed.NONE;
 
     Builder(Options options, StructType schema) {
       this.options = options;
@@ -98,7 +100,7 @@ final class FlightDeckScan {
 
     @Override
     public Scan build() {
-      return new DatasetScan(options, pushed.sql(), schema);
+      return new DatasetScan(options, pushed, schema);
     }
   }
 
@@ -110,18 +112,18 @@ final class FlightDeckScan {
    */
   static final class DatasetScan implements Scan, SupportsReportStatistics {
     private final Options base;
-    /** The SQL of Spark's filters the scan took (may be empty). */
-    private final String pushed;
+    /** Spark's filters the scan took (may be none). */
+    private final Filters.Pushed pushed;
     /** The options with Spark's filters joined to the {@code filter} option. */
     private final Options options;
     private final StructType schema;
     /** The dataset's rows, asked of the server once, when Spark first wants them. */
     private Long rows;
 
-    DatasetScan(Options base, String pushed, StructType schema) {
+    DatasetScan(Options base, Filters.Pushed pushed, StructType schema) {
       this.base = base;
       this.pushed = pushed;
-      this.options = base.withFilter(pushed);
+      this.options = base.withFilter(pushed.sql());
       this.schema = schema;
     }
 
@@ -214,9 +216,9 @@ final class FlightDeckScan {
   /**
    * Plans one Spark partition per stored partition, from the dataset's
    * description: the {@code base} options (the {@code filter} option among
-   * them) and {@code pushed}, the SQL of Spark's filters (may be empty).
+   * them) and {@code pushed}, Spark's filters the scan took.
    */
-  record Partitions(Options base, String pushed, StructType schema) implements Batch {
+  record Partitions(Options base, Filters.Pushed pushed, StructType schema) implements Batch {
     @Override
     public InputPartition[] planInputPartitions() {
       Wire.DatasetInfo info;
@@ -229,10 +231,10 @@ final class FlightDeckScan {
         select = read.select();
         // Spark's filters compare the columns as the read schema types them;
         // a column the schema asks as another type compares otherwise
-        // before the cast (a number against a string), so where one is they
-        // are left to Spark, which evaluates them on what arrives in any
-        // case. The casts to the type Spark holds keep every value.
-        options = read.retyped() ? base : base.withFilter(pushed);
+        // before the cast (a number against a string), so the filters on
+        // one are left to Spark, which evaluates them all on what arrives
+        // in any case. The casts to the type Spark holds keep every value.
+        options = base.withFilter(pushed.without(read.retyped()).sql());
         if (!options.filter().isEmpty()) {
           selected = selectedRows(server, options, info.sealedAs());
         }
@@ -286,7 +288,7 @@ final class FlightDeckScan {
     private Conversions conversions(Schema stored, String location) {
       List<String> select = new ArrayList<>();
       boolean cast = false;
-      boolean retyped = false;
+      Set<String> retyped = new HashSet<>();
       for (StructField want : schema.fields()) {
         Field field = stored.getFields().stream()
             .filter(f -> f.getName().equals(want.name()))
@@ -319,17 +321,17 @@ final class FlightDeckScan {
         }
         select.add(cast(name, target));
         cast = true;
-        retyped = true;
+        retyped.add(want.name());
       }
       return new Conversions(cast ? select : List.of(), retyped);
     }
 
     /**
      * What a read asks of the server: its select list (empty: every column
-     * as stored), and whether it casts a column to another type than the
-     * stored one's Spark type (the read schema asked so).
+     * as stored), and the columns it casts to another type than the stored
+     * one's Spark type (the read schema asked so).
      */
-    private record Conversions(List<String> select, boolean retyped) {}
+    private record Conversions(List<String> select, Set<String> retyped) {}
 
     /** The select item that has the server cast column {@code name} to Arrow type {@code type}. */
     private static String cast(String name, String type) {
