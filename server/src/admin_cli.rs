@@ -43,6 +43,10 @@ pub const CLI_TERMS: &[(&str, &str)] = &[
         "use `flightdeck derive` to keep a result as a dataset",
     ),
     (
+        "dropped with action 'drop'",
+        "dropped with `flightdeck drop NAME`",
+    ),
+    (
         "read the dataset with DoGet instead",
         "read the dataset with the Python client's FlightDeckIterableDataset instead",
     ),

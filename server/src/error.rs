@@ -88,6 +88,10 @@ pub enum Error {
         count: u64,
     },
 
+    /// What the request would create exists (other than an attempt).
+    #[error("{0}")]
+    AlreadyExists(String),
+
     /// The request needs a state the server is not in (other than the above).
     #[error("{0}")]
     FailedPrecondition(String),
@@ -139,7 +143,7 @@ impl Error {
         match self {
             Self::InvalidArgument(_) => Code::InvalidArgument,
             Self::DatasetNotFound { .. } | Self::NotFound(_) => Code::NotFound,
-            Self::AttemptExists { .. } => Code::AlreadyExists,
+            Self::AttemptExists { .. } | Self::AlreadyExists(_) => Code::AlreadyExists,
             Self::DatasetSealed { .. }
             | Self::DatasetNotSealed { .. }
             | Self::MissingPartitions { .. }

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pytest
 
 import flightdeck
-from conftest import RunningServer, scaled
+from conftest import RunningServer, eventually, scaled
 from test_observe import scrape, value
 from test_query import ROWS, hash_bucket, read_all, table, write
 
@@ -147,6 +147,78 @@ def test_sql_over_a_cluster_dataset_sees_every_member(server):
             assert m.stop() == 0, "".join(m.stderr_lines)
 
 
+def test_bulk_ingestion_writes_a_dataset_whole_in_each_mode(server):
+    """ADBC's `adbc_ingest` (and pandas' `to_sql` through it) writes a
+    dataset of one partition, sealed at its end; `replace` replaces it at
+    once, as Spark's overwrite does. A dataset is sealed whole, so an append
+    to one is refused, and so are what flightdeck has no notion of. A stream
+    that breaks leaves nothing. Before, every ingestion was UNIMPLEMENTED."""
+    import pandas as pd
+
+    client = flightdeck.connect(server.uri)
+    rows = pa.table({"id": pa.array(range(1_000)), "x": pa.array([0.5] * 1_000)})
+
+    def ingest(table, data, **options):
+        with adbc.connect(server.uri, autocommit=True) as conn, conn.cursor() as cur:
+            return cur.adbc_ingest(table, data, **options)
+
+    assert ingest("ingested", rows, mode="create") == 1_000
+    info = client.describe("ingested")
+    assert (info.rows, len(info.partitions)) == (1_000, 1)
+    assert flightdeck.dataset_schema(info) == rows.schema
+    assert read_all(client, "ingested").sort_by("id").equals(rows)
+    for mode, code, words in [
+        ("create", "ALREADY_EXISTS", "dataset 'ingested' exists; ingest with mode 'replace'"),
+        ("append", "FailedPrecondition", "rows cannot be appended to it; ingest all its rows"),
+    ]:
+        with pytest.raises(Exception, match=f"(?=.*{code}).*{re.escape(words)}"):
+            ingest("ingested", rows, mode=mode)
+    with pytest.raises(Exception, match="NOT_FOUND.*dataset 'missing' does not exist; ingest "
+                       "with mode 'create'"):
+        ingest("missing", rows, mode="append")
+
+    # Replaced at once: a read planned before the replace still reads the
+    # old rows whole, or fails saying the dataset was written again.
+    plan = client.plan("ingested", world_size=1)
+    assert ingest("ingested", rows.slice(0, 10), mode="replace") == 10
+    assert client.sql("SELECT count(*) AS n FROM ingested")["n"].to_pylist() == [10]
+    with pytest.raises(flightdeck.FailedPrecondition, match="written again"):
+        client.read_table(plan.shards[0])
+    assert ingest("both", rows.slice(0, 3), mode="create_append") == 3
+
+    for options, words in [
+        ({"temporary": True}, "asks for a temporary table"),
+        ({"catalog_name": "other"}, "every dataset is in catalog 'flightdeck'"),
+        ({"db_schema_name": "other"}, "every dataset is in schema 'public'"),
+    ]:
+        with pytest.raises(Exception, match=f"INVALID_ARGUMENT.*{words}"):
+            ingest("odd", rows, mode="create", **options)
+    assert ingest("named", rows.slice(0, 1), mode="create", db_schema_name="public") == 1
+
+    def broken():
+        yield rows.to_batches()[0].slice(0, 5)
+        raise RuntimeError("the producer failed")
+
+    with pytest.raises(Exception, match="the producer failed"):
+        ingest("broken", pa.RecordBatchReader.from_batches(rows.schema, broken()), mode="create")
+    # (The client gives up before the server has seen the stream break.)
+    eventually("the broken ingestion's dataset to go",
+               lambda: True if "broken" not in client.list_datasets() else None)
+
+    frame = pd.DataFrame({"a": [1, 2, 3], "b": ["x", "y", "z"]})
+    with adbc.connect(server.uri, autocommit=True) as conn:
+        assert frame.to_sql("frame", conn, index=False) == 3
+        # pandas replaces by DROP TABLE, which a query cannot do: the
+        # refusal says how datasets are written and dropped.
+        with pytest.raises(Exception, match="read-only .*bulk ingestion .*dropped with action"):
+            frame.to_sql("frame", conn, index=False, if_exists="replace")
+    assert fetch_rows(client, "SELECT * FROM frame ORDER BY a") == [(1, "x"), (2, "y"), (3, "z")]
+
+
+def fetch_rows(client, sql):
+    return [tuple(r.values()) for r in client.sql(sql).to_pylist()]
+
+
 def test_flight_sql_takes_the_same_tokens(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("writer w-sql\nreader r-sql\n")
@@ -164,6 +236,18 @@ def test_flight_sql_takes_the_same_tokens(tmp_path):
         with flightdeck.connect(s.uri, token="r-sql") as r:
             with pytest.raises(flightdeck.PermissionDenied, match="derive"):
                 r.derive("u", "SELECT * FROM t")
+        # A bulk ingestion writes: a writer's token, not a reader's.
+        rows = pa.table({"id": [1, 2]})
+        for token, refused in [("r-sql", "(?i)permission"), ("w-sql", None)]:
+            with adbc.connect(s.uri, db_kwargs={header: f"Bearer {token}"}, autocommit=True) as conn:
+                with conn.cursor() as cur:
+                    if refused:
+                        with pytest.raises(Exception, match=refused):
+                            cur.adbc_ingest("ingested", rows, mode="create")
+                    else:
+                        assert cur.adbc_ingest("ingested", rows, mode="create") == 2
+        with flightdeck.connect(s.uri, token="r-sql") as r:
+            assert r.describe("ingested").rows == 2
     finally:
         assert s.stop() == 0, "".join(s.stderr_lines)
 

@@ -37,6 +37,10 @@ const DO_PUT: &str = "/arrow.flight.protocol.FlightService/DoPut";
 /// a prepared statement's parameters): the service passes it to Flight SQL.
 #[derive(Debug, Clone, Copy)]
 pub struct SqlPut;
+/// Marks a `DoPut` whose first message names a Flight SQL bulk ingestion:
+/// the service writes it as a dataset.
+#[derive(Debug, Clone, Copy)]
+pub struct SqlIngest;
 /// Largest `DoGet` request (a ticket) read.
 const MAX_TICKET_BYTES: usize = 1 << 20;
 /// The message encodings this server accepts: uncompressed only, which
@@ -161,13 +165,20 @@ where
                         return Ok(advertise(status.into_http()));
                     }
                 };
-                let sql = first
+                let command = first
                     .and_then(|m| arrow_flight::FlightData::decode(m).ok())
                     .and_then(|d| d.flight_descriptor)
-                    .is_some_and(|d| super::sql::is_sql_command(&d.cmd));
+                    .map(|d| d.cmd);
+                let sql = command
+                    .as_ref()
+                    .is_some_and(|c| super::sql::is_sql_command(c));
+                let ingest = command
+                    .as_ref()
+                    .is_some_and(|c| super::sql::is_sql_ingest(c));
                 if let Some(role) = role {
-                    // Binding a query's parameters reads; everything else writes.
-                    let need = if sql {
+                    // Binding a query's parameters reads; everything else
+                    // (a Flight SQL bulk ingestion too) writes.
+                    let need = if sql && !ingest {
                         auth::Role::Reader
                     } else {
                         auth::needed(DO_PUT, None)
@@ -178,7 +189,9 @@ where
                         return Ok(advertise(status.into_http()));
                     }
                 }
-                if sql {
+                if ingest {
+                    parts.extensions.insert(SqlIngest);
+                } else if sql {
                     parts.extensions.insert(SqlPut);
                 }
                 parts.extensions.insert(guard.detail());

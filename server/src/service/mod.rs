@@ -143,6 +143,9 @@ impl FlightService for FlightdeckService {
         if request.extensions().get::<edge::SqlPut>().is_some() {
             return FlightService::do_put(self.sql.as_ref(), request).await;
         }
+        if request.extensions().get::<edge::SqlIngest>().is_some() {
+            return Ok(Response::new(self.sql.ingest(request.into_inner()).await?));
+        }
         let detail = request.extensions().get::<CallDetail>().cloned();
         let ack = match put::do_put(&self.state, request.into_inner()).await {
             Ok(ack) => {

@@ -5,7 +5,9 @@
 //! statements with parameters, `GetSqlInfo` and the catalog, schema, table
 //! and table-type listings are answered, so ADBC's and JDBC's Flight SQL
 //! drivers work. Queries are read-only: DDL, DML and statements are
-//! refused. Action `derive` keeps a query's result as a new sealed dataset.
+//! refused. Action `derive` keeps a query's result as a new sealed dataset;
+//! bulk ingestion (`CommandStatementIngest`: ADBC's `adbc_ingest`) writes
+//! one, as a write of one partition sealed at its end.
 //! Queries run on a runtime of their own (`query_runtime`), so that a
 //! query's computing never holds a thread that serves reads, and they
 //! stop once their client has gone: every operator that may produce more
@@ -35,8 +37,8 @@ use arrow_flight::sql::{
     ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetCrossReference,
     CommandGetDbSchemas, CommandGetExportedKeys, CommandGetImportedKeys, CommandGetPrimaryKeys,
     CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
-    CommandStatementQuery, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
-    TicketStatementQuery,
+    CommandStatementIngest, CommandStatementQuery, DoPutPreparedStatementResult, DoPutUpdateResult,
+    ProstMessageExt, SqlInfo, TicketStatementQuery,
 };
 use arrow_flight::{
     Action, FlightDescriptor, FlightEndpoint, FlightInfo, IpcMessage, SchemaAsIpc, Ticket,
@@ -57,6 +59,7 @@ use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
 use datafusion::prelude::{DataFrame, SessionContext};
 use datafusion::sql::parser::Statement as DfStatement;
 use flightdeck_protos as pb;
+use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use tonic::{Request, Response, Status};
@@ -92,6 +95,51 @@ pub fn is_sql_command(bytes: &[u8]) -> bool {
     Any::decode(bytes).is_ok_and(|any| any.type_url.starts_with(SQL_TYPE_PREFIX))
 }
 
+/// Whether a descriptor command is a Flight SQL bulk ingestion, which
+/// writes a dataset (every other Flight SQL `DoPut` binds parameters).
+pub fn is_sql_ingest(bytes: &[u8]) -> bool {
+    Any::decode(bytes).is_ok_and(|any| any.is::<CommandStatementIngest>())
+}
+
+/// A write id for one replacing ingestion, unique on this server and
+/// across its restarts (the clock's nanoseconds, and a count within them).
+fn ingest_write_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("ingest-{nanos}-{}", COUNT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// What a bulk ingestion wrote before its seal: dropped (on the runtime)
+/// unless the seal takes it.
+struct Unsealed {
+    state: Arc<State>,
+    drop: Option<convert::DropRequest>,
+}
+
+impl Unsealed {
+    /// The seal took what the ingestion wrote: nothing to drop.
+    fn keep(&mut self) {
+        self.drop = None;
+    }
+}
+
+impl Drop for Unsealed {
+    fn drop(&mut self) {
+        if let Some(request) = self.drop.take() {
+            let state = self.state.clone();
+            tokio::spawn(async move {
+                if let Err(e) = state.drop_dataset(&request).await {
+                    tracing::warn!(dataset = %request.dataset, error = %e,
+                        "an ingestion that did not finish left rows that could not be dropped");
+                }
+            });
+        }
+    }
+}
+
 /// Whether an action type is a Flight SQL action.
 pub fn is_sql_action(kind: &str) -> bool {
     SQL_ACTIONS.contains(&kind)
@@ -112,7 +160,10 @@ fn sql_info() -> std::result::Result<SqlInfoData, Status> {
     builder.append(SqlInfo::FlightSqlServerName, "flightdeck");
     builder.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
     builder.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
-    builder.append(SqlInfo::FlightSqlServerReadOnly, true);
+    // Queries are read-only; bulk ingestion writes datasets.
+    builder.append(SqlInfo::FlightSqlServerReadOnly, false);
+    builder.append(SqlInfo::FlightSqlServerBulkIngestion, true);
+    builder.append(SqlInfo::FlightSqlServerIngestTransactionsSupported, false);
     builder.append(SqlInfo::FlightSqlServerSql, true);
     builder.append(SqlInfo::FlightSqlServerSubstrait, false);
     builder.append(SqlInfo::FlightSqlServerTransaction, 0i32);
@@ -277,7 +328,9 @@ impl SqlService {
             .map_err(|e| {
                 Error::invalid(format!(
                     "the query `{sql}` is refused: {e}; queries over the cache are read-only \
-                     (use action 'derive' to keep a result as a dataset)"
+                     (use action 'derive' to keep a result as a dataset); datasets are written \
+                     by bulk ingestion (ADBC's adbc_ingest, pandas' to_sql) or the clients, and \
+                     dropped with action 'drop'"
                 ))
             })?;
         match params {
@@ -335,6 +388,155 @@ impl SqlService {
                 .collect::<Vec<_>>(),
         );
         Ok((answer_schema(&plan), params))
+    }
+
+    /// Flight SQL bulk ingestion (ADBC's `adbc_ingest`, and pandas'
+    /// `to_sql` and Polars' `write_database` through it): the stream becomes
+    /// dataset `cmd.table`, one partition, sealed at its end; with the
+    /// `replace` option, as a write that replaces the dataset at once (what
+    /// Spark's overwrite does), readers keeping the old rows until then.
+    /// Datasets are sealed whole, so an append to one that exists is
+    /// refused. Nothing is kept of a stream that breaks.
+    ///
+    /// The seal waits for the answer to be taken: a client that cancels
+    /// its call (ADBC's driver does when the data it sends fails) resets
+    /// the stream with `NO_ERROR`, which ends the request like a finished
+    /// one, but the answer to a reset stream is never taken, so the rows it
+    /// sent are dropped unsealed instead of kept as the dataset.
+    pub async fn ingest(
+        &self,
+        mut stream: tonic::Streaming<arrow_flight::FlightData>,
+    ) -> Result<BoxStream<'static, std::result::Result<arrow_flight::PutResult, Status>>> {
+        use arrow_flight::sql::{TableExistsOption, TableNotExistOption};
+        let first = match stream.next().await {
+            Some(Ok(first)) => first,
+            Some(Err(status)) => {
+                return Err(Error::Aborted(format!(
+                    "the bulk ingestion broke before its first message: {}",
+                    status.message()
+                )));
+            }
+            None => return Err(Error::invalid("the bulk ingestion sent no message")),
+        };
+        let cmd = first
+            .flight_descriptor
+            .as_ref()
+            .and_then(|d| Any::decode(d.cmd.as_ref()).ok())
+            .and_then(|any| any.unpack::<CommandStatementIngest>().ok().flatten())
+            .ok_or_else(|| Error::invalid("the bulk ingestion's first message names no table"))?;
+        let dataset = convert::dataset_name(&cmd.table)?;
+        if cmd.temporary {
+            return Err(Error::invalid(format!(
+                "bulk ingestion into '{dataset}' asks for a temporary table; flightdeck keeps \
+                 datasets until they are dropped: ingest without it, and drop the dataset when \
+                 done"
+            )));
+        }
+        if cmd.transaction_id.is_some() {
+            return Err(Error::invalid(
+                "bulk ingestion within a transaction: flightdeck has no transactions (an \
+                 ingestion is kept whole or not at all); ingest without one",
+            ));
+        }
+        for (what, given, ours) in [
+            ("catalog", &cmd.catalog, CATALOG),
+            ("schema", &cmd.schema, SCHEMA),
+        ] {
+            if let Some(given) = given.as_deref().filter(|g| !g.is_empty() && *g != ours) {
+                return Err(Error::invalid(format!(
+                    "bulk ingestion into {what} '{given}': every dataset is in {what} '{ours}'; \
+                     leave the {what} out"
+                )));
+            }
+        }
+        let options = cmd.table_definition_options.unwrap_or_default();
+        let if_missing = TableNotExistOption::try_from(options.if_not_exist)
+            .unwrap_or(TableNotExistOption::Unspecified);
+        let if_exists = TableExistsOption::try_from(options.if_exists)
+            .unwrap_or(TableExistsOption::Unspecified);
+        let exists = self.state.catalog().describe(&dataset).is_ok();
+        let replace = match (exists, if_exists, if_missing) {
+            (_, TableExistsOption::Unspecified, _) | (_, _, TableNotExistOption::Unspecified) => {
+                return Err(Error::invalid(
+                    "bulk ingestion without what to do where the table exists or does not; \
+                     name both (ADBC's modes create, append, replace and create_append do)",
+                ));
+            }
+            (true, TableExistsOption::Fail, _) => {
+                return Err(Error::AlreadyExists(format!(
+                    "dataset '{dataset}' exists; ingest with mode 'replace' to write it again, \
+                     or drop it first"
+                )));
+            }
+            (true, TableExistsOption::Append, _) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "dataset '{dataset}' exists, and a dataset is sealed whole: rows cannot be \
+                     appended to it; ingest all its rows with mode 'replace', or into a new table"
+                )));
+            }
+            (true, TableExistsOption::Replace, _) => true,
+            (false, _, TableNotExistOption::Fail) => {
+                return Err(Error::NotFound(format!(
+                    "dataset '{dataset}' does not exist; ingest with mode 'create' to make it"
+                )));
+            }
+            (false, _, TableNotExistOption::Create) => false,
+        };
+        let write_id = if replace {
+            ingest_write_id()
+        } else {
+            String::new()
+        };
+        let put = pb::PutPartition {
+            dataset: dataset.clone(),
+            write_id: write_id.clone(),
+            replace,
+            ..Default::default()
+        };
+        // The stream as a DoPut of partition 0: its first message names it.
+        let first = arrow_flight::FlightData {
+            flight_descriptor: Some(FlightDescriptor::new_cmd(put.encode_to_vec())),
+            ..first
+        };
+        let input = futures::stream::iter([Ok(first)]).chain(stream);
+        // (A stream that breaks stores nothing.)
+        let ack = super::put::do_put(&self.state, input).await?;
+        // Until sealed, what the ingestion wrote goes if the seal fails or
+        // the answer is never taken.
+        let mut unsealed = Unsealed {
+            state: self.state.clone(),
+            drop: Some(convert::DropRequest {
+                dataset: dataset.clone(),
+                member_only: false,
+                abort_write: write_id.clone(),
+                staged: replace,
+                keep_write: String::new(),
+            }),
+        };
+        self.state
+            .metrics
+            .committed(&ack.dataset, ack.rows, ack.bytes);
+        let state = self.state.clone();
+        let seal = SealRequest {
+            dataset,
+            partitions: 1,
+            winners: Vec::new(),
+            members: Vec::new(),
+            replace_write: write_id,
+        };
+        let answer = futures::stream::once(async move {
+            state.seal(&seal).await?;
+            unsealed.keep();
+            let result = DoPutUpdateResult {
+                record_count: i64::try_from(ack.rows).unwrap_or(i64::MAX),
+            };
+            Ok(arrow_flight::PutResult {
+                app_metadata: result.encode_to_vec().into(),
+            })
+        });
+        Ok(answer
+            .map(|r: Result<arrow_flight::PutResult>| r.map_err(Status::from))
+            .boxed())
     }
 
     /// Action `derive`: runs `sql` (reading `source`, when given, also as
