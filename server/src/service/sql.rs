@@ -112,6 +112,76 @@ fn ingest_write_id() -> String {
     format!("ingest-{nanos}-{}", COUNT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// The dataset a bulk ingestion writes, and whether it replaces one that
+/// `exists` (by name): checks what `cmd` asks against what flightdeck
+/// does (no temporary tables, transactions, other catalogs or schemas; a
+/// sealed dataset is not appended to).
+fn ingest_target(
+    cmd: &CommandStatementIngest,
+    exists: impl FnOnce(&str) -> bool,
+) -> Result<(String, bool)> {
+    use arrow_flight::sql::{TableExistsOption, TableNotExistOption};
+    let dataset = convert::dataset_name(&cmd.table)?;
+    if cmd.temporary {
+        return Err(Error::invalid(format!(
+            "bulk ingestion into '{dataset}' asks for a temporary table; flightdeck keeps \
+             datasets until they are dropped: ingest without it, and drop the dataset when \
+             done"
+        )));
+    }
+    if cmd.transaction_id.is_some() {
+        return Err(Error::invalid(
+            "bulk ingestion within a transaction: flightdeck has no transactions (an \
+             ingestion is kept whole or not at all); ingest without one",
+        ));
+    }
+    for (what, given, ours) in [
+        ("catalog", &cmd.catalog, CATALOG),
+        ("schema", &cmd.schema, SCHEMA),
+    ] {
+        if let Some(given) = given.as_deref().filter(|g| !g.is_empty() && *g != ours) {
+            return Err(Error::invalid(format!(
+                "bulk ingestion into {what} '{given}': every dataset is in {what} '{ours}'; \
+                 leave the {what} out"
+            )));
+        }
+    }
+    let options = cmd.table_definition_options.unwrap_or_default();
+    let if_missing = TableNotExistOption::try_from(options.if_not_exist)
+        .unwrap_or(TableNotExistOption::Unspecified);
+    let if_exists =
+        TableExistsOption::try_from(options.if_exists).unwrap_or(TableExistsOption::Unspecified);
+    let exists = exists(&dataset);
+    let replace = match (exists, if_exists, if_missing) {
+        (_, TableExistsOption::Unspecified, _) | (_, _, TableNotExistOption::Unspecified) => {
+            return Err(Error::invalid(
+                "bulk ingestion without what to do where the table exists or does not; \
+                 name both (ADBC's modes create, append, replace and create_append do)",
+            ));
+        }
+        (true, TableExistsOption::Fail, _) => {
+            return Err(Error::AlreadyExists(format!(
+                "dataset '{dataset}' exists; ingest with mode 'replace' to write it again, \
+                 or drop it first"
+            )));
+        }
+        (true, TableExistsOption::Append, _) => {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{dataset}' exists, and a dataset is sealed whole: rows cannot be \
+                 appended to it; ingest all its rows with mode 'replace', or into a new table"
+            )));
+        }
+        (true, TableExistsOption::Replace, _) => true,
+        (false, _, TableNotExistOption::Fail) => {
+            return Err(Error::NotFound(format!(
+                "dataset '{dataset}' does not exist; ingest with mode 'create' to make it"
+            )));
+        }
+        (false, _, TableNotExistOption::Create) => false,
+    };
+    Ok((dataset, replace))
+}
+
 /// What a bulk ingestion wrote before its seal: dropped (on the runtime)
 /// unless the seal takes it.
 struct Unsealed {
@@ -407,7 +477,6 @@ impl SqlService {
         &self,
         mut stream: tonic::Streaming<arrow_flight::FlightData>,
     ) -> Result<BoxStream<'static, std::result::Result<arrow_flight::PutResult, Status>>> {
-        use arrow_flight::sql::{TableExistsOption, TableNotExistOption};
         let first = match stream.next().await {
             Some(Ok(first)) => first,
             Some(Err(status)) => {
@@ -424,64 +493,8 @@ impl SqlService {
             .and_then(|d| Any::decode(d.cmd.as_ref()).ok())
             .and_then(|any| any.unpack::<CommandStatementIngest>().ok().flatten())
             .ok_or_else(|| Error::invalid("the bulk ingestion's first message names no table"))?;
-        let dataset = convert::dataset_name(&cmd.table)?;
-        if cmd.temporary {
-            return Err(Error::invalid(format!(
-                "bulk ingestion into '{dataset}' asks for a temporary table; flightdeck keeps \
-                 datasets until they are dropped: ingest without it, and drop the dataset when \
-                 done"
-            )));
-        }
-        if cmd.transaction_id.is_some() {
-            return Err(Error::invalid(
-                "bulk ingestion within a transaction: flightdeck has no transactions (an \
-                 ingestion is kept whole or not at all); ingest without one",
-            ));
-        }
-        for (what, given, ours) in [
-            ("catalog", &cmd.catalog, CATALOG),
-            ("schema", &cmd.schema, SCHEMA),
-        ] {
-            if let Some(given) = given.as_deref().filter(|g| !g.is_empty() && *g != ours) {
-                return Err(Error::invalid(format!(
-                    "bulk ingestion into {what} '{given}': every dataset is in {what} '{ours}'; \
-                     leave the {what} out"
-                )));
-            }
-        }
-        let options = cmd.table_definition_options.unwrap_or_default();
-        let if_missing = TableNotExistOption::try_from(options.if_not_exist)
-            .unwrap_or(TableNotExistOption::Unspecified);
-        let if_exists = TableExistsOption::try_from(options.if_exists)
-            .unwrap_or(TableExistsOption::Unspecified);
-        let exists = self.state.catalog().describe(&dataset).is_ok();
-        let replace = match (exists, if_exists, if_missing) {
-            (_, TableExistsOption::Unspecified, _) | (_, _, TableNotExistOption::Unspecified) => {
-                return Err(Error::invalid(
-                    "bulk ingestion without what to do where the table exists or does not; \
-                     name both (ADBC's modes create, append, replace and create_append do)",
-                ));
-            }
-            (true, TableExistsOption::Fail, _) => {
-                return Err(Error::AlreadyExists(format!(
-                    "dataset '{dataset}' exists; ingest with mode 'replace' to write it again, \
-                     or drop it first"
-                )));
-            }
-            (true, TableExistsOption::Append, _) => {
-                return Err(Error::FailedPrecondition(format!(
-                    "dataset '{dataset}' exists, and a dataset is sealed whole: rows cannot be \
-                     appended to it; ingest all its rows with mode 'replace', or into a new table"
-                )));
-            }
-            (true, TableExistsOption::Replace, _) => true,
-            (false, _, TableNotExistOption::Fail) => {
-                return Err(Error::NotFound(format!(
-                    "dataset '{dataset}' does not exist; ingest with mode 'create' to make it"
-                )));
-            }
-            (false, _, TableNotExistOption::Create) => false,
-        };
+        let (dataset, replace) =
+            ingest_target(&cmd, |name| self.state.catalog().describe(name).is_ok())?;
         let write_id = if replace {
             ingest_write_id()
         } else {
@@ -1552,5 +1565,146 @@ impl PartitionStream for MemberRows {
             self.rows.schema.clone(),
             batches,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_flight::sql::{TableDefinitionOptions, TableExistsOption, TableNotExistOption};
+    use tonic::Code;
+
+    fn ingest(
+        if_missing: TableNotExistOption,
+        if_exists: TableExistsOption,
+    ) -> CommandStatementIngest {
+        CommandStatementIngest {
+            table: "t".into(),
+            table_definition_options: Some(TableDefinitionOptions {
+                if_not_exist: if_missing as i32,
+                if_exists: if_exists as i32,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn each_ingestion_mode_creates_replaces_or_is_refused_by_what_exists() {
+        use TableExistsOption as Exists;
+        use TableNotExistOption as Missing;
+        // ADBC's modes: create, append, replace, create_append.
+        let cases = [
+            (Missing::Create, Exists::Fail, false, Ok(false)),
+            (
+                Missing::Create,
+                Exists::Fail,
+                true,
+                Err(Code::AlreadyExists),
+            ),
+            (Missing::Fail, Exists::Append, false, Err(Code::NotFound)),
+            (
+                Missing::Fail,
+                Exists::Append,
+                true,
+                Err(Code::FailedPrecondition),
+            ),
+            (Missing::Create, Exists::Replace, false, Ok(false)),
+            (Missing::Create, Exists::Replace, true, Ok(true)),
+            (Missing::Create, Exists::Append, false, Ok(false)),
+            (
+                Missing::Create,
+                Exists::Append,
+                true,
+                Err(Code::FailedPrecondition),
+            ),
+            (
+                Missing::Unspecified,
+                Exists::Fail,
+                false,
+                Err(Code::InvalidArgument),
+            ),
+            (
+                Missing::Create,
+                Exists::Unspecified,
+                true,
+                Err(Code::InvalidArgument),
+            ),
+        ];
+        for (if_missing, if_exists, exists, want) in cases {
+            let got = ingest_target(&ingest(if_missing, if_exists), |name| {
+                assert_eq!(name, "t");
+                exists
+            });
+            let got = got.map(|(name, replace)| {
+                assert_eq!(name, "t");
+                replace
+            });
+            assert_eq!(
+                got.map_err(|e| e.code()),
+                want,
+                "{if_missing:?} {if_exists:?} exists={exists}"
+            );
+        }
+    }
+
+    #[test]
+    fn ingestions_flightdeck_has_no_notion_of_are_refused_naming_why() {
+        let create = || ingest(TableNotExistOption::Create, TableExistsOption::Fail);
+        let cases = [
+            (
+                CommandStatementIngest {
+                    temporary: true,
+                    ..create()
+                },
+                "asks for a temporary table",
+            ),
+            (
+                CommandStatementIngest {
+                    transaction_id: Some(Bytes::from_static(b"tx")),
+                    ..create()
+                },
+                "flightdeck has no transactions",
+            ),
+            (
+                CommandStatementIngest {
+                    catalog: Some("other".into()),
+                    ..create()
+                },
+                "every dataset is in catalog 'flightdeck'",
+            ),
+            (
+                CommandStatementIngest {
+                    schema: Some("other".into()),
+                    ..create()
+                },
+                "every dataset is in schema 'public'",
+            ),
+            (
+                CommandStatementIngest {
+                    table: String::new(),
+                    ..create()
+                },
+                "dataset name",
+            ),
+        ];
+        for (cmd, words) in cases {
+            match ingest_target(&cmd, |_| false) {
+                Err(e) => {
+                    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+                    assert!(e.to_string().contains(words), "{e}");
+                }
+                Ok(got) => panic!("{cmd:?} was taken: {got:?}"),
+            }
+        }
+        // Our own catalog and schema, named, are the default.
+        let named = CommandStatementIngest {
+            catalog: Some(CATALOG.into()),
+            schema: Some(SCHEMA.into()),
+            ..create()
+        };
+        assert_eq!(
+            ingest_target(&named, |_| false).ok(),
+            Some(("t".into(), false))
+        );
     }
 }
