@@ -24,6 +24,7 @@ use tonic::server::NamedService;
 
 use super::get;
 use super::outbox;
+use super::sql::PutKind;
 use crate::auth;
 use crate::metrics::CallGuard;
 use crate::state::State;
@@ -165,20 +166,14 @@ where
                         return Ok(advertise(status.into_http()));
                     }
                 };
-                let command = first
+                let kind = first
                     .and_then(|m| arrow_flight::FlightData::decode(m).ok())
                     .and_then(|d| d.flight_descriptor)
-                    .map(|d| d.cmd);
-                let sql = command
-                    .as_ref()
-                    .is_some_and(|c| super::sql::is_sql_command(c));
-                let ingest = command
-                    .as_ref()
-                    .is_some_and(|c| super::sql::is_sql_ingest(c));
+                    .map_or(PutKind::Partition, |d| super::sql::put_kind(&d.cmd));
                 if let Some(role) = role {
                     // Binding a query's parameters reads; everything else
                     // (a Flight SQL bulk ingestion too) writes.
-                    let need = if sql && !ingest {
+                    let need = if kind == PutKind::SqlParameters {
                         auth::Role::Reader
                     } else {
                         auth::needed(DO_PUT, None)
@@ -189,10 +184,14 @@ where
                         return Ok(advertise(status.into_http()));
                     }
                 }
-                if ingest {
-                    parts.extensions.insert(SqlIngest);
-                } else if sql {
-                    parts.extensions.insert(SqlPut);
+                match kind {
+                    PutKind::SqlIngest => {
+                        parts.extensions.insert(SqlIngest);
+                    }
+                    PutKind::SqlParameters => {
+                        parts.extensions.insert(SqlPut);
+                    }
+                    PutKind::Partition => {}
                 }
                 parts.extensions.insert(guard.detail());
                 let req = http::Request::from_parts(parts, body);

@@ -143,34 +143,41 @@ impl FlightService for FlightdeckService {
         if request.extensions().get::<edge::SqlPut>().is_some() {
             return FlightService::do_put(self.sql.as_ref(), request).await;
         }
-        if request.extensions().get::<edge::SqlIngest>().is_some() {
-            return Ok(Response::new(self.sql.ingest(request.into_inner()).await?));
-        }
+        let ingest = request.extensions().get::<edge::SqlIngest>().is_some();
         let detail = request.extensions().get::<CallDetail>().cloned();
-        let ack = match put::do_put(&self.state, request.into_inner()).await {
-            Ok(ack) => {
+        let written = if ingest {
+            self.sql.ingest(request.into_inner()).await
+        } else {
+            put::do_put(&self.state, request.into_inner())
+                .await
+                .map(|ack| {
+                    let answer = once(PutResult {
+                        app_metadata: ack.encode_to_vec().into(),
+                    });
+                    (ack, answer)
+                })
+        };
+        match written {
+            Ok((ack, answer)) => {
                 self.state
                     .metrics
                     .committed(&ack.dataset, ack.rows, ack.bytes);
                 if let Some(detail) = detail {
                     detail.wrote(WriteDetail {
-                        dataset: ack.dataset.clone(),
+                        dataset: ack.dataset,
                         partition: ack.partition,
                         attempt: ack.attempt,
                         rows: ack.rows,
                         bytes: ack.bytes,
                     });
                 }
-                ack
+                Ok(Response::new(answer))
             }
             Err(e) => {
                 self.state.metrics.aborted();
-                return Err(e.into());
+                Err(e.into())
             }
-        };
-        Ok(Response::new(once(PutResult {
-            app_metadata: ack.encode_to_vec().into(),
-        })))
+        }
     }
 
     async fn do_action(

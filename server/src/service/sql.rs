@@ -95,10 +95,24 @@ pub fn is_sql_command(bytes: &[u8]) -> bool {
     Any::decode(bytes).is_ok_and(|any| any.type_url.starts_with(SQL_TYPE_PREFIX))
 }
 
-/// Whether a descriptor command is a Flight SQL bulk ingestion, which
-/// writes a dataset (every other Flight SQL `DoPut` binds parameters).
-pub fn is_sql_ingest(bytes: &[u8]) -> bool {
-    Any::decode(bytes).is_ok_and(|any| any.is::<CommandStatementIngest>())
+/// What a `DoPut` is, by the command its first message carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutKind {
+    /// flightdeck's own: an attempt of a partition.
+    Partition,
+    /// Flight SQL binding a prepared statement's parameters (a read).
+    SqlParameters,
+    /// A Flight SQL bulk ingestion: writes a dataset.
+    SqlIngest,
+}
+
+/// The kind of a `DoPut` whose first message's descriptor carries `command`.
+pub fn put_kind(command: &[u8]) -> PutKind {
+    match Any::decode(command) {
+        Ok(any) if any.is::<CommandStatementIngest>() => PutKind::SqlIngest,
+        Ok(any) if any.type_url.starts_with(SQL_TYPE_PREFIX) => PutKind::SqlParameters,
+        _ => PutKind::Partition,
+    }
 }
 
 /// A write id for one replacing ingestion, unique on this server and
@@ -472,11 +486,15 @@ impl SqlService {
     /// its call (ADBC's driver does when the data it sends fails) resets
     /// the stream with `NO_ERROR`, which ends the request like a finished
     /// one, but the answer to a reset stream is never taken, so the rows it
-    /// sent are dropped unsealed instead of kept as the dataset.
+    /// sent are dropped unsealed instead of kept as the dataset. Returns
+    /// the committed attempt and that answer.
     pub async fn ingest(
         &self,
         mut stream: tonic::Streaming<arrow_flight::FlightData>,
-    ) -> Result<BoxStream<'static, std::result::Result<arrow_flight::PutResult, Status>>> {
+    ) -> Result<(
+        pb::PutAck,
+        BoxStream<'static, std::result::Result<arrow_flight::PutResult, Status>>,
+    )> {
         let first = match stream.next().await {
             Some(Ok(first)) => first,
             Some(Err(status)) => {
@@ -526,9 +544,6 @@ impl SqlService {
                 keep_write: String::new(),
             }),
         };
-        self.state
-            .metrics
-            .committed(&ack.dataset, ack.rows, ack.bytes);
         let state = self.state.clone();
         let seal = SealRequest {
             dataset,
@@ -537,19 +552,19 @@ impl SqlService {
             members: Vec::new(),
             replace_write: write_id,
         };
+        let record_count = i64::try_from(ack.rows).unwrap_or(i64::MAX);
         let answer = futures::stream::once(async move {
             state.seal(&seal).await?;
             unsealed.keep();
-            let result = DoPutUpdateResult {
-                record_count: i64::try_from(ack.rows).unwrap_or(i64::MAX),
-            };
+            let result = DoPutUpdateResult { record_count };
             Ok(arrow_flight::PutResult {
                 app_metadata: result.encode_to_vec().into(),
             })
         });
-        Ok(answer
+        let answer = answer
             .map(|r: Result<arrow_flight::PutResult>| r.map_err(Status::from))
-            .boxed())
+            .boxed();
+        Ok((ack, answer))
     }
 
     /// Action `derive`: runs `sql` (reading `source`, when given, also as

@@ -55,14 +55,14 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
    * naming the column, where Spark has none.
    */
   static DataType sparkType(Field field, String dataset, String location) {
-    DataType type = SparkTypes.sparkType(field);
-    if (type == null) {
+    SparkTypes.Read read = SparkTypes.read(field);
+    if (read == null) {
       throw new FlightDeckException("INVALID_ARGUMENT", "column '" + field.getName()
           + "' of dataset '" + dataset + "' on " + location + " is " + typeName(field)
           + ", which Spark cannot hold; give the read a schema that reads it as a type it is "
           + "cast to, or without it, e.g. spark.read.schema(\"id long\")");
     }
-    return type;
+    return read.type();
   }
 
   /** A stored column's type as Arrow's other libraries name it ({@code uint32}). */

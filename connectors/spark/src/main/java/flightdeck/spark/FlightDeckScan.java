@@ -298,14 +298,14 @@ final class FlightDeckScan {
                 + "' on " + location + " does not have; its columns are "
                 + stored.getFields().stream().map(Field::getName).toList()));
         String name = Filters.quote(want.name());
-        DataType have = SparkTypes.sparkType(field);
+        SparkTypes.Read read = SparkTypes.read(field);
+        DataType have = read == null ? null : read.type();
         if (have != null && have.simpleString().equals(want.dataType().simpleString())) {
           // As stored, or as the server casts it to the type Spark holds.
-          Field read = SparkTypes.readable(field);
-          if (read == field) {
+          if (read.field() == field) {
             select.add(name);
           } else {
-            select.add(cast(name, SparkTypes.castName(read)));
+            select.add(cast(name, SparkTypes.castName(read.field())));
             cast = true;
           }
           continue;

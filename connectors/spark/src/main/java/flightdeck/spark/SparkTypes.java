@@ -39,11 +39,30 @@ final class SparkTypes {
   private SparkTypes() {}
 
   /**
-   * The column as Spark reads it: {@code stored} itself where Spark holds
-   * it as it is, the field the server casts it to where not, and null
-   * where Spark has no type for it.
+   * A stored column as Spark reads it: {@code field}, the stored field
+   * itself where Spark holds it as it is, else the field the server casts
+   * it to; and its Spark type.
    */
-  static Field readable(Field stored) {
+  record Read(Field field, DataType type) {}
+
+  /** How Spark reads {@code stored}; null where Spark has no type for it. */
+  static Read read(Field stored) {
+    Field field = readable(stored);
+    if (field == null) {
+      return null;
+    }
+    try {
+      return new Read(field, ArrowUtils.fromArrowField(field));
+    } catch (RuntimeException noSparkType) {
+      return null;
+    }
+  }
+
+  /**
+   * The field Spark holds for {@code stored}: {@code stored} itself where
+   * Spark holds it as it is; null where Spark has no type for it.
+   */
+  private static Field readable(Field stored) {
     List<Field> children = new ArrayList<>();
     for (Field child : stored.getChildren()) {
       Field read = readable(child);
@@ -59,19 +78,6 @@ final class SparkTypes {
     Field read = new Field(stored.getName(),
         new FieldType(stored.isNullable(), type, null, stored.getMetadata()), children);
     return read.equals(stored) ? stored : read;
-  }
-
-  /** The Spark type of a column read as {@link #readable} gives it; null where it has none. */
-  static DataType sparkType(Field stored) {
-    Field read = readable(stored);
-    if (read == null) {
-      return null;
-    }
-    try {
-      return ArrowUtils.fromArrowField(read);
-    } catch (RuntimeException noSparkType) {
-      return null;
-    }
   }
 
   /**
@@ -125,7 +131,7 @@ final class SparkTypes {
   /**
    * {@code field}'s type as the server's {@code arrow_cast} reads a type
    * name ({@code Timestamp(us, "UTC")}, {@code List(non-null Int64)},
-   * {@code Struct("a": Int64)}); for the types {@link #readable} gives.
+   * {@code Struct("a": Int64)}); for the types {@link #read} gives.
    */
   static String castName(Field field) {
     ArrowType type = field.getType();
