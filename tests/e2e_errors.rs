@@ -1426,3 +1426,67 @@ async fn what_a_dead_job_left_unsealed_is_dropped_after_the_unsealed_timeout() {
     }
     server.stop().await;
 }
+
+/// A writer that resets its `DoPut` with `NO_ERROR` part way (what gRPC
+/// clients in Go do when a call is cancelled) stores nothing: hyper ends
+/// such a request like a finished one, so an attempt is committed only
+/// when its answer is sent, which a reset stream never takes. Before, the
+/// rows sent until then were committed as the whole partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_reset_with_no_error_stores_nothing() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let tcp = tokio::net::TcpStream::connect(server.addr())
+        .await
+        .expect("connect");
+    let (h2, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    let mut h2 = h2.ready().await.expect("h2 ready");
+    let request = http::Request::post(format!(
+        "{}/arrow.flight.protocol.FlightService/DoPut",
+        server.uri()
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .expect("request");
+    let (_answer, mut sent) = h2.send_request(request, false).expect("DoPut sent");
+    for msg in one_message_put("reset", 1_000).await {
+        // A gRPC message: uncompressed, its length, the FlightData.
+        let body = msg.encode_to_vec();
+        let mut framed = vec![0u8];
+        framed.extend_from_slice(&u32::try_from(body.len()).expect("small").to_be_bytes());
+        framed.extend_from_slice(&body);
+        sent.send_data(Bytes::from(framed), false)
+            .expect("data sent");
+    }
+    flightdeck_tests::eventually("the writer's rows staged", || {
+        let mut c = c.clone();
+        async move {
+            let live = c.stats().await.expect("stats").host_live_bytes;
+            if live > 0 { Ok(()) } else { Err(live) }
+        }
+    })
+    .await;
+    sent.send_reset(h2::Reason::NO_ERROR);
+    let committed = flightdeck_tests::eventually("the reset attempt dropped or kept", || {
+        let mut c = c.clone();
+        async move {
+            let live = c.stats().await.expect("stats").host_live_bytes;
+            match c.describe("reset").await {
+                Ok(info) => Ok(Some(info.rows)),
+                Err(_) if live == 0 => Ok(None),
+                Err(e) => Err((live, e.to_string())),
+            }
+        }
+    })
+    .await;
+    assert_eq!(committed, None, "a reset put committed rows");
+    assert_code(c.describe("reset").await, Code::NotFound, &["'reset'"]);
+    // The partition is then written whole by its writer's retry.
+    raw_put(&mut c, one_message_put("reset", 1_000).await)
+        .await
+        .expect("the retry is stored");
+    assert_eq!(c.describe("reset").await.expect("describe").rows, 1_000);
+    server.stop().await;
+}

@@ -148,36 +148,34 @@ impl FlightService for FlightdeckService {
         let written = if ingest {
             self.sql.ingest(request.into_inner()).await
         } else {
-            put::do_put(&self.state, request.into_inner())
+            put::receive(&self.state, request.into_inner())
                 .await
-                .map(|ack| {
-                    let answer = once(PutResult {
-                        app_metadata: ack.encode_to_vec().into(),
-                    });
+                .map(|received| {
+                    let ack = received.ack().clone();
+                    let state = self.state.clone();
+                    // Committed as the answer is sent: a call its client
+                    // reset before taking it stores nothing.
+                    let answer = stream::once(async move {
+                        let ack = received.commit(&state)?;
+                        Ok(PutResult {
+                            app_metadata: ack.encode_to_vec().into(),
+                        })
+                    })
+                    .boxed();
                     (ack, answer)
                 })
         };
-        match written {
-            Ok((ack, answer)) => {
-                self.state
-                    .metrics
-                    .committed(&ack.dataset, ack.rows, ack.bytes);
-                if let Some(detail) = detail {
-                    detail.wrote(WriteDetail {
-                        dataset: ack.dataset,
-                        partition: ack.partition,
-                        attempt: ack.attempt,
-                        rows: ack.rows,
-                        bytes: ack.bytes,
-                    });
-                }
-                Ok(Response::new(answer))
-            }
-            Err(e) => {
-                self.state.metrics.aborted();
-                Err(e.into())
-            }
+        let (ack, answer) = written?;
+        if let Some(detail) = detail {
+            detail.wrote(WriteDetail {
+                dataset: ack.dataset,
+                partition: ack.partition,
+                attempt: ack.attempt,
+                rows: ack.rows,
+                bytes: ack.bytes,
+            });
         }
+        Ok(Response::new(answer))
     }
 
     async fn do_action(

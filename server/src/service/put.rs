@@ -1,7 +1,8 @@
 //! `DoPut`: one partition attempt, staged until its stream ends cleanly, then
-//! committed — or nothing at all.
+//! committed as its answer is sent — or nothing at all.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -12,10 +13,11 @@ use flightdeck_protos as pb;
 use futures::{FutureExt, StreamExt};
 use tracing::info;
 
-use crate::catalog::AttemptData;
+use crate::catalog::{AttemptData, AttemptKey};
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
+use crate::metrics::Metrics;
 use crate::state::State;
 
 /// Checks the writer's `PutCommit` against what arrived.
@@ -58,7 +60,110 @@ fn with_padding(bytes: u64) -> u64 {
 
 /// `DoPut`: receives the attempt `input` carries (its first message names the
 /// dataset and partition) and commits it whole, or stores nothing.
-pub async fn do_put<S>(state: &State, mut input: S) -> Result<pb::PutAck>
+pub async fn do_put<S>(state: &State, input: S) -> Result<pb::PutAck>
+where
+    S: futures::Stream<Item = std::result::Result<FlightData, tonic::Status>>
+        + Unpin
+        + Send
+        + 'static,
+{
+    receive(state, input).await?.commit(state)
+}
+
+/// An attempt received whole and checked, not yet committed: committing it
+/// is the write; dropped, it stores nothing and its batches free what they
+/// held. The service commits it as it sends the call's answer, because
+/// hyper ends a request its client reset with `NO_ERROR` (as gRPC clients
+/// in Go cancel a call) like one that finished: only a call whose answer
+/// is taken really ended.
+#[derive(Debug)]
+pub struct Received {
+    /// The catalog entry: the dataset, or what a replacing write stages.
+    entry: String,
+    key: AttemptKey,
+    write_id: String,
+    replace: bool,
+    schema: SchemaRef,
+    /// `None` once the catalog took it.
+    data: Option<AttemptData>,
+    committed: bool,
+    ack: pb::PutAck,
+    metrics: Arc<Metrics>,
+}
+
+impl Received {
+    /// What committing the attempt acknowledges.
+    pub fn ack(&self) -> &pb::PutAck {
+        &self.ack
+    }
+
+    /// Commits the attempt, or refuses it (a sealed or dropped dataset, a
+    /// different schema) storing nothing.
+    pub fn commit(mut self, state: &State) -> Result<pb::PutAck> {
+        let data = self.data.take().ok_or_else(|| {
+            Error::Internal("an attempt received once was committed twice".into())
+        })?;
+        // (Refused, it is counted aborted as it is dropped.)
+        state.catalog().commit_write(
+            &self.entry,
+            self.key,
+            &self.write_id,
+            self.schema.clone(),
+            data,
+        )?;
+        self.committed = true;
+        let ack = &self.ack;
+        info!(
+            dataset = %ack.dataset,
+            partition = ack.partition,
+            attempt = ack.attempt,
+            rows = ack.rows,
+            bytes = ack.bytes,
+            replace = self.replace,
+            "committed attempt"
+        );
+        self.metrics.committed(&ack.dataset, ack.rows, ack.bytes);
+        Ok(std::mem::take(&mut self.ack))
+    }
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        self.metrics.aborted();
+        if self.data.is_some() {
+            info!(
+                dataset = %self.ack.dataset,
+                partition = self.ack.partition,
+                attempt = self.ack.attempt,
+                rows = self.ack.rows,
+                "dropped attempt: its call ended before its answer was sent, nothing was stored"
+            );
+        }
+    }
+}
+
+/// Receives the attempt `input` carries (its first message names the
+/// dataset and partition), checked whole (its commit marker, if it said it
+/// sends one), for the caller to commit. An attempt refused here, or not
+/// committed, is counted aborted.
+pub async fn receive<S>(state: &State, input: S) -> Result<Received>
+where
+    S: futures::Stream<Item = std::result::Result<FlightData, tonic::Status>>
+        + Unpin
+        + Send
+        + 'static,
+{
+    let received = receive_whole(state, input).await;
+    if received.is_err() {
+        state.metrics.aborted();
+    }
+    received
+}
+
+async fn receive_whole<S>(state: &State, mut input: S) -> Result<Received>
 where
     S: futures::Stream<Item = std::result::Result<FlightData, tonic::Status>>
         + Unpin
@@ -256,32 +361,26 @@ where
     if explicit_commit {
         check_commit_marker(&last_metadata, rows, &what())?;
     }
-    state.catalog().commit_write(
-        &entry,
+    Ok(Received {
+        entry,
         key,
-        &write_id,
+        write_id,
+        replace,
         schema,
-        AttemptData {
+        data: Some(AttemptData {
             batches,
             rows,
             bytes,
+        }),
+        ack: pb::PutAck {
+            dataset,
+            partition: key.partition,
+            attempt: key.attempt,
+            rows,
+            bytes,
+            location: state.location.clone(),
         },
-    )?;
-    info!(
-        dataset = %dataset,
-        partition = key.partition,
-        attempt = key.attempt,
-        rows,
-        bytes,
-        replace,
-        "committed attempt"
-    );
-    Ok(pb::PutAck {
-        dataset,
-        partition: key.partition,
-        attempt: key.attempt,
-        rows,
-        bytes,
-        location: state.location.clone(),
+        metrics: state.metrics.clone(),
+        committed: false,
     })
 }
