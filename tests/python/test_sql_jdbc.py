@@ -107,6 +107,29 @@ def test_a_prepared_result_without_rows_has_the_querys_columns(server, events):
     assert limited[0] == {"columns": [["id", "BIGINT"], ["country", "VARCHAR"]], "rows": []}
 
 
+def test_a_result_is_paged_with_limit_and_offset_parameters(server, events):
+    # `LIMIT ? OFFSET ?`, how JVM tools page through a result, and a
+    # parameter nothing in the query types: DataFusion leaves them untyped,
+    # and a parameter declared `Null` binds nothing but NULL in this driver
+    # ("Can't set non-null value on NullVector"). Row counts are declared
+    # BIGINT, a cast's operand its cast's type (so a number is bound to
+    # `CAST(? AS BIGINT)`), any other text.
+    pages, tagged, cast = jdbc(
+        server.uri,
+        ("prepared", "SELECT id FROM events ORDER BY id LIMIT ? OFFSET ?",
+         "int:3", "int:0", "|", "int:3", "int:3", "|", "long:2", "long:98"),
+        ("prepared", "SELECT ? AS tag, id FROM events ORDER BY id LIMIT ?", "string:t", "int:2"),
+        ("prepared", "SELECT CAST(? AS BIGINT) + 1 AS n", "long:41"),
+    )
+    ids = [str(i) for i in sorted(events["id"].to_pylist())]
+    assert [page["rows"] for page in pages] == [
+        [[i] for i in ids[0:3]], [[i] for i in ids[3:6]], [[i] for i in ids[98:100]],
+    ]
+    assert tagged == [{"columns": [["tag", "VARCHAR"], ["id", "BIGINT"]],
+                       "rows": [["t", ids[0]], ["t", ids[1]]]}]
+    assert cast == [{"columns": [["n", "BIGINT"]], "rows": [["42"]]}], cast
+
+
 def test_strings_made_in_sql_are_read_and_bound(server, events):
     # SQL's VARCHAR is Arrow's Utf8 here: the driver refuses a Utf8View
     # result column ("Unsupported ArrowType Utf8View") and parameter.

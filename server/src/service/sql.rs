@@ -17,6 +17,7 @@
 //! Flight SQL one ([`is_sql_command`], [`is_sql_action`]); everything else
 //! is flightdeck's own protocol.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -445,6 +446,7 @@ impl SqlService {
     async fn schema_of(&self, sql: &str) -> Result<(Schema, Schema)> {
         let ctx = self.session(None)?;
         let plan = self.plan(&ctx, sql, None).await?;
+        let hints = placeholder_hints(&plan);
         let mut params: Vec<(String, arrow::datatypes::FieldRef)> = plan
             .get_parameter_fields()
             .map_err(|e| query_error(sql, e))?
@@ -453,7 +455,7 @@ impl SqlService {
                 let field = field.unwrap_or_else(|| {
                     Arc::new(arrow::datatypes::Field::new(
                         &name,
-                        arrow::datatypes::DataType::Null,
+                        untyped_parameter(&hints, &name),
                         true,
                     ))
                 });
@@ -891,6 +893,57 @@ fn sent_type(data_type: &arrow::datatypes::DataType, sent: Sent) -> arrow::datat
         DataType::Map(f, sorted) => DataType::Map(field(f), *sorted),
         other => other.clone(),
     }
+}
+
+/// Types for the placeholders DataFusion leaves untyped, from where they
+/// stand: a `LIMIT` or `OFFSET` count (`LIMIT ? OFFSET ?`, how JVM tools
+/// page through a result) as `Int64`, a cast's operand (`CAST(? AS
+/// BIGINT)`) as the cast's type, as PostgreSQL types `$1::bigint`.
+fn placeholder_hints(plan: &LogicalPlan) -> HashMap<String, arrow::datatypes::DataType> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    use datafusion::logical_expr::{Cast, TryCast};
+    let mut hints = HashMap::new();
+    let mut hint = |e: &Expr, data_type: &arrow::datatypes::DataType| {
+        if let Expr::Placeholder(p) = e {
+            hints.insert(p.id.clone(), data_type.clone());
+        }
+    };
+    // (The closures never fail.)
+    let _ = plan.apply_with_subqueries(|node| {
+        if let LogicalPlan::Limit(limit) = node {
+            for count in [&limit.skip, &limit.fetch].into_iter().flatten() {
+                hint(count, &arrow::datatypes::DataType::Int64);
+            }
+        }
+        node.apply_expressions(|e| {
+            e.apply(|e| {
+                match e {
+                    Expr::Cast(Cast { expr, field }) | Expr::TryCast(TryCast { expr, field }) => {
+                        hint(expr, field.data_type());
+                    }
+                    _ => {}
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+        })
+    });
+    hints
+}
+
+/// The type declared for a parameter the query does not type: its hint
+/// ([`placeholder_hints`]), else text, as PostgreSQL types an unknown
+/// parameter (`SELECT ? AS tag`). Declared `Null`, as DataFusion leaves
+/// them, Arrow Java's JDBC driver binds nothing but NULL to it ("Can't set
+/// non-null value on NullVector"). The value bound is used as it comes,
+/// whatever its type.
+fn untyped_parameter(
+    hints: &HashMap<String, arrow::datatypes::DataType>,
+    name: &str,
+) -> arrow::datatypes::DataType {
+    hints
+        .get(name)
+        .cloned()
+        .unwrap_or(arrow::datatypes::DataType::Utf8)
 }
 
 /// An IPC schema message.
