@@ -6,7 +6,8 @@ Tables and columns listed, an aggregate, a result without rows (the probe by
 which Spark's JDBC source learns a query's columns), strings made in SQL
 read and bound, prepared statements run with several parameter sets, keys
 answered with none, an unknown table named, a token in the URL, TLS with the
-authority's certificate."""
+authority's certificate, a result paged with `LIMIT ? OFFSET ?`, and Spark's
+JDBC source reading queries with their decimal types."""
 
 from __future__ import annotations
 
@@ -230,6 +231,72 @@ def test_unsigned_and_half_float_columns_read_with_their_values(server):
     assert got.column("u64").to_pylist()[0] == 2**64 - 1
     assert client.read_table(client.plan("unsigned").shards[0]).schema.field("u8").type == pa.uint8()
     client.drop("unsigned")
+
+
+# Spark's JDBC source in a JVM of its own, with the driver on its classpath.
+SPARK_JDBC_JOB = """
+import json, sys
+from pyspark.sql import SparkSession
+jar, url = sys.argv[1:]
+spark = (SparkSession.builder.master("local[2]").config("spark.jars", jar)
+         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.ui.enabled", "false").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+jdbc = dict(url=url, driver="org.apache.arrow.driver.jdbc.ArrowFlightJdbcDriver")
+columns = "SELECT id, label, country, price, score FROM events"
+whole = spark.read.format("jdbc").options(
+    **jdbc, query=columns.replace(" FROM", ", CAST(ts AS BIGINT) AS ts_us FROM"),
+    customSchema="id BIGINT, label INT, ts_us BIGINT").load()
+split = spark.read.format("jdbc").options(
+    **jdbc, dbtable=f"({columns}) t", customSchema="id BIGINT", partitionColumn="id",
+    lowerBound="0", upperBound="2500", numPartitions="4").load()
+counts = spark.read.format("jdbc").options(
+    **jdbc, query="SELECT country, count(*) AS n FROM events GROUP BY country").load()
+print(json.dumps({
+    "schema": whole.schema.simpleString(),
+    "rows": whole.count(),
+    "sums": [str(v) for v in whole.groupBy().sum("id", "label", "price", "ts_us").first()],
+    "first": str(whole.selectExpr("timestamp_micros(min(ts_us)) AS t").first().t),
+    "split": [split.rdd.getNumPartitions(), split.count(), split.schema.simpleString()],
+    "counts": sorted((r.country or "", int(r.n)) for r in counts.collect()),
+}))
+"""
+
+
+def test_sparks_jdbc_source_reads_a_query_with_its_decimal_types(server, events):
+    """Spark's JDBC source reads a query, split over partitions of a column
+    and aggregated on the server. A decimal column keeps its precision and
+    scale: the driver reads them from Flight SQL's column metadata, which
+    answers now carry (without, Spark read every decimal as
+    `decimal(38,18)`). The driver says no integer is signed, so Spark reads
+    `bigint` as `decimal(20,0)` unless `customSchema` names the type, and
+    Spark knows no type for a zoned timestamp, sent as microseconds (the
+    README's recipe)."""
+    import os
+    import subprocess
+    import sys
+
+    [driver] = (CHECK / "lib").glob("flight-sql-jdbc-driver-*.jar")
+    where = urlparse(server.uri)
+    url = f"jdbc:arrow-flight-sql://{where.hostname}:{where.port}?useEncryption=false"
+    job = subprocess.run([sys.executable, "-c", SPARK_JDBC_JOB, str(driver), url],
+                         env=dict(os.environ, PYSPARK_PYTHON=sys.executable, TZ="UTC"),
+                         capture_output=True, text=True, timeout=scaled(300))
+    assert job.returncode == 0, job.stderr[-3000:]
+    out = json.loads(job.stdout.strip().splitlines()[-1])
+    assert out["schema"] == ("struct<id:bigint,label:int,country:string,price:decimal(12,2),"
+                             "score:double,ts_us:bigint>")
+    assert out["rows"] == events.num_rows
+    ts_us = events["ts"].cast(pa.int64())
+    assert out["sums"] == [str(pc.sum(c).as_py()) for c in
+                           (events["id"], events["label"], events["price"], ts_us)]
+    # (A zoned timestamp as microseconds, made a timestamp again in Spark.)
+    assert out["first"] == "2026-01-01 00:00:00", out
+    assert out["split"] == [4, events.num_rows,
+                            "struct<id:bigint,label:bigint,country:string,price:decimal(12,2),"
+                            "score:double>"]
+    want = pc.value_counts(events["country"].fill_null("")).to_pylist()
+    assert out["counts"] == sorted([c["values"], c["counts"]] for c in want)
 
 
 def test_datasets_have_no_keys_and_say_so(server, events):

@@ -858,12 +858,40 @@ enum Sent {
     Answer,
 }
 
-/// `field` of its [`sent_type`].
+/// `field` of its [`sent_type`]; a decimal column of an answer says its
+/// precision and scale in Flight SQL's column metadata, which is where the
+/// JDBC driver's `getPrecision` and `getScale` read them (without, 0 and 0,
+/// and Spark's JDBC source reads every decimal as `decimal(38,18)`).
 fn sent_field(field: &arrow::datatypes::Field, sent: Sent) -> arrow::datatypes::Field {
-    field
-        .clone()
-        .with_data_type(sent_type(field.data_type(), sent))
+    use arrow::datatypes::DataType;
+    let data_type = sent_type(field.data_type(), sent);
+    let digits = match data_type {
+        DataType::Decimal32(p, s)
+        | DataType::Decimal64(p, s)
+        | DataType::Decimal128(p, s)
+        | DataType::Decimal256(p, s)
+            if sent == Sent::Answer =>
+        {
+            Some((p, s))
+        }
+        _ => None,
+    };
+    let field = field.clone().with_data_type(data_type);
+    match digits {
+        Some((precision, scale)) => {
+            let mut metadata = field.metadata().clone();
+            metadata.insert(COLUMN_PRECISION.into(), precision.to_string());
+            metadata.insert(COLUMN_SCALE.into(), scale.to_string());
+            field.with_metadata(metadata)
+        }
+        None => field,
+    }
 }
+
+/// Flight SQL's column metadata keys for a column's precision (a decimal's
+/// digits) and scale (its digits after the point).
+const COLUMN_PRECISION: &str = "ARROW:FLIGHT:SQL:PRECISION";
+const COLUMN_SCALE: &str = "ARROW:FLIGHT:SQL:SCALE";
 
 /// `data_type` in a type every Flight SQL client reads, at any depth:
 /// Arrow's view layouts (`Utf8View`, `BinaryView`) as their plain
