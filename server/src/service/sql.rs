@@ -1684,6 +1684,47 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn untyped_parameters_are_typed_by_where_they_stand() {
+        use arrow::datatypes::DataType;
+        let sql = "SELECT $1 AS tag, CAST($2 AS SMALLINT) AS n, \
+                   (SELECT 1 LIMIT $3) AS one LIMIT $4 OFFSET $5";
+        let plan = SessionContext::new()
+            .state()
+            .create_logical_plan(sql)
+            .await
+            .expect("plans");
+        let hints = placeholder_hints(&plan);
+        let mut seen: Vec<_> = hints.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        seen.sort();
+        assert_eq!(
+            seen,
+            [
+                ("$2", DataType::Int16),
+                ("$3", DataType::Int64),
+                ("$4", DataType::Int64),
+                ("$5", DataType::Int64),
+            ]
+        );
+        assert_eq!(untyped_parameter(&hints, "$1"), DataType::Utf8);
+        assert_eq!(untyped_parameter(&hints, "$4"), DataType::Int64);
+    }
+
+    #[test]
+    fn an_answers_decimal_says_its_precision_and_scale() {
+        use arrow::datatypes::{DataType, Field};
+        let price = Field::new("price", DataType::Decimal128(12, 2), true);
+        let answer = sent_field(&price, Sent::Answer);
+        let said = |key: &str| answer.metadata().get(key).map(String::as_str);
+        assert_eq!(
+            (said(COLUMN_PRECISION), said(COLUMN_SCALE)),
+            (Some("12"), Some("2"))
+        );
+        assert!(sent_field(&price, Sent::Parameter).metadata().is_empty());
+        let id = Field::new("id", DataType::Int64, true);
+        assert!(sent_field(&id, Sent::Answer).metadata().is_empty());
+    }
+
     #[test]
     fn each_ingestion_mode_creates_replaces_or_is_refused_by_what_exists() {
         use TableExistsOption as Exists;
