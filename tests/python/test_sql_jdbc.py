@@ -11,6 +11,7 @@ JDBC source reading queries with their decimal types."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 from urllib.parse import urlparse
@@ -52,7 +53,8 @@ def jdbc(uri: str, *calls: tuple[str, ...]) -> list:
     extra = f"&{where.query}" if where.query else ""
     url = f"jdbc:arrow-flight-sql://{where.hostname}:{where.port}?useEncryption={tls}{extra}"
     out = subprocess.run(
-        ["java", "--add-opens=java.base/java.nio=ALL-UNNAMED",
+        # (In UTC: the driver binds a timestamp as its wall-clock time.)
+        ["java", "--add-opens=java.base/java.nio=ALL-UNNAMED", "-Duser.timezone=UTC",
          "-cp", f"{CHECK / 'classes'}:{CHECK / 'lib'}/*", "flightdeck.jdbc.JdbcCheck",
          url, *("\t".join(c) for c in calls)],
         capture_output=True, text=True, timeout=scaled(120),
@@ -129,6 +131,42 @@ def test_a_result_is_paged_with_limit_and_offset_parameters(server, events):
     assert tagged == [{"columns": [["tag", "VARCHAR"], ["id", "BIGINT"]],
                        "rows": [["t", ids[0]], ["t", ids[1]]]}]
     assert cast == [{"columns": [["n", "BIGINT"]], "rows": [["42"]]}], cast
+
+
+def test_timestamps_times_and_dates_bind_exactly(server, events):
+    # The driver writes a bound timestamp as epoch milliseconds, a time as
+    # milliseconds of the day and a date as days, whatever unit the
+    # parameter is declared in (arrow-java issue 838): declared in Spark's
+    # microseconds, `ts < ?` bound a value a thousand times too small and
+    # matched no row. Parameters of time types are declared in the driver's
+    # units and cast to the query's as it runs; nanoseconds, `time64` and
+    # `date64` columns compare exactly too.
+    client = flightdeck.connect(server.uri)
+    client.put_partition("times", 0, pa.table({
+        "ts_ns": pa.array([dt.datetime(2026, 1, 1, 0, 0, 1, 500000), dt.datetime(2026, 1, 1, 0, 0, 2)],
+                          pa.timestamp("ns")),
+        "t": pa.array([dt.time(10, 30, 0, 250000), dt.time(11, 0)], pa.time64("us")),
+        "d64": pa.array([dt.date(2026, 1, 1), dt.date(2026, 1, 2)], pa.date64()),
+    }))
+    client.seal("times", partitions=1)
+    before, at, on_day, exact, after, earlier, dated = jdbc(
+        server.uri,
+        ("prepared", "SELECT count(*) AS n FROM events WHERE ts < ?",
+         "timestamp:2026-01-01 00:10:00"),
+        ("prepared", "SELECT id FROM events WHERE ts = ?", "timestamp:2026-01-01 01:07:00"),
+        ("prepared", "SELECT count(*) AS n FROM events WHERE CAST(ts AS DATE) = ?",
+         "date:2026-01-02"),
+        ("prepared", "SELECT count(*) AS n FROM times WHERE ts_ns = ?",
+         "timestamp:2026-01-01 00:00:01.5"),
+        ("prepared", "SELECT count(*) AS n FROM times WHERE ts_ns > ?",
+         "timestamp:2026-01-01 00:00:01.6"),
+        ("prepared", "SELECT count(*) AS n FROM times WHERE t < ?", "time:10:45:00"),
+        ("prepared", "SELECT count(*) AS n FROM times WHERE d64 = ?", "date:2026-01-02"),
+    )
+    # `events` has a row a minute from 2026-01-01 00:00 UTC.
+    assert [a[0]["rows"] for a in (before, at, on_day)] == [[["10"]], [["67"]], [["1060"]]]
+    assert [a[0]["rows"] for a in (exact, after, earlier, dated)] == [[["1"]]] * 4
+    client.drop("times")
 
 
 def test_strings_made_in_sql_are_read_and_bound(server, events):

@@ -419,7 +419,10 @@ impl SqlService {
                 ))
             })?;
         match params {
-            Some(p) => plan.with_param_values(p).map_err(refused),
+            Some(p) => {
+                let p = in_placeholder_times(&plan, p).map_err(refused)?;
+                plan.with_param_values(p).map_err(refused)
+            }
             None => Ok(plan),
         }
     }
@@ -902,8 +905,16 @@ const COLUMN_SCALE: &str = "ARROW:FLIGHT:SQL:SCALE";
 /// outright — a listing of the table's columns too — and reads an unsigned
 /// value as the signed one of its bits (255 as -1); datasets written from
 /// pyarrow, Polars or pandas hold them.
+///
+/// Parameters of time types are declared in the units that driver writes
+/// whatever the type declared (Avatica's: epoch milliseconds, milliseconds
+/// of the day, days): a timestamp in milliseconds, a time as `Time32` in
+/// milliseconds, a date as `Date32`. Declared in microseconds, as Spark's
+/// timestamps are, `setTimestamp` bound a value a thousand times too small
+/// (`ts >= ?` matched every row; arrow-java issue 838). Other clients bind
+/// values of their own types, which the query casts as it runs.
 fn sent_type(data_type: &arrow::datatypes::DataType, sent: Sent) -> arrow::datatypes::DataType {
-    use arrow::datatypes::DataType;
+    use arrow::datatypes::{DataType, TimeUnit};
     let field = |f: &arrow::datatypes::FieldRef| Arc::new(sent_field(f, sent));
     let answer = sent == Sent::Answer;
     match data_type {
@@ -914,6 +925,13 @@ fn sent_type(data_type: &arrow::datatypes::DataType, sent: Sent) -> arrow::datat
         DataType::UInt32 if answer => DataType::Int64,
         DataType::UInt64 if answer => DataType::Decimal128(20, 0),
         DataType::Float16 if answer => DataType::Float32,
+        DataType::Timestamp(_, zone) if !answer => {
+            DataType::Timestamp(TimeUnit::Millisecond, zone.clone())
+        }
+        DataType::Time32(_) | DataType::Time64(_) if !answer => {
+            DataType::Time32(TimeUnit::Millisecond)
+        }
+        DataType::Date64 if !answer => DataType::Date32,
         DataType::List(f) => DataType::List(field(f)),
         DataType::LargeList(f) => DataType::LargeList(field(f)),
         DataType::FixedSizeList(f, n) => DataType::FixedSizeList(field(f), *n),
@@ -921,6 +939,52 @@ fn sent_type(data_type: &arrow::datatypes::DataType, sent: Sent) -> arrow::datat
         DataType::Map(f, sorted) => DataType::Map(field(f), *sorted),
         other => other.clone(),
     }
+}
+
+/// `params` with each bound time, timestamp or date cast to the type of
+/// its placeholder where the two differ: JDBC binds them in the units they
+/// are declared in ([`sent_type`]), and DataFusion compares no `Time32`
+/// with a `Time64`. Other values are bound as they come (a number keeps
+/// its own type, as the query coerces it).
+fn in_placeholder_times(
+    plan: &LogicalPlan,
+    params: ParamValues,
+) -> std::result::Result<ParamValues, DataFusionError> {
+    use datafusion::common::metadata::ScalarAndMetadata;
+    let fields = plan.get_parameter_fields()?;
+    let temporal = |t: &arrow::datatypes::DataType| {
+        use arrow::datatypes::DataType::*;
+        matches!(t, Timestamp(..) | Date32 | Date64 | Time32(_) | Time64(_))
+    };
+    let cast = |id: String, bound: ScalarAndMetadata| {
+        let Some(Some(field)) = fields.get(&id) else {
+            return Ok(bound);
+        };
+        let (from, to) = (bound.value.data_type(), field.data_type());
+        if from == *to || !temporal(&from) || !temporal(to) {
+            return Ok(bound);
+        }
+        let value = bound.value.cast_to(to)?;
+        Ok(ScalarAndMetadata {
+            value,
+            metadata: bound.metadata,
+        })
+    };
+    Ok(match params {
+        ParamValues::List(values) => ParamValues::List(
+            values
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| cast(format!("${}", i + 1), v))
+                .collect::<std::result::Result<_, DataFusionError>>()?,
+        ),
+        ParamValues::Map(values) => ParamValues::Map(
+            values
+                .into_iter()
+                .map(|(name, v)| Ok((name.clone(), cast(format!("${name}"), v)?)))
+                .collect::<std::result::Result<_, DataFusionError>>()?,
+        ),
+    })
 }
 
 /// Types for the placeholders DataFusion leaves untyped, from where they

@@ -15,7 +15,9 @@ import java.sql.Statement;
  *
  * <p>{@code java -cp 'target/classes:target/lib/*' flightdeck.jdbc.JdbcCheck URL CALL...},
  * each CALL a tab-separated list: {@code query SQL}, {@code prepared SQL
- * TYPE:VALUE...} (TYPE one of int, long, double, string; executed once per
+ * TYPE:VALUE...} (TYPE one of int, long, double, string, decimal, bool,
+ * date ({@code yyyy-mm-dd}), time ({@code hh:mm:ss}), timestamp ({@code yyyy-mm-dd hh:mm:ss}, in the
+ * JVM's time zone); executed once per
  * group of values, groups separated by a {@code |} of their own), {@code tables},
  * {@code columns TABLE}, {@code primary-keys TABLE}, {@code imported-keys
  * TABLE}, {@code exported-keys TABLE} or {@code type-info}. A line is
@@ -100,6 +102,11 @@ public final class JdbcCheck {
             case "long" -> ps.setLong(index, Long.parseLong(value));
             case "double" -> ps.setDouble(index, Double.parseDouble(value));
             case "string" -> ps.setString(index, value);
+            case "decimal" -> ps.setBigDecimal(index, new java.math.BigDecimal(value));
+            case "bool" -> ps.setBoolean(index, Boolean.parseBoolean(value));
+            case "date" -> ps.setDate(index, java.sql.Date.valueOf(value));
+            case "timestamp" -> ps.setTimestamp(index, java.sql.Timestamp.valueOf(value));
+            case "time" -> ps.setTime(index, java.sql.Time.valueOf(value));
             default -> throw new IllegalArgumentException("unknown parameter type " + type);
         }
     }
