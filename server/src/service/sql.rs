@@ -1789,6 +1789,66 @@ mod tests {
         assert!(sent_field(&id, Sent::Answer).metadata().is_empty());
     }
 
+    #[tokio::test]
+    async fn bound_times_take_their_placeholders_types_in_the_units_jdbc_binds() {
+        use arrow::array::{ArrayRef, RecordBatch, Time64MicrosecondArray};
+        use arrow::array::{TimestampMicrosecondArray, TimestampNanosecondArray};
+        use arrow::datatypes::{DataType, TimeUnit};
+        let utc = || Some(Arc::from("UTC"));
+        let columns: [(&str, ArrayRef); 3] = [
+            ("t", Arc::new(Time64MicrosecondArray::from(vec![1]))),
+            (
+                "ts",
+                Arc::new(TimestampMicrosecondArray::from(vec![1]).with_timezone("UTC")),
+            ),
+            ("ns", Arc::new(TimestampNanosecondArray::from(vec![1]))),
+        ];
+        let ctx = SessionContext::new();
+        ctx.register_batch("x", RecordBatch::try_from_iter(columns).expect("batch"))
+            .expect("registered");
+        let plan = ctx
+            .state()
+            .create_logical_plan("SELECT * FROM x WHERE t < $1 AND ts > $2 AND ns = $3 AND t > $4")
+            .await
+            .expect("plans");
+        // Declared in the driver's units...
+        for (column, declared) in [
+            (
+                DataType::Time64(TimeUnit::Microsecond),
+                DataType::Time32(TimeUnit::Millisecond),
+            ),
+            (
+                DataType::Timestamp(TimeUnit::Microsecond, utc()),
+                DataType::Timestamp(TimeUnit::Millisecond, utc()),
+            ),
+            (DataType::Date64, DataType::Date32),
+        ] {
+            assert_eq!(sent_type(&column, Sent::Parameter), declared);
+            assert_eq!(sent_type(&column, Sent::Answer), column);
+        }
+        // ...and bound in the query's; a number bound to a time is left as
+        // it came, for the query to refuse or coerce.
+        let bound = ParamValues::from(vec![
+            ScalarValue::Time32Millisecond(Some(37_800_000)),
+            ScalarValue::TimestampMillisecond(Some(5), utc()),
+            ScalarValue::TimestampMillisecond(Some(7), None),
+            ScalarValue::Int64(Some(3)),
+        ]);
+        let ParamValues::List(got) = in_placeholder_times(&plan, bound).expect("cast") else {
+            panic!("positional values stay positional");
+        };
+        let got: Vec<_> = got.into_iter().map(|v| v.value).collect();
+        assert_eq!(
+            got,
+            [
+                ScalarValue::Time64Microsecond(Some(37_800_000_000)),
+                ScalarValue::TimestampMicrosecond(Some(5_000), utc()),
+                ScalarValue::TimestampNanosecond(Some(7_000_000), None),
+                ScalarValue::Int64(Some(3)),
+            ]
+        );
+    }
+
     #[test]
     fn each_ingestion_mode_creates_replaces_or_is_refused_by_what_exists() {
         use TableExistsOption as Exists;
