@@ -84,9 +84,8 @@ pub struct Received {
     write_id: String,
     replace: bool,
     schema: SchemaRef,
-    /// `None` once the catalog took it.
+    /// `None` once committed (or refused by the catalog).
     data: Option<AttemptData>,
-    committed: bool,
     ack: pb::PutAck,
     metrics: Arc<Metrics>,
 }
@@ -103,15 +102,17 @@ impl Received {
         let data = self.data.take().ok_or_else(|| {
             Error::Internal("an attempt received once was committed twice".into())
         })?;
-        // (Refused, it is counted aborted as it is dropped.)
-        state.catalog().commit_write(
+        let committed = state.catalog().commit_write(
             &self.entry,
             self.key,
             &self.write_id,
             self.schema.clone(),
             data,
-        )?;
-        self.committed = true;
+        );
+        if let Err(e) = committed {
+            self.metrics.aborted();
+            return Err(e);
+        }
         let ack = &self.ack;
         info!(
             dataset = %ack.dataset,
@@ -129,11 +130,8 @@ impl Received {
 
 impl Drop for Received {
     fn drop(&mut self) {
-        if self.committed {
-            return;
-        }
-        self.metrics.aborted();
         if self.data.is_some() {
+            self.metrics.aborted();
             info!(
                 dataset = %self.ack.dataset,
                 partition = self.ack.partition,
@@ -381,6 +379,5 @@ where
             location: state.location.clone(),
         },
         metrics: state.metrics.clone(),
-        committed: false,
     })
 }
