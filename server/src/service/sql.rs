@@ -487,12 +487,12 @@ impl SqlService {
     /// Datasets are sealed whole, so an append to one that exists is
     /// refused. Nothing is kept of a stream that breaks.
     ///
-    /// The seal waits for the answer to be taken: a client that cancels
+    /// The partition is committed and sealed as the answer is sent, as
+    /// every write's is (`put::Received`): a client that cancels
     /// its call (ADBC's driver does when the data it sends fails) resets
     /// the stream with `NO_ERROR`, which ends the request like a finished
-    /// one, but the answer to a reset stream is never taken, so the rows it
-    /// sent are dropped unsealed instead of kept as the dataset. Returns
-    /// the committed attempt and that answer.
+    /// one, but the answer to a reset stream is never taken, so nothing it
+    /// sent is kept. Returns what the answer acknowledges, and the answer.
     pub async fn ingest(
         &self,
         mut stream: tonic::Streaming<arrow_flight::FlightData>,
@@ -536,18 +536,14 @@ impl SqlService {
         };
         let input = futures::stream::iter([Ok(first)]).chain(stream);
         // (A stream that breaks stores nothing.)
-        let ack = super::put::do_put(&self.state, input).await?;
-        // Until sealed, what the ingestion wrote goes if the seal fails or
-        // the answer is never taken.
-        let mut unsealed = Unsealed {
-            state: self.state.clone(),
-            drop: Some(convert::DropRequest {
-                dataset: dataset.clone(),
-                member_only: false,
-                abort_write: write_id.clone(),
-                staged: replace,
-                keep_write: String::new(),
-            }),
+        let received = super::put::receive(&self.state, input).await?;
+        let ack = received.ack().clone();
+        let dropped = convert::DropRequest {
+            dataset: dataset.clone(),
+            member_only: false,
+            abort_write: write_id.clone(),
+            staged: replace,
+            keep_write: String::new(),
         };
         let state = self.state.clone();
         let seal = SealRequest {
@@ -559,6 +555,13 @@ impl SqlService {
         };
         let record_count = i64::try_from(ack.rows).unwrap_or(i64::MAX);
         let answer = futures::stream::once(async move {
+            received.commit(&state)?;
+            // Committed, what the ingestion wrote goes if the seal fails or
+            // the call ends before it.
+            let mut unsealed = Unsealed {
+                state: state.clone(),
+                drop: Some(dropped),
+            };
             state.seal(&seal).await?;
             unsealed.keep();
             let result = DoPutUpdateResult { record_count };
