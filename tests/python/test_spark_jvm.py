@@ -479,6 +479,49 @@ def test_a_table_made_in_sql_reads_the_dataset(flightdeck_server, spark):
     check_a_table_made_in_sql(spark, flightdeck_server.uri, "flightdeck", reads=True)
 
 
+def test_tables_of_spark_s_catalog_write_and_read_datasets(flightdeck_server, spark):
+    """A table in Spark's catalog: made with its dataset in its options
+    (`CREATE TABLE ... OPTIONS`, `writeTo(...).tableProperty`) it is filled
+    by INSERT INTO (a new dataset), replaced by INSERT OVERWRITE and
+    `insertInto`, and read; `saveAsTable` and `writeTo(...).option(...)`
+    hand the table none of the writer's options (only the write gets them),
+    so they are refused before any row is sent, saying how to make the
+    table."""
+    uri = flightdeck_server.uri
+    client = flightdeck.connect(uri)
+    made = "a flightdeck table needs its dataset among its own options.*CREATE TABLE"
+    try:
+        spark.sql(f"CREATE TABLE cat_a (id BIGINT, s STRING) USING flightdeck "
+                  f"OPTIONS (dataset 'cat_a', uri '{uri}')")
+        spark.sql("INSERT INTO cat_a SELECT id, CAST(id AS STRING) FROM range(5)")
+        assert spark.sql("SELECT count(*), max(s) FROM cat_a").first() == (5, "4")
+        with pytest.raises(Exception, match="cannot append to dataset 'cat_a'"):
+            spark.sql("INSERT INTO cat_a SELECT id, 'x' FROM range(2)")
+        spark.sql("INSERT OVERWRITE cat_a SELECT id, 'y' FROM range(7)")
+        assert spark.sql("SELECT count(*), max(s) FROM cat_a").first() == (7, "y")
+        spark.sql("SELECT id, 'z' AS s FROM range(3)").write.mode("overwrite").insertInto("cat_a")
+        assert client.describe("cat_a").rows == 3
+
+        spark.range(4).writeTo("cat_b").using("flightdeck").tableProperty(
+            "dataset", "cat_b").tableProperty("uri", uri).create()
+        assert spark.sql("SELECT count(*) FROM cat_b").first() == (4,)
+        assert client.describe("cat_b").rows == 4
+
+        with pytest.raises(Exception, match=made):
+            spark.range(3).write.format("flightdeck").option("uri", uri).option(
+                "dataset", "cat_c").mode("overwrite").saveAsTable("cat_c")
+        with pytest.raises(Exception, match=made):
+            spark.range(3).writeTo("cat_d").using("flightdeck").option(
+                "dataset", "cat_d").option("uri", uri).create()
+        with pytest.raises(Exception, match=made):
+            spark.sql("CREATE TABLE cat_e (a INT) USING flightdeck")
+        listed = client.list_datasets("cat_")
+        assert listed == ["cat_a", "cat_b"], "nothing written by a refused table"
+    finally:
+        for t in ("cat_a", "cat_b", "cat_c", "cat_d", "cat_e"):
+            spark.sql(f"DROP TABLE IF EXISTS {t}")
+
+
 def test_batch_rows_keeps_messages_under_the_servers_limit(spark):
     check_batch_rows_keeps_each_message_under_the_servers_limit(spark, "flightdeck")
 

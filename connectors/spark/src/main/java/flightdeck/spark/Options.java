@@ -57,6 +57,17 @@ record Options(
           + "reads, filter");
     }
     String dataset = get(options, "dataset", "");
+    if (dataset.isEmpty() && get(options, "provider", null) != null) {
+      // A table Spark's catalog is making: saveAsTable and writeTo(...)
+      // give it none of the writer's .option(...) (they go to the write
+      // alone), so the table would not know its dataset when read later.
+      throw new IllegalArgumentException("a flightdeck table needs its dataset among its own "
+          + "options, and Spark gives a table that saveAsTable or writeTo(...).create() makes "
+          + "none of the writer's .option(...): make it with CREATE TABLE t [(columns)] USING "
+          + "flightdeck OPTIONS (dataset 'NAME', uri 'URI') and fill it with INSERT OVERWRITE "
+          + "(or INSERT INTO a new dataset), or with writeTo(t).using(\"flightdeck\")"
+          + ".tableProperty(\"dataset\", NAME).tableProperty(\"uri\", URI).create()");
+    }
     if (dataset.isEmpty()) {
       throw new IllegalArgumentException(
           "set the dataset to write or read: .option(\"dataset\", NAME)");
