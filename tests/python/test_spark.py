@@ -799,7 +799,8 @@ def check_unknown_options_are_refused(spark, fmt):
     read or sent, naming the one meant where the spelling is close (a
     misspelt `filter` would read every row, a misspelt `uris` send every
     partition to this node's server); `filter` on a write says what to do
-    instead. No server runs: nothing gets that far."""
+    instead, and so does a path given where the dataset goes. No server
+    runs: nothing gets that far."""
     register(spark, "flightdeck_py")
     df = spark.range(10)
 
@@ -826,6 +827,12 @@ def check_unknown_options_are_refused(spark, fmt):
         read(shuffle="global")
     with pytest.raises(Exception, match="option filter selects the rows a read sends; a write"):
         write(filter="id < 5")
+    # A path where the dataset goes (as files sources take one) names it.
+    path = r"names its dataset with an option, not a path: \.option\(.dataset., .clicks.\)"
+    with pytest.raises(Exception, match=path):
+        df.write.format(fmt).mode("overwrite").save("clicks")
+    with pytest.raises(Exception, match=path):
+        spark.read.format(fmt).load("clicks").count()
 
 
 def check_a_table_made_in_sql(spark, uri, fmt, reads):

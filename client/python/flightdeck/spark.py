@@ -538,6 +538,17 @@ def _token(options: Mapping[str, str]) -> str | None:
     return options.get("token") or None
 
 
+def _refuse_a_path(options: Mapping[str, str]) -> None:
+    """A read or write given a path (`save(PATH)`, `load(PATH)`) but no
+    dataset: says that the dataset is an option, named by that path."""
+    path = options.get("path")
+    if path:
+        raise InvalidArgument(
+            f"format('flightdeck') names its dataset with an option, not a path: "
+            f".option('dataset', {path!r}) instead of save({path!r}) or load({path!r})"
+        )
+
+
 def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
     """A read's `uri`, `dataset`, `batch_rows` and `filter` options;
     refuses any other (:func:`check_options`)."""
@@ -551,6 +562,7 @@ def _read_options(options: Mapping[str, str]) -> tuple[str, str, int, str]:
         )
     dataset = options.get("dataset")
     if not dataset:
+        _refuse_a_path(options)
         raise InvalidArgument("set the dataset to read: .option('dataset', NAME)")
     rows = _batch_rows_option(options)
     filter = (options.get("filter") or "").strip()
@@ -597,6 +609,7 @@ try:  # Spark 4: Python data sources
             self.token = _token(options)
             self.dataset = options.get("dataset")
             if not self.dataset:
+                _refuse_a_path(options)
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.batch_rows = _batch_rows_option(options)
             self.schema = _arrow_schema(schema)

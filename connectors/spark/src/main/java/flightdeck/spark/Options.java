@@ -68,6 +68,12 @@ record Options(
           + "(or INSERT INTO a new dataset), or with writeTo(t).using(\"flightdeck\")"
           + ".tableProperty(\"dataset\", NAME).tableProperty(\"uri\", URI).create()");
     }
+    String path = get(options, "path", null);
+    if (dataset.isEmpty() && path != null) {
+      throw new IllegalArgumentException("format('flightdeck') names its dataset with an option, "
+          + "not a path: .option(\"dataset\", \"" + path + "\") instead of save(\"" + path
+          + "\") or load(\"" + path + "\")");
+    }
     if (dataset.isEmpty()) {
       throw new IllegalArgumentException(
           "set the dataset to write or read: .option(\"dataset\", NAME)");
