@@ -522,6 +522,25 @@ def test_tables_of_spark_s_catalog_write_and_read_datasets(flightdeck_server, sp
             spark.sql(f"DROP TABLE IF EXISTS {t}")
 
 
+def test_partition_columns_are_refused_naming_them(flightdeck_server, spark):
+    """`partitionBy`, `clusterBy` and `PARTITIONED BY` have no meaning for a
+    dataset (its partitions are the DataFrame's): refused naming the
+    columns and saying what to do, before anything is written."""
+    uri = flightdeck_server.uri
+    df = spark.range(10, numPartitions=2).selectExpr("id", "id % 3 AS k")
+    refused = r"dataset 'parted' cannot be partitioned by columns \({}\).*df\.repartition"
+    w = df.write.format("flightdeck").option("uri", uri).option("dataset", "parted")
+    with pytest.raises(Exception, match=refused.format("k")):
+        w.partitionBy("k").mode("overwrite").save()
+    with pytest.raises(Exception, match=refused.format(r"cluster_by\(k\)")):
+        df.write.format("flightdeck").option("uri", uri).option("dataset", "parted").clusterBy(
+            "k").mode("overwrite").save()
+    with pytest.raises(Exception, match=refused.format("k")):
+        spark.sql(f"CREATE TABLE parted (id BIGINT, k BIGINT) USING flightdeck "
+                  f"PARTITIONED BY (k) OPTIONS (dataset 'parted', uri '{uri}')")
+    assert "parted" not in flightdeck.connect(uri).list_datasets()
+
+
 def test_batch_rows_keeps_messages_under_the_servers_limit(spark):
     check_batch_rows_keeps_each_message_under_the_servers_limit(spark, "flightdeck")
 

@@ -1,6 +1,7 @@
 package flightdeck.spark;
 
 import java.util.Map;
+import java.util.StringJoiner;
 import org.apache.arrow.vector.types.pojo.ArrowType;
 import org.apache.arrow.vector.types.pojo.Field;
 import org.apache.spark.sql.connector.catalog.Table;
@@ -76,10 +77,28 @@ public final class FlightDeckDataSource implements TableProvider, DataSourceRegi
     return field.getType().toString();
   }
 
+  /**
+   * The dataset as a table. Partition columns ({@code partitionBy},
+   * {@code clusterBy}, {@code PARTITIONED BY}) are refused: a dataset's partitions are the
+   * DataFrame's, one a task, and Spark would otherwise say only that they
+   * do not match the table's.
+   */
   @Override
   public Table getTable(
       StructType schema, Transform[] partitioning, Map<String, String> properties) {
-    return new FlightDeckTable(Options.of(properties), schema);
+    Options options = Options.of(properties);
+    if (partitioning.length > 0) {
+      StringJoiner columns = new StringJoiner(", ");
+      for (Transform t : partitioning) {
+        columns.add(t.describe());
+      }
+      throw new IllegalArgumentException("dataset '" + options.dataset() + "' cannot be "
+          + "partitioned by columns (" + columns + "): a flightdeck dataset's partitions are "
+          + "the DataFrame's, one a Spark task; leave out partitionBy and clusterBy (PARTITIONED "
+          + "BY, CLUSTER BY), and "
+          + "repartition the DataFrame to group rows by a column: df.repartition(n, col(\"k\"))");
+    }
+    return new FlightDeckTable(options, schema);
   }
 
   /** Writes take the DataFrame's schema. */
