@@ -835,6 +835,31 @@ def check_unknown_options_are_refused(spark, fmt):
         spark.read.format(fmt).load("clicks").count()
 
 
+def check_streams_are_refused(spark, uri, fmt, tmp_path):
+    """`writeStream` and `readStream` are refused saying what to do (a
+    dataset per micro-batch, with foreachBatch), before any row is sent."""
+    register(spark, "flightdeck_py")
+    refused = r"writes and reads batches, not streams.*foreachBatch"
+    with pytest.raises(Exception, match=refused):
+        query = (spark.readStream.format("rate").load().writeStream.format(fmt)
+                 .option("uri", uri).option("dataset", "streamed")
+                 .option("checkpointLocation", str(tmp_path / "checkpoint")).start())
+        try:
+            query.awaitTermination(60)  # the Python source refuses in the query
+        finally:
+            query.stop()
+    if fmt != "flightdeck":  # Spark refuses a JVM source's stream read itself
+        with pytest.raises(Exception, match=refused):
+            query = (spark.readStream.format(fmt).schema("id long").option("uri", uri)
+                     .option("dataset", "streamed").load().writeStream.format("noop")
+                     .option("checkpointLocation", str(tmp_path / "read")).start())
+            try:
+                query.awaitTermination(60)
+            finally:
+                query.stop()
+    assert "streamed" not in flightdeck.connect(uri).list_datasets()
+
+
 def check_a_table_made_in_sql(spark, uri, fmt, reads):
     """`CREATE TABLE ... USING` the source, its options in `OPTIONS`: Spark
     adds properties of its own (owner, provider, the table's path, ...),
@@ -922,6 +947,10 @@ def test_python_source_options_a_writer_gets_wrong_are_refused(spark):
 
 def test_python_source_unknown_options_are_refused(spark):
     check_unknown_options_are_refused(spark, "flightdeck_py")
+
+
+def test_python_source_refuses_streams(flightdeck_server, spark, tmp_path):
+    check_streams_are_refused(spark, flightdeck_server.uri, "flightdeck_py", tmp_path)
 
 
 def test_python_source_and_a_table_made_in_sql(flightdeck_server, spark):

@@ -94,6 +94,13 @@ def parse_uris(value: str | list[str] | None) -> list[str]:
     return [u.strip() for u in items if u.strip()]
 
 
+#: Why a stream (`writeStream`, `readStream`) is refused, and what to do.
+NO_STREAMS = (
+    "format('flightdeck') writes and reads batches, not streams: a dataset is sealed whole "
+    "and then read, so write each micro-batch of a stream as a dataset of its own with "
+    "foreachBatch (df.write.format('flightdeck').option('dataset', f'clicks-{batch_id}')...)"
+)
+
 #: The options a write takes (keys in any case, as Spark passes them).
 WRITE_OPTIONS = ("uri", "uris", "dataset", "batch_rows", "token")
 #: The options a read takes: a write's and `filter`.
@@ -815,6 +822,12 @@ try:  # Spark 4: Python data sources
 
         def writer(self, schema, overwrite: bool) -> FlightDeckWriter:
             return FlightDeckWriter(self.options, schema, overwrite)
+
+        def streamWriter(self, schema, overwrite: bool):  # noqa: N802 (Spark's name)
+            raise InvalidArgument(NO_STREAMS)
+
+        def streamReader(self, schema):  # noqa: N802 (Spark's name)
+            raise InvalidArgument(NO_STREAMS)
 
     HAVE_DATA_SOURCES = True
 except ImportError:  # Spark 3.4/3.5: use write_dataframe

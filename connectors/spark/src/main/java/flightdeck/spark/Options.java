@@ -37,6 +37,12 @@ record Options(
   static final List<String> SPARK_TABLE_PROPERTIES = List.of("provider", "location", "comment",
       "owner", "external", "is_managed_location", "collation", "table_type", "path", "paths");
 
+  /** Why a stream ({@code writeStream}, {@code readStream}) is refused, and what to do. */
+  static final String NO_STREAMS = "format('flightdeck') writes and reads batches, not streams: "
+      + "a dataset is sealed whole and then read, so write each micro-batch of a stream as a "
+      + "dataset of its own with foreachBatch "
+      + "(df.write.format(\"flightdeck\").option(\"dataset\", \"clicks-\" + batchId)...)";
+
   /**
    * Reads Spark's options (keys in any case); refuses any other, naming the
    * one meant where the spelling is close: a misspelt {@code filter} would
@@ -49,6 +55,10 @@ record Options(
       if (NAMES.contains(name) || SPARK_TABLE_PROPERTIES.contains(name)
           || name.startsWith("option.")) {
         continue;
+      }
+      if (name.equals("checkpointlocation")) {
+        // A stream's option, which the stream's own refusal would follow.
+        throw new UnsupportedOperationException(NO_STREAMS);
       }
       String close = closest(name);
       throw new IllegalArgumentException("unknown option '" + key + "'"
