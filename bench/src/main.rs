@@ -32,7 +32,7 @@ use report::{Measured, Sample};
 #[command(name = "flightdeck-bench", version, about)]
 struct Args {
     /// Rows of the synthetic dataset.
-    #[arg(long, default_value_t = 4_000_000)]
+    #[arg(long, default_value_t = 4_000_000, value_parser = at_least_one::<u64>())]
     rows: u64,
     /// Float32 features per row.
     #[arg(long, default_value_t = 64)]
@@ -41,16 +41,16 @@ struct Args {
     #[arg(long)]
     vector: bool,
     /// Partitions (DoPut streams).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = at_least_one::<usize>())]
     partitions: usize,
     /// Concurrent writers for put.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = at_least_one::<usize>())]
     writers: usize,
     /// Concurrent ranks for get.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = at_least_one::<u32>())]
     ranks: u32,
     /// Rows per record batch, written and read.
-    #[arg(long, default_value_t = 16_384)]
+    #[arg(long, default_value_t = 16_384, value_parser = at_least_one::<u32>())]
     batch_rows: u32,
     /// Shuffle modes for get: none, global, block.
     #[arg(long, value_delimiter = ',', default_value = "none,global,block")]
@@ -72,7 +72,7 @@ struct Args {
     /// Repetitions of every phase; medians are reported. The `get` and
     /// `cluster` reads run two more epochs first, reported apart as
     /// `…/first` (a shuffled read packs rows from its second epoch on).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one::<usize>())]
     reps: usize,
     /// Seed of the data.
     #[arg(long, default_value_t = 1)]
@@ -105,7 +105,7 @@ struct Args {
     /// process, partition p on member p mod N): one node's ranks reading
     /// LOCALITY_NODE and all ranks reading LOCALITY_GLOBAL, against a
     /// single server holding every partition.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one::<usize>())]
     members: usize,
     /// Serve the started server over TLS with this certificate (PEM); the
     /// bench's clients trust the file `FLIGHTDECK_TLS_ROOT_CERTS` names.
@@ -118,6 +118,16 @@ struct Args {
     /// send the token `FLIGHTDECK_TOKEN` holds.
     #[arg(long)]
     auth_token_file: Option<PathBuf>,
+}
+
+/// A count flag's parser: a whole number, 1 or more (no phase runs on 0
+/// rows, partitions, writers, ranks, repetitions or members).
+fn at_least_one<T>() -> clap::builder::RangedU64ValueParser<T>
+where
+    T: TryFrom<u64> + Clone + Send + Sync + 'static,
+    <T as TryFrom<u64>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    clap::builder::RangedU64ValueParser::<T>::new().range(1..)
 }
 
 /// The filter phase: one dataset, read globally shuffled by every rank

@@ -107,3 +107,29 @@ fn h2d_without_a_driver_and_unknown_phases_fail_clearly() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Counts of nothing are refused before anything starts, naming the flag
+/// (0 rows crashed the pyarrow baseline's block shuffle half-way through).
+#[test]
+fn zero_counts_are_refused_naming_the_flag() {
+    for flag in [
+        "--rows",
+        "--partitions",
+        "--writers",
+        "--ranks",
+        "--batch-rows",
+        "--reps",
+        "--members",
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
+            .args([flag, "0", "--baseline", "", "--in-process"])
+            .output()
+            .expect("run flightdeck-bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} 0 ran: {stderr}");
+        assert!(
+            stderr.contains(&format!("invalid value '0' for '{flag}")),
+            "{flag}: {stderr}"
+        );
+    }
+}
