@@ -375,6 +375,24 @@ def test_an_expression_the_query_engine_fails_on_is_invalid_argument(server):
     assert client.plan("events", filter="id < 10").total_rows == 10
 
 
+def test_updates_are_refused_saying_what_to_run_instead(server):
+    # ADBC's executemany and execute_update send ExecuteUpdate; they were
+    # UNIMPLEMENTED ("do_put_prepared_statement_update has no default
+    # implementation"). Nothing changes.
+    client = flightdeck.connect(server.uri)
+    write(client, "events")
+    with adbc.connect(server.uri, autocommit=True) as conn:
+        cur = conn.cursor()
+        with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*the query `SELECT \? AS x` "
+                           r"was sent as an update .*run it as a query"):
+            cur.executemany("SELECT ? AS x", [(1,), (2,)])
+        cur.adbc_statement.set_sql_query("DELETE FROM events")
+        with pytest.raises(Exception, match="INVALID_ARGUMENT.*DML not supported.*read-only"):
+            cur.adbc_statement.execute_update()
+        cur.close()
+        assert fetch(conn, "SELECT count(*) AS n FROM events")["n"].to_pylist() == [ROWS]
+
+
 def test_a_dataset_still_being_written_is_not_a_table_yet_and_says_so(server):
     client = flightdeck.connect(server.uri)
     client.put_partition("arriving", 0, [pa.record_batch({"id": pa.array([1, 2], pa.int64())})])

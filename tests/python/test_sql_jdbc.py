@@ -6,8 +6,9 @@ Tables and columns listed, an aggregate, a result without rows (the probe by
 which Spark's JDBC source learns a query's columns), strings made in SQL
 read and bound, prepared statements run with several parameter sets, keys
 answered with none, an unknown table named, a token in the URL, TLS with the
-authority's certificate, a result paged with `LIMIT ? OFFSET ?`, and Spark's
-JDBC source reading queries with their decimal types."""
+authority's certificate, a result paged with `LIMIT ? OFFSET ?`, updates refused
+saying what to run instead, and Spark's JDBC source reading queries with
+their decimal types."""
 
 from __future__ import annotations
 
@@ -343,6 +344,27 @@ def test_datasets_have_no_keys_and_say_so(server, events):
     for answer in jdbc(server.uri, ("primary-keys", "events"), ("imported-keys", "events"),
                        ("exported-keys", "events")):
         assert answer == {"columns": [], "rows": []}, answer
+
+
+def test_updates_are_refused_saying_what_to_run_instead(server, events):
+    # A statement that changes data gets the read-only refusal a query plan
+    # gives it; a query sent as an update (a prepared statement's
+    # executeUpdate) is told to run as a query. It was UNIMPLEMENTED with
+    # "do_put_prepared_statement_update has no default implementation".
+    rows = events.num_rows
+    as_update, delete, bound_delete = jdbc(
+        server.uri,
+        ("prepared-update", "SELECT ? AS tag", "string:a"),
+        ("update", "DELETE FROM events"),
+        ("prepared-update", "DELETE FROM events WHERE id = ?", "long:1"),
+    )
+    assert "the query `SELECT ? AS tag` was sent as an update" in as_update["error"], as_update
+    assert "run it as a query (executeQuery, execute)" in as_update["error"], as_update
+    for refused in (delete, bound_delete):
+        assert "DML not supported" in refused["error"], refused
+        assert "queries over the cache are read-only" in refused["error"], refused
+    [count] = jdbc(server.uri, ("query", "SELECT count(*) AS n FROM events"))
+    assert count["rows"] == [[str(rows)]], count
 
 
 def test_a_token_in_the_url_reaches_a_server_with_tokens(tmp_path):

@@ -5,7 +5,8 @@
 //! statements with parameters, `GetSqlInfo` and the catalog, schema, table
 //! and table-type listings are answered, so ADBC's and JDBC's Flight SQL
 //! drivers work. Queries are read-only: DDL, DML and statements are
-//! refused. Action `derive` keeps a query's result as a new sealed dataset;
+//! refused, and so is an update (`ExecuteUpdate`), saying to run a query
+//! as one. Action `derive` keeps a query's result as a new sealed dataset;
 //! bulk ingestion (`CommandStatementIngest`: ADBC's `adbc_ingest`) writes
 //! one, as a write of one partition sealed at its end.
 //! Queries run on a runtime of their own (`query_runtime`), so that a
@@ -38,8 +39,9 @@ use arrow_flight::sql::{
     ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetCrossReference,
     CommandGetDbSchemas, CommandGetExportedKeys, CommandGetImportedKeys, CommandGetPrimaryKeys,
     CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
-    CommandStatementIngest, CommandStatementQuery, DoPutPreparedStatementResult, DoPutUpdateResult,
-    ProstMessageExt, SqlInfo, TicketStatementQuery,
+    CommandPreparedStatementUpdate, CommandStatementIngest, CommandStatementQuery,
+    CommandStatementUpdate, DoPutPreparedStatementResult, DoPutUpdateResult, ProstMessageExt,
+    SqlInfo, TicketStatementQuery,
 };
 use arrow_flight::{
     Action, FlightDescriptor, FlightEndpoint, FlightInfo, IpcMessage, SchemaAsIpc, Ticket,
@@ -477,6 +479,25 @@ impl SqlService {
                 .collect::<Vec<_>>(),
         );
         Ok((answer_schema(&plan), params))
+    }
+
+    /// Why an update of `sql` (`ExecuteUpdate`: JDBC's `executeUpdate`,
+    /// ADBC's `executemany` and `execute_update`) is refused: a statement
+    /// that changes data gets the read-only refusal every query plan gives
+    /// it, and a query is told to run as a query. Nothing is executed.
+    async fn refused_update(&self, sql: &str) -> Status {
+        let ctx = match self.session(None) {
+            Ok(ctx) => ctx,
+            Err(e) => return e.into(),
+        };
+        match self.plan(&ctx, sql, None).await {
+            Err(e) => e.into(),
+            Ok(_) => Status::invalid_argument(format!(
+                "the query `{sql}` was sent as an update (JDBC's executeUpdate, ADBC's \
+                 executemany), which changes no dataset here: run it as a query (executeQuery, \
+                 execute); queries over the cache are read-only"
+            )),
+        }
     }
 
     /// Flight SQL bulk ingestion (ADBC's `adbc_ingest`, and pandas'
@@ -1256,6 +1277,23 @@ impl FlightSqlService for SqlService {
         Ok(DoPutPreparedStatementResult {
             prepared_statement_handle: Some(encode_handle(&handle.query, parameters.into())),
         })
+    }
+
+    async fn do_put_statement_update(
+        &self,
+        cmd: CommandStatementUpdate,
+        _request: Request<PeekableFlightDataStream>,
+    ) -> std::result::Result<i64, Status> {
+        Err(self.refused_update(&cmd.query).await)
+    }
+
+    async fn do_put_prepared_statement_update(
+        &self,
+        cmd: CommandPreparedStatementUpdate,
+        _request: Request<PeekableFlightDataStream>,
+    ) -> std::result::Result<i64, Status> {
+        let handle = decode_handle(&cmd.prepared_statement_handle)?;
+        Err(self.refused_update(&handle.query).await)
     }
 
     async fn get_flight_info_catalogs(

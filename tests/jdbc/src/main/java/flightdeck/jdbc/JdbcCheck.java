@@ -18,11 +18,13 @@ import java.sql.Statement;
  * TYPE:VALUE...} (TYPE one of int, long, double, string, decimal, bool,
  * date ({@code yyyy-mm-dd}), time ({@code hh:mm:ss}), timestamp ({@code yyyy-mm-dd hh:mm:ss}, in the
  * JVM's time zone); executed once per
- * group of values, groups separated by a {@code |} of their own), {@code tables},
+ * group of values, groups separated by a {@code |} of their own), {@code update SQL}
+ * ({@code executeUpdate}), {@code prepared-update SQL TYPE:VALUE...} (a prepared
+ * statement's {@code executeUpdate}, its values bound once), {@code tables},
  * {@code columns TABLE}, {@code primary-keys TABLE}, {@code imported-keys
  * TABLE}, {@code exported-keys TABLE} or {@code type-info}. A line is
- * {@code {"columns": [[name, type]...], "rows": [[value...]...]}} or
- * {@code {"error": "..."}}; values are printed as strings (null as null,
+ * {@code {"columns": [[name, type]...], "rows": [[value...]...]}},
+ * {@code {"updated": COUNT}} or {@code {"error": "..."}}; values are printed as strings (null as null,
  * bytes in hex).
  */
 public final class JdbcCheck {
@@ -69,6 +71,17 @@ public final class JdbcCheck {
                             bound = 0;
                         }
                         return out.append("]").toString();
+                    }
+                case "update":
+                    try (Statement s = connection.createStatement()) {
+                        return "{\"updated\": " + s.executeUpdate(call[1]) + "}";
+                    }
+                case "prepared-update":
+                    try (PreparedStatement ps = connection.prepareStatement(call[1])) {
+                        for (int p = 2; p < call.length; p++) {
+                            bind(ps, p - 1, call[p]);
+                        }
+                        return "{\"updated\": " + ps.executeUpdate() + "}";
                     }
                 case "tables":
                     return json(meta.getTables(null, null, "%", null));
