@@ -229,8 +229,8 @@ pub struct SqlArgs {
     #[command(flatten)]
     server: ServerArg,
     /// Print the rows as JSON lines (one object a row, keyed by column
-    /// name; nulls left out, NaN and infinities as null) instead of a
-    /// table, for scripts.
+    /// name, every key on every line: nulls, NaN and infinities as null)
+    /// instead of a table, for scripts.
     #[arg(long)]
     json: bool,
     /// Rows to print at most (0: all); by default 100 as a table and every
