@@ -1322,6 +1322,14 @@ async fn an_operator_queries_a_cluster_dataset_and_derives_from_it_from_the_comm
     let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap_or_default())
         .unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(first, serde_json::json!({"id": 0, "x": null}), "{out}");
+    // Rows left out by --max-rows are counted on stderr; stdout stays JSON.
+    let (ok, out, err) = sql(&[some, "--json", "--max-rows", "3"], "r-secret").await;
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 3, "{out}");
+    assert!(
+        err.contains("(4 rows, the first 3 printed; --max-rows 0 prints all)"),
+        "{err}"
+    );
 
     for (query, words) in [
         (

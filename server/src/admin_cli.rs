@@ -234,7 +234,8 @@ pub struct SqlArgs {
     #[arg(long)]
     json: bool,
     /// Rows to print at most (0: all); by default 100 as a table and every
-    /// row with --json. The rows past it are counted, not printed.
+    /// row with --json. The rows past it are counted, not printed (with
+    /// --json the count goes to stderr).
     #[arg(long)]
     max_rows: Option<usize>,
     /// A read-only SQL query; each sealed dataset is a table by its name
@@ -404,9 +405,14 @@ pub async fn sql(args: SqlArgs) -> Result<(), String> {
         }
     }
     match lines.as_mut() {
-        Some(w) => w
-            .finish()
-            .map_err(|e| format!("cannot print the rows as JSON: {e}"))?,
+        Some(w) => {
+            w.finish()
+                .map_err(|e| format!("cannot print the rows as JSON: {e}"))?;
+            // Stdout stays JSON lines; what --max-rows left out is said apart.
+            if rows > shown as u64 {
+                eprintln!("({rows} rows, the first {shown} printed; --max-rows 0 prints all)");
+            }
+        }
         None => print!("{}", sql_text(&result.schema, &kept, rows)?),
     }
     Ok(())
