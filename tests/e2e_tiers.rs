@@ -2,7 +2,9 @@
 //! full and come back byte for byte in every shuffle mode (`memory://` and
 //! `file://` stores); `--persist` survives a restart, a persisted dataset
 //! spills without being written again, and a persist that fails answers
-//! `UNAVAILABLE` with the dataset still readable; dropping returns memory to
+//! `UNAVAILABLE` with the dataset still readable; a persisted copy damaged
+//! while the server was down costs that dataset only (`DATA_LOSS`, or left
+//! out when its manifest is); dropping returns memory to
 //! the pool, and so does a reader that hangs up; `place` without a CUDA
 //! driver answers its code. Batches gathered on several threads
 //! (`--gather-threads`) are the bytes of batches gathered on one.
@@ -14,7 +16,7 @@ use flightdeck_server::ServerConfig;
 use flightdeck_tests::{
     TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
 };
-use futures::stream;
+use futures::{TryStreamExt, stream};
 
 const ROWS_PER_PART: i64 = 10_000;
 const PARTS: u32 = 3;
@@ -275,6 +277,94 @@ async fn a_restart_with_persist_serves_the_same_data() {
     let server = TestServer::start_with(config).await;
     let mut c = server.client().await;
     let err = c.describe("kept").await.expect_err("dropped");
+    assert_eq!(err.code(), Code::NotFound);
+    server.stop().await;
+}
+
+/// The persisted file `file` (`data.parquet`, `manifest.json`) of dataset `ds`.
+fn persisted_file(dir: &std::path::Path, ds: &str, file: &str) -> PathBuf {
+    let found: Vec<PathBuf> = walk(&dir.join("datasets").join(ds))
+        .into_iter()
+        .filter(|p| p.ends_with(file))
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found[0].clone()
+}
+
+/// A persisted copy damaged or lost while the server was down (a disk
+/// error, a file removed by hand) costs that dataset only: the server
+/// starts and serves the others; a read of a dataset whose rows are gone
+/// or torn is `DATA_LOSS` naming it and what to do (it was `UNAVAILABLE`,
+/// which readers retry in vain), and it can be dropped and written again;
+/// a damaged manifest is logged and its dataset left out (it stopped the
+/// server from starting at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_damaged_persisted_copies_serves_the_rest() {
+    let dir = temp_dir("persist-damaged");
+    let config = ServerConfig {
+        memory_limit: 1 << 30,
+        spill_url: Some(format!("file://{}", dir.display())),
+        persist: true,
+        ..test_config()
+    };
+    let server = TestServer::start_with(config.clone()).await;
+    let mut c = server.client().await;
+    for ds in ["good", "torn", "gone", "garbled"] {
+        write_sealed(&mut c, ds).await;
+    }
+    let before = read_every_mode(&mut c, "good").await;
+    server.stop().await;
+    let torn = persisted_file(&dir, "torn", "data.parquet");
+    let len = std::fs::metadata(&torn).expect("metadata").len();
+    std::fs::write(
+        &torn,
+        &std::fs::read(&torn).expect("read")[..len as usize / 2],
+    )
+    .expect("tear");
+    std::fs::remove_file(persisted_file(&dir, "gone", "data.parquet")).expect("remove");
+    std::fs::write(
+        persisted_file(&dir, "garbled", "manifest.json"),
+        b"{\"datas",
+    )
+    .expect("garble");
+
+    let server = TestServer::start_with(config.clone()).await;
+    let mut c = server.client().await;
+    assert_eq!(
+        c.list_datasets().await.expect("list"),
+        ["gone", "good", "torn"].map(String::from)
+    );
+    assert!(read_every_mode(&mut c, "good").await == before);
+    for ds in ["torn", "gone"] {
+        let plan = c
+            .plan(ReadPlan {
+                dataset: ds.into(),
+                world_size: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("planned from the manifest");
+        // The read brings the rows back from the store.
+        let read = async {
+            let mut batches = c.read_shard(&plan.shards[0]).await?;
+            while batches.try_next().await?.is_some() {}
+            Ok::<_, flightdeck_client::ClientError>(())
+        };
+        let err = read.await.expect_err("its rows are lost");
+        assert_eq!(err.code(), Code::DataLoss, "{err}");
+        let said = err.to_string();
+        assert!(
+            said.contains(&format!(
+                "dataset '{ds}' cannot be brought back from the store"
+            )) && said
+                .contains("the stored copy is missing or damaged; drop it and write it again"),
+            "{said}"
+        );
+    }
+    c.drop_dataset("torn").await.expect("drop");
+    write_sealed(&mut c, "torn").await;
+    assert_eq!(read_every_mode(&mut c, "torn").await.len(), before.len());
+    let err = c.describe("garbled").await.expect_err("left out");
     assert_eq!(err.code(), Code::NotFound);
     server.stop().await;
 }

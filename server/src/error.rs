@@ -117,6 +117,11 @@ pub enum Error {
     #[error("{0}")]
     Unavailable(String),
 
+    /// A dataset's stored copy (spilled or persisted) is gone or damaged:
+    /// no retry brings it back.
+    #[error("{0}")]
+    DataLoss(String),
+
     /// The call carries no token, or one this server does not accept.
     #[error("{0}")]
     Unauthenticated(String),
@@ -152,6 +157,7 @@ impl Error {
             Self::Aborted(_) => Code::Aborted,
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Unavailable(_) => Code::Unavailable,
+            Self::DataLoss(_) => Code::DataLoss,
             Self::PermissionDenied(_) => Code::PermissionDenied,
             Self::Unauthenticated(_) => Code::Unauthenticated,
             Self::Internal(_) => Code::Internal,

@@ -1,6 +1,7 @@
 """Memory tiers through the `flightdeck serve` binary and the Python client:
 a server started with `--persist` serves its sealed datasets again after a
-restart (and readers ride the restart out), a small budget spills and
+restart (and readers ride the restart out; a copy lost meanwhile is
+DataLoss), a small budget spills and
 brings datasets back with the same rows, and `place` without a CUDA driver
 raises FailedPrecondition."""
 
@@ -96,6 +97,44 @@ def test_a_persisted_dataset_overwritten_comes_back_as_its_replacement(tmp_path)
             assert epoch(c, "swap", "global") == after
     finally:
         stopped(server)
+
+
+def test_a_lost_persisted_copy_is_data_loss_and_the_rest_is_served(tmp_path):
+    """Files of a persisted dataset lost while the server was down: its
+    reads raise DataLoss at once (a reader that rides restarts out does
+    not wait for a server that is up), a dataset whose manifest is damaged
+    is left out and logged, and the server serves the rest."""
+    store = tmp_path / "store"
+    args = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(store))
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            for name in ("kept", "lost", "garbled"):
+                write(c, name, table(1_000, 1))
+    finally:
+        stopped(server)
+    for f in (store / "datasets" / "lost").glob("*/data.parquet"):
+        f.unlink()
+    for f in (store / "datasets" / "garbled").glob("*/manifest.json"):
+        f.write_text("{")
+
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            assert c.list_datasets() == ["kept", "lost"]
+            assert epoch(c, "kept", "global")[0].num_rows == 500
+            data = flightdeck.ShardedDataset(
+                server.uri, "lost", rank=0, world_size=1, reconnect_seconds=60
+            )
+            started = time.monotonic()
+            with pytest.raises(flightdeck.DataLoss, match="dataset 'lost' cannot be brought "
+                               "back from the store: .*drop it and write it again"):
+                list(data)
+            assert time.monotonic() - started < 30, "waited as for a server gone"
+    finally:
+        stopped(server)
+    logged = "".join(server.stderr_lines)
+    assert "a persisted dataset's manifest is damaged" in logged, logged
 
 
 def test_a_small_budget_spills_and_reads_back():

@@ -19,6 +19,7 @@ from .dataset import ShardedDataset
 from .errors import (
     Aborted,
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     FlightDeckError,
     InvalidArgument,
@@ -38,6 +39,7 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "Client",
+    "DataLoss",
     "FailedPrecondition",
     "FlightDeckError",
     "InvalidArgument",

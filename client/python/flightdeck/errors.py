@@ -95,6 +95,13 @@ class Unavailable(FlightDeckError, ConnectionError):
     code = "UNAVAILABLE"
 
 
+class DataLoss(FlightDeckError, IOError):
+    """A dataset's stored copy (spilled or persisted) is gone or damaged;
+    no retry brings it back: write the dataset again."""
+
+    code = "DATA_LOSS"
+
+
 class Unimplemented(FlightDeckError, NotImplementedError):
     """The server does not offer this call."""
 
@@ -113,6 +120,7 @@ _CLASSES = {
         ResourceExhausted,
         Aborted,
         Unavailable,
+        DataLoss,
         Unimplemented,
     )
 }

@@ -100,6 +100,27 @@ fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("{what}: {e}"))
 }
 
+/// A failed read of a stored dataset's file: the file gone, or not the
+/// Parquet it was written as, is lost data (`DATA_LOSS`: no retry brings
+/// it back); the store failing to answer is [`store_error`].
+fn read_error(what: &str, e: ParquetError) -> Error {
+    let lost = match &e {
+        // The store's own errors reach Parquet wrapped (`ObjectReader`).
+        ParquetError::External(inner) => matches!(
+            inner.downcast_ref::<object_store::Error>(),
+            Some(object_store::Error::NotFound { .. })
+        ),
+        _ => true,
+    };
+    if lost {
+        Error::DataLoss(format!(
+            "{what}: {e}; the stored copy is missing or damaged"
+        ))
+    } else {
+        store_error(what, e)
+    }
+}
+
 /// The object store and path a URL names: `file:///abs/path`, `memory://…`,
 /// `s3://bucket/prefix`, `gs://…`, `az://…` (credentials from the
 /// environment), or a plain local path. With `shared_memory`, every
@@ -332,18 +353,23 @@ impl Store {
         };
         let stream = ParquetRecordBatchStreamBuilder::new(reader)
             .await
-            .map_err(|e| store_error(&what, e))?
+            .map_err(|e| read_error(&what, e))?
             .with_batch_size(ROW_GROUP_ROWS)
             .build()
-            .map_err(|e| store_error(&what, e))?;
+            .map_err(|e| read_error(&what, e))?;
+        let fit = what.clone();
         Ok(stream
-            .map_err(move |e| store_error(&what, e))
+            .map_err(move |e| read_error(&what, e))
             .and_then(move |batch| {
                 let schema = schema.clone();
+                let what = fit.clone();
                 async move {
                     // The catalog's schema, metadata included; types must match.
                     RecordBatch::try_new(schema, batch.columns().to_vec()).map_err(|e| {
-                        Error::Internal(format!("a stored batch does not fit its schema: {e}"))
+                        Error::DataLoss(format!(
+                            "{what}: a stored batch does not fit the dataset's schema ({e}); \
+                             the stored copy is damaged"
+                        ))
                     })
                 }
             })
@@ -379,6 +405,9 @@ impl Store {
     }
 
     /// Every persisted dataset with a manifest, newest generation per name.
+    /// A manifest that does not parse (its file damaged) is logged and left
+    /// out, and so is every older generation of its dataset: serving one
+    /// would serve a write that is not the last. The others are served.
     pub async fn persisted(&self) -> Result<Vec<PersistedDataset>> {
         let dir = self.root.clone().join("datasets");
         let manifests: Vec<Path> = self
@@ -390,6 +419,8 @@ impl Store {
             .await
             .map_err(|e| store_error(&format!("listing {dir} in {}", self.url), e))?;
         let mut found: Vec<PersistedDataset> = Vec::new();
+        // (a dataset's folder, the generation) of every damaged manifest.
+        let mut damaged: Vec<(Path, u64)> = Vec::new();
         for path in manifests {
             let what = format!("reading {path} from {}", self.url);
             let bytes = self
@@ -400,9 +431,29 @@ impl Store {
                 .bytes()
                 .await
                 .map_err(|e| store_error(&what, e))?;
-            let mut ds = parse_manifest(&bytes)
-                .map_err(|e| Error::Internal(format!("{what}: not a flightdeck manifest ({e})")))?;
             let parts: Vec<PathPart<'_>> = path.parts().collect();
+            let mut ds = match parse_manifest(&bytes) {
+                Ok(ds) => ds,
+                Err(e) => {
+                    tracing::error!(
+                        manifest = %path,
+                        store = %self.url,
+                        error = %e,
+                        "a persisted dataset's manifest is damaged (not a flightdeck manifest): \
+                         that copy is not served; write the dataset again, and remove the \
+                         manifest's folder"
+                    );
+                    let generation = parts.len().checked_sub(2).map(|i| &parts[i]);
+                    let folder = parts.len().saturating_sub(2);
+                    damaged.push((
+                        Path::from_iter(parts[..folder].iter().cloned()),
+                        generation
+                            .and_then(|g| g.as_ref().parse().ok())
+                            .unwrap_or(u64::MAX),
+                    ));
+                    continue;
+                }
+            };
             ds.stored = Stored {
                 dir: Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned()),
                 persisted: true,
@@ -413,6 +464,22 @@ impl Store {
                 None => found.push(ds),
             }
         }
+        found.retain(|ds| {
+            let parts: Vec<PathPart<'_>> = ds.stored.dir.parts().collect();
+            let folder = Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned());
+            let superseded = damaged
+                .iter()
+                .any(|(f, g)| *f == folder && *g > ds.generation);
+            if superseded {
+                tracing::error!(
+                    dataset = %ds.name,
+                    generation = ds.generation,
+                    "a persisted dataset is not served: a newer persisted copy of it is damaged, \
+                     and this older one is not its last write; write the dataset again"
+                );
+            }
+            !superseded
+        });
         found.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(found)
     }
