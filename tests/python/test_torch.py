@@ -116,6 +116,26 @@ def test_the_dataset_reads_the_write_it_was_built_on(flightdeck_server):
     assert later.shards.sealed_as is None
 
 
+def test_a_launched_rank_without_a_process_group_is_refused(flightdeck_server, monkeypatch):
+    """Built under torchrun (WORLD_SIZE 2) before `init_process_group`, the
+    dataset would have taken rank 0 of 1 and read every row on every rank;
+    it is refused saying what to do, and ranks given explicitly still read."""
+    client = flightdeck.connect(flightdeck_server.uri)
+    client.put_partition("launched", 0, pa.table({"id": pa.array(range(40), pa.int64())}))
+    client.seal("launched")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(flightdeck.FailedPrecondition, match=r"this process is rank 1 of 2 .* "
+                       r"call torch\.distributed\.init_process_group\(\) before building"):
+        FlightDeckIterableDataset(flightdeck_server.uri, "launched", batch_rows=10)
+    half = FlightDeckIterableDataset(flightdeck_server.uri, "launched", rank=1, world_size=2,
+                                     batch_rows=10)
+    assert sum(len(b["id"]) for b in half) == 20
+    whole = FlightDeckIterableDataset(flightdeck_server.uri, "launched", rank=0, world_size=1,
+                                      batch_rows=10)
+    assert sum(len(b["id"]) for b in whole) == 40
+
+
 def test_ranks_agree_on_one_write_or_all_refuse(monkeypatch):
     import torch.distributed as dist
 

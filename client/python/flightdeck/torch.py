@@ -33,7 +33,7 @@ import time
 from . import _wire as wire
 from .client import connect, sealed_as as seal_of
 from .dataset import ShardedDataset, env_ranks_per_node
-from .errors import NotFound
+from .errors import FailedPrecondition, NotFound
 from .tensors import to_torch
 
 
@@ -48,6 +48,22 @@ def _distributed_rank_and_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _check_launched_ranks_have_a_group(dist_size: int) -> None:
+    """Refuses to take rank 0 of 1 in a process a launcher (torchrun) started
+    as one rank of several (`WORLD_SIZE` above 1) before its process group
+    is initialised: every rank would then read every row, training on each
+    sample once per rank, with nothing to say so."""
+    launched = os.environ.get("WORLD_SIZE", "1").strip()
+    if dist_size > 1 or not launched.isdigit() or int(launched) <= 1:
+        return
+    raise FailedPrecondition(
+        f"this process is rank {os.environ.get('RANK', '?')} of {launched} (the launcher's RANK "
+        "and WORLD_SIZE), but torch.distributed is not initialised, so every rank would read "
+        "every row: call torch.distributed.init_process_group() before building the dataset, "
+        "or pass rank= and world_size= (rank=0, world_size=1 reads every row here)"
+    )
 
 
 #: The gloo group object collectives run on where the default process
@@ -195,7 +211,10 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     """This rank's shard of each epoch as an `IterableDataset` of batches.
 
     `rank` and `world_size` default to `torch.distributed`'s when a process
-    group is initialised, else 0 and 1. `transform` turns each
+    group is initialised, else 0 and 1 — except in a process a launcher
+    started as one rank of several (torchrun's `WORLD_SIZE` above 1), which
+    is refused until its process group is initialised (every rank would
+    otherwise read every row). `transform` turns each
     `pyarrow.RecordBatch` into what the training loop wants (default: a dict
     of tensors).
 
@@ -305,6 +324,8 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
         #: Where batches are handed over (None: host memory, as read).
         self.device = on_device(device)
         dist_rank, dist_size = _distributed_rank_and_size()
+        if rank is None or world_size is None:
+            _check_launched_ranks_have_a_group(dist_size)
         # Built on every rank of the group: the ranks agree on the seal.
         from_group = rank is None and world_size is None and dist_size > 1
         rank = dist_rank if rank is None else rank
