@@ -388,6 +388,24 @@ async fn unwritable_places_fail_before_the_work_not_after() {
     .expect_err("the spill store cannot be written");
     assert!(err.to_string().contains("--spill-url"), "{err}");
     assert!(err.to_string().contains("blocked/store"), "{err}");
+    // The default store under --data-dir: the flag given is named.
+    let err = flightdeck_server::state::State::open(
+        ServerConfig {
+            data_dir: dir.join("blocked/data"),
+            spill_url: None,
+            ..test_config()
+        },
+        "grpc://test".into(),
+    )
+    .await
+    .expect_err("the data folder cannot be written");
+    assert!(
+        err.to_string().contains(&format!(
+            "(the store under --data-dir '{}': give a --data-dir this server may write",
+            dir.join("blocked/data").display()
+        )),
+        "{err}"
+    );
 
     let server = TestServer::start_with(ServerConfig {
         checkpoint_root: Some(dir.to_path_buf()),

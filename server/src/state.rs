@@ -210,7 +210,15 @@ impl State {
         };
         let peer_roots = crate::peer_roots(&config)?;
         let store = Store::open(&config.spill_url())?;
-        store.check_writable().await?;
+        store.check_writable().await.map_err(|e| match e {
+            // The store the user did not name: say which flag placed it.
+            Error::InvalidArgument(m) if config.spill_url.is_none() => Error::invalid(format!(
+                "{m} (the store under --data-dir '{}': give a --data-dir this server may \
+                 write, or a --spill-url)",
+                config.data_dir.display()
+            )),
+            e => e,
+        })?;
         let cuda = if config.use_cuda {
             CudaHost::probe()
         } else {
