@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use flightdeck_client::{Client, Code, DatasetState, Expected, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
 use flightdeck_tests::{
-    TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
+    TempDir, TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
 };
 use futures::{TryStreamExt, stream};
 
@@ -203,15 +203,22 @@ fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_with_persist_serves_the_same_data() {
-    let dir = temp_dir("persist");
+/// A roomy server persisting to a fresh folder named after `name`: the
+/// folder, and the config to start (and start again) the server with.
+fn persisting(name: &str) -> (TempDir, ServerConfig) {
+    let dir = temp_dir(name);
     let config = ServerConfig {
         memory_limit: 1 << 30,
         spill_url: Some(format!("file://{}", dir.display())),
         persist: true,
         ..test_config()
     };
+    (dir, config)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_persist_serves_the_same_data() {
+    let (dir, config) = persisting("persist");
     let server = TestServer::start_with(config.clone()).await;
     let mut c = server.client().await;
     write_sealed(&mut c, "kept").await;
@@ -300,13 +307,7 @@ fn persisted_file(dir: &std::path::Path, ds: &str, file: &str) -> PathBuf {
 /// server from starting at all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_with_damaged_persisted_copies_serves_the_rest() {
-    let dir = temp_dir("persist-damaged");
-    let config = ServerConfig {
-        memory_limit: 1 << 30,
-        spill_url: Some(format!("file://{}", dir.display())),
-        persist: true,
-        ..test_config()
-    };
+    let (dir, config) = persisting("persist-damaged");
     let server = TestServer::start_with(config.clone()).await;
     let mut c = server.client().await;
     for ds in ["good", "torn", "gone", "garbled"] {
