@@ -124,6 +124,7 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
         Code::FailedPrecondition => Error::FailedPrecondition(format!("member {location}: {msg}")),
         Code::ResourceExhausted => Error::ResourceExhausted(format!("member {location}: {msg}")),
         Code::Internal => Error::Internal(format!("member {location}: {msg}")),
+        Code::DataLoss => Error::DataLoss(format!("member {location}: {msg}")),
         _ => Error::Unavailable(format!(
             "member {location} holding rows of dataset '{dataset}' is unavailable ({msg}); \
              restart it (with --persist it serves the same rows again), then resume a read \
@@ -354,5 +355,11 @@ mod tests {
         let e = from_peer(&Status::not_found("gone"), "grpc://b:1", "d");
         assert_eq!(e.code(), Code::FailedPrecondition);
         assert!(e.to_string().contains("drop it and write it again"), "{e}");
+        // A member's lost copy is lost: not a member down to wait for.
+        let lost =
+            "dataset 'd' cannot be brought back from the store: …; drop it and write it again";
+        let e = from_peer(&Status::data_loss(lost), "grpc://b:1", "d");
+        assert_eq!(e.code(), Code::DataLoss);
+        assert_eq!(e.to_string(), format!("member grpc://b:1: {lost}"));
     }
 }
