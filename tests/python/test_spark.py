@@ -143,7 +143,8 @@ def test_spark_modes(flightdeck_server, spark):
 
 
 def test_vectors_become_float_arrays(flightdeck_server, spark):
-    from pyspark.ml.linalg import Vectors
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import LongType, StructField, StructType
 
     uri = flightdeck_server.uri
     df = spark.createDataFrame(
@@ -155,6 +156,15 @@ def test_vectors_become_float_arrays(flightdeck_server, spark):
     feats = flightdeck.to_numpy(table.combine_chunks().to_batches()[0], "features")
     assert feats.dtype.name == "float32" and feats.shape == (10, 2)
     assert feats[3].tolist() == [3.0, 6.0]
+
+    # Sparse vectors as dense arrays; a null vector a null array (Spark's
+    # vector_to_array failed the job: "requires a non-null input argument").
+    mixed = spark.createDataFrame(
+        [(0, Vectors.sparse(3, [1], [2.0])), (1, None), (2, Vectors.dense([1.0, 0.0, 3.0]))],
+        StructType([StructField("id", LongType()), StructField("features", VectorUDT())]),
+    )
+    rows = vectors_to_arrays(mixed).orderBy("id").collect()
+    assert [r.features for r in rows] == [[0.0, 2.0, 0.0], None, [1.0, 0.0, 3.0]]
 
 
 def always_fail(df, partition=1):

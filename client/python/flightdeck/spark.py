@@ -947,7 +947,8 @@ def write_dataframe(
 
 def vectors_to_arrays(df: DataFrame, dtype: str = "float32") -> DataFrame:
     """Every Spark ML vector column as `array<float>` (or `dtype`), so it
-    reaches flightdeck as a list column instead of a struct."""
+    reaches flightdeck as a list column instead of a struct; a null vector
+    becomes a null array (Spark's `vector_to_array` fails the job on one)."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
@@ -959,7 +960,9 @@ def vectors_to_arrays(df: DataFrame, dtype: str = "float32") -> DataFrame:
     cols = []
     for field in df.schema.fields:
         if isinstance(field.dataType, (VectorUDT, OldVectorUDT)):
-            cols.append(vector_to_array(F.col(field.name), dtype).alias(field.name))
+            v = F.col(field.name)
+            array = F.when(v.isNotNull(), vector_to_array(v, dtype))
+            cols.append(array.alias(field.name))
         else:
             cols.append(F.col(field.name))
     return df.select(*cols)
