@@ -167,6 +167,29 @@ def test_vectors_become_float_arrays(flightdeck_server, spark):
     assert [r.features for r in rows] == [[0.0, 2.0, 0.0], None, [1.0, 0.0, 3.0]]
 
 
+def check_vectors_are_refused(spark, uri, fmt):
+    """A Spark ML vector column would be stored as Spark's internal struct:
+    the write is refused naming it and the conversion, before any row is
+    sent (it stored `struct<type, size, indices, values>`)."""
+    from pyspark.ml.linalg import Vectors
+
+    register(spark, "flightdeck_py")
+    df = spark.createDataFrame([(Vectors.dense([1.0, 2.0]), 1)], ["features", "label"])
+    with pytest.raises(Exception, match="column 'features' is a Spark ML vector.*vectors_to_arrays"):
+        df.write.format(fmt).option("uri", uri).option("dataset", "vectors").mode(
+            "overwrite").save()
+    assert "vectors" not in flightdeck.connect(uri).list_datasets()
+
+
+def test_python_source_refuses_vectors(flightdeck_server, spark):
+    check_vectors_are_refused(spark, flightdeck_server.uri, "flightdeck_py")
+    from pyspark.ml.linalg import Vectors
+
+    df = spark.createDataFrame([(Vectors.dense([1.0, 2.0]), 1)], ["features", "label"])
+    with pytest.raises(flightdeck.InvalidArgument, match="column 'features' is a Spark ML vector"):
+        write_dataframe(df, flightdeck_server.uri, "vectors")
+
+
 def always_fail(df, partition=1):
     """The same rows, but partition `partition` dies on every attempt after
     it has sent one batch: the job fails with other partitions written."""

@@ -29,6 +29,7 @@ from test_spark import (  # noqa: E402
     check_a_read_never_mixes_two_writes,
     check_a_table_made_in_sql,
     check_streams_are_refused,
+    check_vectors_are_refused,
     check_a_write_whose_server_dies_fails,
     check_the_token_option,
     check_unknown_options_are_refused,
@@ -521,6 +522,10 @@ def test_tables_of_spark_s_catalog_write_and_read_datasets(flightdeck_server, sp
     finally:
         for t in ("cat_a", "cat_b", "cat_c", "cat_d", "cat_e"):
             spark.sql(f"DROP TABLE IF EXISTS {t}")
+
+
+def test_vectors_are_refused(flightdeck_server, spark):
+    check_vectors_are_refused(spark, flightdeck_server.uri, "flightdeck")
 
 
 def test_streams_are_refused(flightdeck_server, spark, tmp_path):

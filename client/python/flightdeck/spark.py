@@ -63,8 +63,9 @@ types Spark does not hold (unsigned integers, half floats, `date64`,
 dictionaries, nanosecond timestamps, …) read as Spark's Parquet reader
 gives them (see `_readable`).
 
-Spark ML vectors (`VectorUDT`) are structs on the wire: convert them first
-with :func:`vectors_to_arrays` so features arrive as `array<float>`, which
+Spark ML vectors (`VectorUDT`) would be Spark's internal structs on the
+wire, so a write refuses them: convert them first with
+:func:`vectors_to_arrays` so features arrive as `array<float>`, which
 `flightdeck.to_numpy` / `to_torch` turn into `(rows, D)` arrays.
 """
 
@@ -344,6 +345,22 @@ def drop_quietly(
             pass
 
 
+def refuse_vectors(schema) -> None:
+    """Refuses a Spark ML vector column (`VectorUDT`): it would be stored as
+    Spark's internal struct (type, size, indices, values), which no reader
+    trains on; :func:`vectors_to_arrays` makes it the `array<float>` a
+    feature column is."""
+    for field in schema.fields:
+        udt = type(field.dataType)
+        if udt.__name__ == "VectorUDT" and udt.__module__.startswith("pyspark."):
+            raise InvalidArgument(
+                f"column {field.name!r} is a Spark ML vector, which would be stored as Spark's "
+                "internal struct (type, size, indices, values) that no reader trains on: "
+                "convert it to an array first, flightdeck.spark.vectors_to_arrays(df) "
+                "(array<float>)"
+            )
+
+
 def _arrow_schema(schema) -> pa.Schema | None:
     try:
         from pyspark.sql.pandas.types import to_arrow_schema
@@ -619,6 +636,7 @@ try:  # Spark 4: Python data sources
                 _refuse_a_path(options)
                 raise InvalidArgument("set the dataset to write: .option('dataset', NAME)")
             self.batch_rows = _batch_rows_option(options)
+            refuse_vectors(schema)
             self.schema = _arrow_schema(schema)
             self.write_id = new_write_id()
             self.overwrite = overwrite
@@ -905,6 +923,7 @@ def write_dataframe(
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
     targets = parse_uris(uris)
     replace = mode == "overwrite"
+    refuse_vectors(df.schema)
     prepare_dataset(uri, dataset, replace, targets, token)
     schema = _arrow_schema(df.schema)
     write_id = new_write_id()

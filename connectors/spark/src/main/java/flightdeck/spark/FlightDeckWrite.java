@@ -96,9 +96,22 @@ final class FlightDeckWrite {
     }
   }
 
-  /** Refuses, naming it, a column Arrow cannot carry. */
+  /**
+   * Refuses, naming it, a column Arrow cannot carry, and a Spark ML vector
+   * (stored, it would be Spark's internal struct, which no reader trains on).
+   */
   static void checkTypes(StructType schema) {
     for (var field : schema.fields()) {
+      String type = field.dataType().getClass().getName();
+      if (type.equals("org.apache.spark.ml.linalg.VectorUDT")
+          || type.equals("org.apache.spark.mllib.linalg.VectorUDT")) {
+        throw new IllegalArgumentException("column '" + field.name() + "' is a Spark ML vector, "
+            + "which would be stored as Spark's internal struct (type, size, indices, values) "
+            + "that no reader trains on: convert it to an array first, "
+            + "org.apache.spark.ml.functions.vector_to_array(col(\"" + field.name()
+            + "\"), \"float32\") (Scala, Java) or flightdeck.spark.vectors_to_arrays(df) "
+            + "(PySpark)");
+      }
       try {
         ArrowUtils.toArrowSchema(new StructType().add(field), "UTC", true);
       } catch (RuntimeException e) {
