@@ -956,14 +956,7 @@ async fn stalled_writers_free_what_they_staged_at_the_idle_timeout() {
             })
         })
         .collect();
-    flightdeck_tests::eventually("the writers staging their rows", || {
-        let mut c = c.clone();
-        async move {
-            let live = c.stats().await.expect("stats").host_live_bytes;
-            if live > 0 { Ok(()) } else { Err(live) }
-        }
-    })
-    .await;
+    until_live_bytes(&c, "the writers staging their rows", true).await;
     for (w, writer) in writers.into_iter().enumerate() {
         let err = writer.await.expect("joins");
         assert_eq!(err.code(), Code::Aborted, "{err}");
@@ -974,14 +967,7 @@ async fn stalled_writers_free_what_they_staged_at_the_idle_timeout() {
             &["stalled"],
         );
     }
-    flightdeck_tests::eventually("the staged rows freed", || {
-        let mut c = c.clone();
-        async move {
-            let live = c.stats().await.expect("stats").host_live_bytes;
-            if live == 0 { Ok(()) } else { Err(live) }
-        }
-    })
-    .await;
+    until_live_bytes(&c, "the staged rows freed", false).await;
     server.stop().await;
 }
 
@@ -1460,14 +1446,7 @@ async fn a_put_reset_with_no_error_stores_nothing() {
         sent.send_data(Bytes::from(framed), false)
             .expect("data sent");
     }
-    flightdeck_tests::eventually("the writer's rows staged", || {
-        let mut c = c.clone();
-        async move {
-            let live = c.stats().await.expect("stats").host_live_bytes;
-            if live > 0 { Ok(()) } else { Err(live) }
-        }
-    })
-    .await;
+    until_live_bytes(&c, "the writer's rows staged", true).await;
     sent.send_reset(h2::Reason::NO_ERROR);
     let committed = flightdeck_tests::eventually("the reset attempt dropped or kept", || {
         let mut c = c.clone();
@@ -1489,4 +1468,21 @@ async fn a_put_reset_with_no_error_stores_nothing() {
         .expect("the retry is stored");
     assert_eq!(c.describe("reset").await.expect("describe").rows, 1_000);
     server.stop().await;
+}
+
+/// Waits until the arena holds live bytes (`staged`: a writer's rows have
+/// arrived) or none (`!staged`: every attempt's rows are freed).
+async fn until_live_bytes(c: &Client, what: &str, staged: bool) {
+    flightdeck_tests::eventually(what, || {
+        let mut c = c.clone();
+        async move {
+            let live = c.stats().await.expect("stats").host_live_bytes;
+            if (live > 0) == staged {
+                Ok(())
+            } else {
+                Err(live)
+            }
+        }
+    })
+    .await;
 }

@@ -620,21 +620,9 @@ impl State {
         // spilled for room, writers about to seal) a batch that finds no
         // room waits for memory given back, up to `--admission-wait`.
         let until = Some(tokio::time::Instant::now() + self.config.admission_wait);
-        // A stored copy gone or damaged: say which dataset, and what to do.
-        let lost = |e: Error| match e {
-            Error::DataLoss(m) => Error::DataLoss(format!(
-                "dataset '{name}' cannot be brought back from the store: {m}; drop it and write \
-                 it again"
-            )),
-            e => e,
-        };
-        let mut stream = self
-            .store
-            .read(stored, schema.clone())
-            .await
-            .map_err(lost)?;
+        let mut stream = self.store.read(name, stored, schema.clone()).await?;
         let mut batches = Vec::new();
-        while let Some(batch) = stream.try_next().await.map_err(lost)? {
+        while let Some(batch) = stream.try_next().await? {
             let copy = || self.arena.copy_batch_in(&batch, None, &what);
             batches.push(self.with_room(Some(name), until, copy).await?.0);
         }

@@ -100,10 +100,19 @@ fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("{what}: {e}"))
 }
 
-/// A failed read of a stored dataset's file: the file gone, or not the
-/// Parquet it was written as, is lost data (`DATA_LOSS`: no retry brings
-/// it back); the store failing to answer is [`store_error`].
-fn read_error(what: &str, e: ParquetError) -> Error {
+/// Dataset `name`'s stored copy is lost (`DATA_LOSS`: no retry brings it
+/// back): what reading it (`what`) found, and what to do.
+fn lost(name: &str, what: &str, found: impl std::fmt::Display) -> Error {
+    Error::DataLoss(format!(
+        "dataset '{name}' cannot be brought back from the store: {what}: {found}; drop it and \
+         write it again"
+    ))
+}
+
+/// A failed read of dataset `name`'s file: the file gone, or not the
+/// Parquet it was written as, is [`lost`]; the store failing to answer is
+/// [`store_error`].
+fn read_error(name: &str, what: &str, e: ParquetError) -> Error {
     let lost = match &e {
         // The store's own errors reach Parquet wrapped (`ObjectReader`).
         ParquetError::External(inner) => matches!(
@@ -113,9 +122,11 @@ fn read_error(what: &str, e: ParquetError) -> Error {
         _ => true,
     };
     if lost {
-        Error::DataLoss(format!(
-            "{what}: {e}; the stored copy is missing or damaged"
-        ))
+        self::lost(
+            name,
+            what,
+            format!("{e}; the stored copy is missing or damaged"),
+        )
     } else {
         store_error(what, e)
     }
@@ -339,39 +350,42 @@ impl Store {
         Ok(())
     }
 
-    /// The dataset's record batches, read back in row order with `schema`.
+    /// Dataset `name`'s record batches, read back in row order with
+    /// `schema`.
     pub async fn read(
         &self,
+        name: &str,
         stored: &Stored,
         schema: SchemaRef,
     ) -> Result<BoxStream<'static, Result<RecordBatch>>> {
         let path = stored.data();
-        let what = format!("reading {path} from {}", self.url);
+        let (name, what) = (
+            name.to_string(),
+            format!("reading {path} from {}", self.url),
+        );
         let reader = ObjectReader {
             store: self.store.clone(),
             path,
         };
         let stream = ParquetRecordBatchStreamBuilder::new(reader)
             .await
-            .map_err(|e| read_error(&what, e))?
+            .map_err(|e| read_error(&name, &what, e))?
             .with_batch_size(ROW_GROUP_ROWS)
             .build()
-            .map_err(|e| read_error(&what, e))?;
-        let fit = what.clone();
+            .map_err(|e| read_error(&name, &what, e))?;
+        let (n, w) = (name.clone(), what.clone());
         Ok(stream
-            .map_err(move |e| read_error(&what, e))
+            .map_err(move |e| read_error(&n, &w, e))
             .and_then(move |batch| {
-                let schema = schema.clone();
-                let what = fit.clone();
-                async move {
-                    // The catalog's schema, metadata included; types must match.
-                    RecordBatch::try_new(schema, batch.columns().to_vec()).map_err(|e| {
-                        Error::DataLoss(format!(
-                            "{what}: a stored batch does not fit the dataset's schema ({e}); \
-                             the stored copy is damaged"
-                        ))
-                    })
-                }
+                // The catalog's schema, metadata included; types must match.
+                let fitted = RecordBatch::try_new(schema.clone(), batch.columns().to_vec());
+                std::future::ready(fitted.map_err(|e| {
+                    let found = format!(
+                        "a stored batch does not fit the dataset's schema ({e}); the stored \
+                         copy is damaged"
+                    );
+                    lost(&name, &what, found)
+                }))
             })
             .boxed())
     }
@@ -418,8 +432,10 @@ impl Store {
             .try_collect()
             .await
             .map_err(|e| store_error(&format!("listing {dir} in {}", self.url), e))?;
-        let mut found: Vec<PersistedDataset> = Vec::new();
-        // (a dataset's folder, the generation) of every damaged manifest.
+        // Each served dataset beside its folder (…/datasets/NAME), the
+        // newest generation per name; (folder, generation) of each damaged
+        // manifest.
+        let mut found: Vec<(Path, PersistedDataset)> = Vec::new();
         let mut damaged: Vec<(Path, u64)> = Vec::new();
         for path in manifests {
             let what = format!("reading {path} from {}", self.url);
@@ -431,9 +447,24 @@ impl Store {
                 .bytes()
                 .await
                 .map_err(|e| store_error(&what, e))?;
+            // …/datasets/NAME/GENERATION/manifest.json
             let parts: Vec<PathPart<'_>> = path.parts().collect();
-            let mut ds = match parse_manifest(&bytes) {
-                Ok(ds) => ds,
+            let up = |levels: usize| {
+                Path::from_iter(parts[..parts.len().saturating_sub(levels)].iter().cloned())
+            };
+            let (dir, folder) = (up(1), up(2));
+            match parse_manifest(&bytes) {
+                Ok(mut ds) => {
+                    ds.stored = Stored {
+                        dir,
+                        persisted: true,
+                    };
+                    match found.iter_mut().find(|(_, f)| f.name == ds.name) {
+                        Some((_, f)) if f.generation < ds.generation => *f = ds,
+                        Some(_) => {}
+                        None => found.push((folder, ds)),
+                    }
+                }
                 Err(e) => {
                     tracing::error!(
                         manifest = %path,
@@ -443,43 +474,29 @@ impl Store {
                          that copy is not served; write the dataset again, and remove the \
                          manifest's folder"
                     );
-                    let generation = parts.len().checked_sub(2).map(|i| &parts[i]);
-                    let folder = parts.len().saturating_sub(2);
-                    damaged.push((
-                        Path::from_iter(parts[..folder].iter().cloned()),
-                        generation
-                            .and_then(|g| g.as_ref().parse().ok())
-                            .unwrap_or(u64::MAX),
-                    ));
-                    continue;
+                    let generation = dir.filename().and_then(|g| g.parse().ok());
+                    damaged.push((folder, generation.unwrap_or(u64::MAX)));
                 }
-            };
-            ds.stored = Stored {
-                dir: Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned()),
-                persisted: true,
-            };
-            match found.iter_mut().find(|f| f.name == ds.name) {
-                Some(f) if f.generation < ds.generation => *f = ds,
-                Some(_) => {}
-                None => found.push(ds),
             }
         }
-        found.retain(|ds| {
-            let parts: Vec<PathPart<'_>> = ds.stored.dir.parts().collect();
-            let folder = Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned());
-            let superseded = damaged
-                .iter()
-                .any(|(f, g)| *f == folder && *g > ds.generation);
-            if superseded {
-                tracing::error!(
-                    dataset = %ds.name,
-                    generation = ds.generation,
-                    "a persisted dataset is not served: a newer persisted copy of it is damaged, \
-                     and this older one is not its last write; write the dataset again"
-                );
-            }
-            !superseded
-        });
+        let mut found: Vec<PersistedDataset> = found
+            .into_iter()
+            .filter_map(|(folder, ds)| {
+                let superseded = damaged
+                    .iter()
+                    .any(|(f, g)| *f == folder && *g > ds.generation);
+                if superseded {
+                    tracing::error!(
+                        dataset = %ds.name,
+                        generation = ds.generation,
+                        "a persisted dataset is not served: a newer persisted copy of it is \
+                         damaged, and this older one is not its last write; write the dataset \
+                         again"
+                    );
+                }
+                (!superseded).then_some(ds)
+            })
+            .collect();
         found.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(found)
     }

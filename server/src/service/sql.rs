@@ -486,11 +486,7 @@ impl SqlService {
     /// that changes data gets the read-only refusal every query plan gives
     /// it, and a query is told to run as a query. Nothing is executed.
     async fn refused_update(&self, sql: &str) -> Status {
-        let ctx = match self.session(None) {
-            Ok(ctx) => ctx,
-            Err(e) => return e.into(),
-        };
-        match self.plan(&ctx, sql, None).await {
+        match self.schema_of(sql).await {
             Err(e) => e.into(),
             Ok(_) => Status::invalid_argument(format!(
                 "the query `{sql}` was sent as an update (JDBC's executeUpdate, ADBC's \
