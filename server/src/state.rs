@@ -28,7 +28,7 @@ use crate::convert::{self, PlaceRequest};
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, ArenaStats, HostMemory, slab_bytes_for};
 use crate::memory::device::{CudaHost, DevicePlacement, column_segments};
-use crate::memory::spill::Store;
+use crate::memory::spill::{Store, unstorable_column};
 use crate::memory::{Budget, Reservation};
 use crate::query::{Filter, Selection};
 
@@ -233,7 +233,11 @@ impl State {
             .unwrap_or_else(|| slab_bytes_for(config.memory_limit));
         let budget = Budget::new(config.memory_limit);
         let config_read_ahead = config.read_ahead_bytes();
-        let mut catalog = Catalog::new();
+        let mut catalog = if config.persist {
+            Catalog::persisting()
+        } else {
+            Catalog::new()
+        };
         if config.persist {
             for ds in store.persisted().await? {
                 info!(dataset = %ds.name, generation = ds.generation, "reloaded persisted dataset");
@@ -445,9 +449,11 @@ impl State {
     }
 
     /// What a refusal for memory adds about the datasets holding memory no
-    /// spill can free (see [`unsealed_text`]).
+    /// spill can free (see [`unsealed_text`] and [`unspillable_text`]).
     fn unsealed_note(&self) -> String {
-        unsealed_text(&self.catalog().unsealed_holders())
+        let catalog = self.catalog();
+        unsealed_text(&catalog.unsealed_holders())
+            + &unspillable_text(&catalog.unspillable_holders())
     }
 
     /// [`Arena::copy_body`] for a writer's message body, making room as
@@ -808,6 +814,13 @@ impl State {
             "sealed dataset"
         );
         if !self.config.persist || summary.stored.is_some() {
+            if let Some((column, _)) = unstorable_column(&summary.schema) {
+                warn!(
+                    dataset = %dataset,
+                    "dataset cannot spill: {column}, which the store (Parquet) cannot hold; it \
+                     stays in memory until dropped"
+                );
+            }
             return Ok(summary);
         }
         let (generation, data) = self.catalog().sealed(&summary.name)?;
@@ -1309,6 +1322,24 @@ fn unsealed_text(held: &[(String, u64, std::time::Duration)]) -> String {
          {}{more}; seal them, or drop those whose writers are gone (`flightdeck drop NAME`)",
         show_size(total),
         named.join(", ")
+    )
+}
+
+/// What a refusal for memory adds about sealed datasets that cannot spill
+/// because the store cannot hold one of their columns; "" when none.
+fn unspillable_text(held: &[(String, u64, String)]) -> String {
+    let Some((name, _, column)) = held.first() else {
+        return String::new();
+    };
+    let total: u64 = held.iter().map(|h| h.1).sum();
+    let more = match held.len() {
+        1 => String::new(),
+        n => format!(" and {} more", n - 1),
+    };
+    format!(
+        ". Of the budget, {} is held by sealed datasets the store cannot hold, which cannot \
+         spill: '{name}' ({column}){more}; drop them when done with them",
+        show_size(total)
     )
 }
 

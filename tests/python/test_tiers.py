@@ -2,8 +2,9 @@
 a server started with `--persist` serves its sealed datasets again after a
 restart (and readers ride the restart out; a copy lost meanwhile is
 DataLoss), a small budget spills and
-brings datasets back with the same rows, and `place` without a CUDA driver
-raises FailedPrecondition."""
+brings datasets back with the same rows, a dataset the store cannot hold
+stays in memory (and is refused by --persist), and `place` without a CUDA
+driver raises FailedPrecondition."""
 
 from __future__ import annotations
 
@@ -152,6 +153,61 @@ def test_a_small_budget_spills_and_reads_back():
             assert stats.spills >= 2 and stats.restores >= 1
             assert stats.memory_used <= stats.memory_limit
             assert stats.spill_url == "memory://"
+    finally:
+        stopped(server)
+
+
+def unions(n: int) -> pa.Table:
+    """A table with a union column, which Parquet (the store) cannot hold."""
+    kinds = pa.array(np.arange(n) % 2, pa.int8())
+    u = pa.UnionArray.from_sparse(kinds, [pa.array(np.arange(n)), pa.array(np.arange(n) * 0.5)])
+    return pa.table({"id": pa.array(np.arange(n)), "u": u})
+
+
+def test_a_dataset_the_store_cannot_hold_stays_in_memory_and_others_spill_past_it(tmp_path):
+    """A union column cannot be written as Parquet (the writer panicked the
+    call that spilled or persisted it, and every later spill chose the same
+    dataset again). Without --persist such a dataset is sealed, read and
+    queried from memory and never spilled: writes after it spill the
+    others, and a refusal for memory names it. With --persist it is
+    refused at its first write, before any row is taken, and the server
+    keeps serving."""
+    server = RunningServer("--memory-limit", "12MiB", "--admission-wait", "0")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            held = unions(200_000)  # ~5 MB in the arena
+            write(c, "held", held)
+            for name in ("a", "b", "c"):
+                write(c, name, table(200_000, 5))  # each ~3.2 MB
+            assert c.describe("a").spilled and not c.describe("held").spilled
+            assert c.read_table(c.plan("held").shards[0]).equals(held)
+            assert c.sql("SELECT count(*) AS n FROM held")["n"].to_pylist() == [200_000]
+            assert epoch(c, "a", "global")[0].num_rows == 100_000
+            # Nothing else left to spill: the refusal says what holds the memory.
+            with pytest.raises(flightdeck.ResourceExhausted, match=r"sealed datasets the store "
+                               r"cannot hold, which cannot spill: 'held' \(column 'u' is a union\)"):
+                c.put_partition("big", 0, table(700_000, 6))
+    finally:
+        stopped(server)
+    logged = "".join(server.stderr_lines)
+    assert "dataset cannot spill: column 'u' is a union" in logged, logged
+
+    args = ("--memory-limit", "64MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            nested = pa.table({"l": pa.ListArray.from_arrays([0, 1, 2], unions(2)["u"].chunk(0))})
+            for name, t, said in (
+                ("held", unions(1_000), "column 'u' is a union"),
+                ("nested", nested, "column 'l' holds a union"),
+            ):
+                with pytest.raises(flightdeck.InvalidArgument, match=(
+                        f"dataset '{name}' cannot be persisted: {said}, which the store "
+                        r"\(Parquet\) cannot hold.*write each of its variants as a column")):
+                    c.put_partition(name, 0, t)
+            assert c.list_datasets() == []
+            write(c, "kept", table(1_000, 7))
+            assert c.describe("kept").persisted
     finally:
         stopped(server)
 

@@ -29,7 +29,7 @@ use arrow::datatypes::{Schema, SchemaRef};
 
 use crate::cluster::Layout;
 use crate::error::{Error, Result};
-use crate::memory::spill::{PersistedDataset, Stored};
+use crate::memory::spill::{PersistedDataset, Stored, unstorable_column};
 use crate::query::SelectionCache;
 use crate::read::packed::PackedCache;
 
@@ -83,6 +83,22 @@ fn distinct_names(dataset: &str, schema: &Schema) -> Result<()> {
              pyarrow: Table.rename_columns)",
             public_name(dataset),
             names[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses, on a server that persists every sealed dataset, a schema with
+/// a column the store cannot hold: its dataset could be read, but not
+/// persisted, and would be lost at the next restart.
+fn persistable(dataset: &str, schema: &Schema) -> Result<()> {
+    match unstorable_column(schema) {
+        Some((column, why)) => Err(Error::invalid(format!(
+            "dataset '{}' cannot be persisted: {column}, which the store (Parquet) cannot hold, \
+             and this server persists every dataset it seals (--persist); {} (or write it to a \
+             server without --persist, which keeps it in memory and never spills it)",
+            public_name(dataset),
+            why.instead
         ))),
         None => Ok(()),
     }
@@ -405,6 +421,9 @@ pub struct Catalog {
     tick: u64,
     /// Writes whose job failed: their attempts are refused.
     aborted: AbortedWrites,
+    /// Every sealed dataset is written to the store (`--persist`): a schema
+    /// the store cannot hold is refused before any row is taken.
+    persisting: bool,
 }
 
 /// The ids of the most recent [`AbortedWrites::LIMIT`] aborted writes, each
@@ -474,10 +493,22 @@ impl Catalog {
         }
     }
 
+    /// A catalog whose sealed datasets are all written to the store
+    /// (`--persist`); see [`Catalog::check_put`].
+    pub fn persisting() -> Self {
+        Self {
+            persisting: true,
+            ..Self::new()
+        }
+    }
+
     /// Checks, before any data is received, that an attempt with `schema`
     /// could be committed to `dataset`. [`Catalog::commit`] checks again.
     pub fn check_put(&self, dataset: &str, key: AttemptKey, schema: &Schema) -> Result<()> {
         distinct_names(dataset, schema)?;
+        if self.persisting {
+            persistable(dataset, schema)?;
+        }
         let Some(ds) = self.datasets.get(dataset) else {
             return Ok(());
         };
@@ -1030,8 +1061,14 @@ impl Catalog {
 
     /// The resident sealed dataset read least recently (ties: by name),
     /// other than `except`.
+    ///
+    /// A dataset with a column the store cannot hold is never one: it stays
+    /// in memory until dropped ([`Catalog::unspillable_holders`]).
     pub fn spill_candidate(&self, except: Option<&str>) -> Option<SpillCandidate> {
         self.resident(except)
+            .filter(|(.., s, data)| {
+                s.stored.is_some() || unstorable_column(data.schema()).is_none()
+            })
             .min_by_key(|(_, _, s, _)| s.last_read)
             .map(|(name, ds, s, data)| SpillCandidate {
                 name: name.clone(),
@@ -1153,6 +1190,23 @@ impl Catalog {
                 (name.clone(), bytes, ds.written.elapsed())
             })
             .filter(|(_, bytes, _)| *bytes > 0)
+            .collect();
+        held.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        held
+    }
+
+    /// Every resident sealed dataset that cannot spill because the store
+    /// cannot hold one of its columns: (name, bytes, which column and why),
+    /// largest first.
+    pub fn unspillable_holders(&self) -> Vec<(String, u64, String)> {
+        let mut held: Vec<(String, u64, String)> = self
+            .resident(None)
+            .filter(|(.., s, _)| s.stored.is_none())
+            .filter_map(|(name, ds, _, data)| {
+                let (column, _) = unstorable_column(data.schema())?;
+                let bytes = ds.sealed_parts.iter().map(|p| p.bytes).sum();
+                Some((name.clone(), bytes, column))
+            })
             .collect();
         held.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         held

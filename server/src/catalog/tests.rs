@@ -714,6 +714,70 @@ fn a_schema_naming_a_column_twice_is_refused_before_anything_is_kept() {
     c.check_put("d", key(0, 0), &cased).expect("distinct");
 }
 
+/// A one-row batch whose only column is a run-end encoded one, which the
+/// store cannot hold.
+fn runs() -> AttemptData {
+    let runs = arrow::array::RunArray::<arrow::datatypes::Int32Type>::try_new(
+        &arrow::array::Int32Array::from(vec![1]),
+        &Int64Array::from(vec![7]),
+    )
+    .expect("runs");
+    let batch = RecordBatch::try_from_iter([("r", Arc::new(runs) as arrow::array::ArrayRef)])
+        .expect("batch");
+    AttemptData {
+        batches: vec![batch],
+        rows: 1,
+        bytes: 16,
+    }
+}
+
+#[test]
+fn a_dataset_the_store_cannot_hold_never_spills_and_is_refused_where_all_persist() {
+    let mut c = Catalog::new();
+    let data = runs();
+    let schema = data.batches[0].schema();
+    c.commit("runs", key(0, 0), schema.clone(), data)
+        .expect("kept in memory");
+    c.seal(&SealRequest {
+        dataset: "runs".into(),
+        ..Default::default()
+    })
+    .expect("seal");
+    sealed_with(&mut c, "plain", 3);
+    c.touch("plain");
+    // Read less recently, but it cannot be written: the other one goes.
+    assert_eq!(c.spill_candidate(None).expect("candidate").name, "plain");
+    assert!(c.spill_candidate(Some("plain")).is_none());
+    let held = c.unspillable_holders();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].0, "runs");
+    assert_eq!(held[0].2, "column 'r' is a run-end encoded array");
+    // Once stored (persisted by an earlier server) it is only released.
+    let generation = c.describe("runs").expect("runs").generation;
+    assert!(c.set_stored("runs", generation, stored("runs")));
+    assert_eq!(
+        c.spill_candidate(Some("plain")).expect("candidate").name,
+        "runs"
+    );
+    assert!(c.unspillable_holders().is_empty());
+
+    let persisting = Catalog::persisting();
+    let err = persisting
+        .check_put("p", key(0, 0), &schema)
+        .expect_err("refused");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(
+        err.to_string().contains(
+            "dataset 'p' cannot be persisted: column 'r' is a run-end encoded array, which the \
+             store (Parquet) cannot hold"
+        ),
+        "{err}"
+    );
+    let mut persisting = persisting;
+    assert!(persisting.commit("p", key(0, 0), schema, runs()).is_err());
+    assert!(persisting.describe("p").is_err(), "nothing kept");
+}
+
 #[test]
 fn what_a_dead_write_left_unsealed_is_dropped_and_its_later_attempts_refused() {
     let mut c = Catalog::new();
