@@ -496,7 +496,9 @@ impl State {
                     .await
                     .map_err(|e| {
                         Error::ResourceExhausted(format!(
-                            "the memory budget is full and spilling dataset '{}' failed: {e}",
+                            "the memory budget is full and spilling dataset '{}' failed: {e}; \
+                             make room in the spill store (--spill-url) or drop datasets that \
+                             are no longer needed (`flightdeck drop NAME`), then retry",
                             victim.name
                         ))
                     })?;

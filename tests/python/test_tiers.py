@@ -157,6 +157,36 @@ def test_a_small_budget_spills_and_reads_back():
         stopped(server)
 
 
+def test_a_spill_store_that_fails_is_named_and_writes_go_on_once_it_has_room(tmp_path):
+    """The spill store failing (a full disk; here its folder replaced by a
+    file) refuses the write that needed room, naming the dataset, the
+    store's error and what to do; nothing is lost, and once the store
+    works again the same write spills and succeeds."""
+    store = tmp_path / "store"
+    server = RunningServer("--memory-limit", "8MiB", "--admission-wait", "0",
+                           "--spill-url", str(store))
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "a", table(200_000, 8))  # ~3.2 MB each
+            write(c, "b", table(200_000, 9))
+            spill = store / "spill"
+            assert not spill.exists(), "nothing spilled yet"
+            spill.write_text("in the way")
+            with pytest.raises(flightdeck.ResourceExhausted, match=(
+                    r"spilling dataset 'a' failed: writing dataset 'a' to .*; make room in the "
+                    r"spill store \(--spill-url\) or drop datasets that are no longer needed")):
+                write(c, "c", table(200_000, 10))
+            spill.unlink()
+            c.drop("c")  # what was written of it before the refusal
+            write(c, "c", table(200_000, 10))
+            assert c.describe("a").spilled
+            for name, seed in (("a", 8), ("b", 9), ("c", 10)):
+                got = c.read_table(c.plan(name).shards[0])
+                assert got.equals(table(200_000, seed)), name
+    finally:
+        stopped(server)
+
+
 def unions(n: int) -> pa.Table:
     """A table with a union column, which Parquet (the store) cannot hold."""
     kinds = pa.array(np.arange(n) % 2, pa.int8())
