@@ -338,6 +338,34 @@ pub fn parse_gpu(s: &str) -> std::result::Result<u32, String> {
         .map_err(|_| format!("'{s}' is not a GPU: give its ordinal (0, 1, …) or cuda:N"))
 }
 
+/// An address to listen on: `IP:PORT` (`0.0.0.0:50051`, `[::]:50051`), or
+/// `HOST:PORT` with a host name this machine resolves (`localhost:50051`;
+/// its first IPv4 address, else its first).
+pub fn parse_listen(s: &str) -> std::result::Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let s = s.trim();
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let usage = "give HOST:PORT, e.g. 127.0.0.1:50051, localhost:50051 or 0.0.0.0:50051 \
+                 (every interface)";
+    if !s.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty() && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit())
+    }) {
+        return Err(format!("'{s}' is not an address to listen on: {usage}"));
+    }
+    let found: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("'{s}' is not an address to listen on ({e}): {usage}"))?
+        .collect();
+    found
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(found.first())
+        .copied()
+        .ok_or_else(|| format!("'{s}' names no address of this machine: {usage}"))
+}
+
 /// A duration such as `5s`, `500ms`, `2m` or a plain number of seconds.
 pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
     let s = s.trim();
@@ -460,6 +488,31 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listen_addresses_take_ips_and_host_names() {
+        let at = |s| parse_listen(s).map(|a| a.to_string());
+        assert_eq!(at("0.0.0.0:50051").as_deref(), Ok("0.0.0.0:50051"));
+        assert_eq!(at("[::1]:0").as_deref(), Ok("[::1]:0"));
+        assert_eq!(at(" localhost:50051 ").as_deref(), Ok("127.0.0.1:50051"));
+        for bad in [
+            "50051",
+            "localhost",
+            ":50051",
+            "localhost:",
+            "localhost:port",
+        ] {
+            let err = parse_listen(bad).expect_err(bad);
+            assert!(
+                err.contains(&format!("'{}' is not an address to listen on", bad.trim())),
+                "{err}"
+            );
+            assert!(
+                err.contains("give HOST:PORT, e.g. 127.0.0.1:50051"),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn ages_read_in_their_two_largest_units() {

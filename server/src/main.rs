@@ -60,9 +60,10 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
-    /// Address to listen on; port 0 picks a free port (the bound address is
-    /// printed on stdout).
-    #[arg(long, default_value = "127.0.0.1:50051")]
+    /// Address to listen on, HOST:PORT (`0.0.0.0:50051` for every
+    /// interface; a host name such as `localhost:50051` is resolved); port 0
+    /// picks a free port (the bound address is printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:50051", value_parser = config::parse_listen)]
     listen: SocketAddr,
     /// Hard limit on cached bytes (e.g. 8GiB); default: half the machine's RAM.
     #[arg(long, value_parser = parse_size)]
@@ -153,7 +154,7 @@ struct ServeArgs {
     tls_ca: Option<std::path::PathBuf>,
     /// Serve Prometheus metrics (OpenMetrics text) on http://ADDR/metrics,
     /// e.g. 0.0.0.0:9090; port 0 picks a free port (printed on stdout).
-    #[arg(long)]
+    #[arg(long, value_parser = config::parse_listen)]
     metrics_listen: Option<SocketAddr>,
     /// Also serve on this Unix domain socket (an absolute path), for ranks
     /// and writers on this machine: `grpc+unix:///run/flightdeck.sock`
