@@ -157,6 +157,32 @@ def test_a_small_budget_spills_and_reads_back():
         stopped(server)
 
 
+def test_names_of_every_length_persist_and_come_back(tmp_path):
+    """Names up to the 256-byte limit, whatever their characters, persist
+    on a local disk and are served after a restart. A name is
+    percent-encoded into its folder's name (`é` takes 6 bytes, `/` 3),
+    and a file system allows 255: such names failed to persist (and to
+    spill) with 'File name too long'."""
+    names = ["é" * 128, "/" * 256, "a" * 256, "é" * 127 + "x", "ok"]
+    args = ("--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"))
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            for i, name in enumerate(names):
+                write(c, name, table(1_000, i), parts=1)
+                assert c.describe(name).persisted, name
+    finally:
+        stopped(server)
+    server = RunningServer(*args)
+    try:
+        with flightdeck.connect(server.uri) as c:
+            assert sorted(c.list_datasets()) == sorted(names)
+            for i, name in enumerate(names):
+                assert c.read_table(c.plan(name).shards[0]).equals(table(1_000, i)), name
+    finally:
+        stopped(server)
+
+
 def test_a_spill_store_that_fails_is_named_and_writes_go_on_once_it_has_room(tmp_path):
     """The spill store failing (a full disk; here its folder replaced by a
     file) refuses the write that needed room, naming the dataset, the

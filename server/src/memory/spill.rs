@@ -87,6 +87,32 @@ pub struct PersistedDataset {
     pub cluster: Option<ClusterState>,
 }
 
+/// Longest folder name a dataset's files go under: file systems allow 255
+/// bytes a name, and a name is percent-encoded (`é` takes 6 bytes, `/` 3).
+const MAX_FOLDER: usize = 200;
+
+/// The folder dataset `name`'s files go under: its name, percent-encoded
+/// as the store encodes a path's part; a name whose encoding is longer than
+/// [`MAX_FOLDER`] is cut, and the FNV-1a hash of the whole name follows
+/// (`…-h` and 16 hex digits), so that it still fits a file system. Folders
+/// only group a dataset's generations: its manifest holds its name.
+fn folder(name: &str) -> PathPart<'static> {
+    let encoded_len = |s: &str| PathPart::from(s).as_ref().len();
+    if encoded_len(name) <= MAX_FOLDER {
+        return PathPart::from(name.to_string());
+    }
+    // Cut between characters of the name, so that no escape is split; the
+    // hash's 18 bytes and its dash follow.
+    let cut = name
+        .char_indices()
+        .map(|(i, c)| i + c.len_utf8())
+        .take_while(|&end| encoded_len(&name[..end]) <= MAX_FOLDER - 19)
+        .last()
+        .unwrap_or(0);
+    let hash = crate::cluster::fnv1a(name.as_bytes(), 0xcbf2_9ce4_8422_2325);
+    PathPart::from(format!("{}-h{hash:016x}", &name[..cut]))
+}
+
 /// Why the store cannot hold a column of type `data_type`, and what a
 /// writer can do instead; `None` when it can. Parquet has no union (its
 /// writer panics on one), no month-day-nano interval and no struct without
@@ -356,7 +382,7 @@ impl Store {
         };
         // What a write stages goes under its dataset's name too (the
         // generation, unique per server, keeps the two apart).
-        base.join(PathPart::from(crate::catalog::public_name(name)))
+        base.join(folder(crate::catalog::public_name(name)))
             .join(generation.to_string())
     }
 
@@ -1204,6 +1230,41 @@ mod tests {
                 "{name} round-trips through Parquet: the store could hold it"
             );
         }
+    }
+
+    /// A dataset's folder is its encoded name while that fits a file
+    /// system's 255-byte names, and a cut of it with the name's hash after;
+    /// names that share the cut still get folders of their own.
+    #[test]
+    fn folders_fit_a_file_system_whatever_the_name() {
+        assert_eq!(folder("clicks").as_ref(), "clicks");
+        assert_eq!(folder("a/b").as_ref(), "a%2Fb");
+        assert_eq!(folder("..").as_ref(), "%2E%2E");
+        let a200 = "a".repeat(200);
+        assert_eq!(folder(&a200).as_ref(), a200, "fits as it is");
+        let long = [
+            "é".repeat(127) + "x",
+            "é".repeat(127) + "y",
+            "/".repeat(256),
+            "a".repeat(201),
+            format!("{}{}", "a".repeat(180), "é".repeat(30)),
+        ];
+        let folders: Vec<String> = long
+            .iter()
+            .map(|n| folder(n).as_ref().to_string())
+            .collect();
+        for (name, f) in long.iter().zip(&folders) {
+            assert!(f.len() <= MAX_FOLDER, "{} bytes: {f}", f.len());
+            assert!(
+                f.len() >= MAX_FOLDER - 20,
+                "cut no shorter than needed: {f}"
+            );
+            let (cut, hash) = f.rsplit_once("-h").expect("hashed");
+            assert_eq!(hash.len(), 16);
+            assert!(!cut.ends_with('%') && PathPart::parse(f).is_ok(), "{f}");
+            assert_eq!(folder(name).as_ref(), f, "the same every time");
+        }
+        assert_ne!(folders[0], folders[1]);
     }
 
     #[test]
