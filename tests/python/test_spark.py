@@ -541,6 +541,75 @@ def test_write_dataframe_writes_an_empty_dataframe(flightdeck_server, spark):
     )
 
 
+CONNECT_JOB = r"""
+import json, sys
+from pyspark.sql import SparkSession, functions as F
+from flightdeck.spark import register, write_dataframe
+
+uri, jar = sys.argv[1], sys.argv[2]
+spark = (
+    SparkSession.builder.remote("local[2]")
+    .config("spark.connect.grpc.binding.address", "127.0.0.1")
+    .config("spark.driver.host", "127.0.0.1")
+    .config("spark.driver.bindAddress", "127.0.0.1")
+    .config("spark.ui.enabled", "false")
+    .config("spark.jars", jar)
+    .getOrCreate()
+)
+register(spark, "flightdeck_py")
+df = spark.range(1000, numPartitions=4).selectExpr("id", "cast(id as float) x")
+said = {}
+for fmt in ("flightdeck_py",) + (("flightdeck",) if jar else ()):
+    df.write.format(fmt).option("uri", uri).option("dataset", "by_" + fmt).mode("overwrite").save()
+    back = spark.read.format(fmt).option("uri", uri).option("dataset", "by_" + fmt).load()
+    said[fmt] = sorted(r.id for r in back.collect())
+groups = df.groupBy((F.col("id") % 7).alias("k")).agg(F.count("*").alias("n"))
+said["grouped"] = write_dataframe(groups, uri, "grouped")
+said["empty"] = write_dataframe(df.where("id < 0"), uri, "empty")
+print(json.dumps(said))
+"""
+
+
+def test_spark_connect_writes_and_reads(flightdeck_server, tmp_path):
+    """A Spark Connect session (PySpark 4's `remote`, a thin client with no
+    RDDs) writes and reads with the Python data source and the JVM
+    connector, and `write_dataframe` works there too: it counted the
+    partitions with `df.rdd`, which Spark Connect does not have (and which
+    ran a shuffle's plan once more before the write). Runs in a process of
+    its own: a local Spark Connect server cannot start beside a Spark
+    context."""
+    pytest.importorskip("grpc_status", reason="Spark Connect needs pyspark[connect]")
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import SPARK_JAR
+
+    # The local server listens where the client looks: Spark Connect's port.
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 15002)) == 0:
+            pytest.skip("port 15002, where a local Spark Connect server listens, is taken")
+    uri = flightdeck_server.uri
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    jar = str(SPARK_JAR) if SPARK_JAR.exists() else ""
+    job = subprocess.run(
+        [sys.executable, "-c", CONNECT_JOB, uri, jar],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    said = json.loads(job.stdout.strip().splitlines()[-1])
+    for fmt in ("flightdeck_py",) + (("flightdeck",) if jar else ()):
+        assert said[fmt] == list(range(1000)), fmt
+    client = flightdeck.connect(uri)
+    assert said["grouped"] == 7
+    grouped = client.read_table(client.plan("grouped").shards[0])
+    assert sorted(grouped["n"].to_pylist()) == sorted([143] * 6 + [142])
+    assert said["empty"] == 0 and client.describe("empty").rows == 0
+    assert client.describe("empty").state == 2  # sealed
+
+
 def check_a_write_whose_server_dies_fails(spark, write):
     """A server killed while the tasks stream to it: the job fails (each
     retry finds the server gone) and the driver gets control back. (The JVM

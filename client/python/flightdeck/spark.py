@@ -915,9 +915,9 @@ def write_dataframe(
     uris: list[str] | str | None = None,
     token: str | None = None,
 ) -> int:
-    """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+), with the same
-    commit rule and `uri`/`uris` routing as the data source; returns the
-    rows written. `token` (default: `FLIGHTDECK_TOKEN`, on the driver and on
+    """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+, Spark Connect
+    too), with the same commit rule and `uri`/`uris` routing as the data
+    source; returns the rows written. `token` (default: `FLIGHTDECK_TOKEN`, on the driver and on
     each executor) is sent as the bearer token."""
     if mode not in ("overwrite", "append"):
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
@@ -944,21 +944,25 @@ def write_dataframe(
             ),
         )
 
-    partitions = df.rdd.getNumPartitions()
-    if partitions == 0:
+    def run(frame: DataFrame) -> list:
+        try:
+            return frame.mapInArrow(
+                put, "partition int, attempt int, rows long, location string"
+            ).collect()
+        except BaseException:
+            drop_quietly(targets or [uri], dataset, write_id, token, replace)
+            raise
+
+    # Every task reports its partition, so the job itself says how many
+    # there are: asking `df.rdd` first ran the plan's shuffles a second
+    # time, and Spark Connect has no RDDs.
+    results = run(df)
+    if not results:
         # A DataFrame without partitions (one built from no rows) still
         # writes one empty partition, as Spark's own writers do, so that
         # the dataset exists, with its schema, and holds no rows.
-        spark = df.sparkSession
-        df = spark.createDataFrame(spark.sparkContext.parallelize([], 1), df.schema)
-        partitions = 1
-    try:
-        results = df.mapInArrow(
-            put, "partition int, attempt int, rows long, location string"
-        ).collect()
-    except BaseException:
-        drop_quietly(targets or [uri], dataset, write_id, token, replace)
-        raise
+        results = run(df.sparkSession.createDataFrame([], df.schema))
+    partitions = 1 + max(r["partition"] for r in results)
     winners = {r["partition"]: (r["attempt"], r["location"]) for r in results}
     seal_winners(uri, dataset, partitions, winners, token, write_id if replace else "", targets)
     return sum(r["rows"] for r in results)
