@@ -17,7 +17,9 @@ pub struct TrainArgs {
     /// Sealed dataset.
     #[arg(long)]
     dataset: String,
-    /// Feature columns (numeric or fixed_size_list), comma-separated.
+    /// Feature columns, comma-separated: numeric, fixed_size_list of numbers,
+    /// or a list of numbers whose rows all hold one number of values (Spark's
+    /// array<float>).
     #[arg(long, value_delimiter = ',', required = true)]
     features: Vec<String>,
     /// Label column.

@@ -124,6 +124,32 @@ def test_a_filter_trains_on_the_labelled_rows_of_a_partly_labelled_dataset(fligh
                          filter="hash_bucket(label, 2) >= 0 OR label IS NULL"))
 
 
+def test_an_array_column_as_spark_writes_it_trains(flightdeck_server):
+    """Spark writes `array<float>` as a list column, not a fixed_size_list:
+    it trains as one when its rows all hold the same number of values (it
+    was refused as not numeric), the same losses step by step, and ragged
+    rows are refused naming two that differ."""
+    t = three_classes(2000, 3)
+    points = t.column("features").combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    as_spark = t.set_column(0, "features", pa.array(list(points), pa.list_(pa.float32())))
+    ragged = as_spark.set_column(0, "features", pa.array(
+        [list(p) + [0.0] * (i == 1500) for i, p in enumerate(points)], pa.list_(pa.float32())))
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        for name, table in (("fixed", t), ("spark", as_spark), ("ragged", ragged)):
+            for p in range(2):
+                c.put_partition(name, p, table.slice(p * 1000, 1000))
+            c.seal(name, partitions=2)
+        job = dict(classes=3, lr=0.05, batch_size=100, epochs=2, cpu_ranks=2, seed=4)
+        fixed = list(c.train("fixed", ["features"], "label", **job))
+        spark = list(c.train("spark", ["features"], "label", **job))
+        assert [r.loss for r in spark] == [r.loss for r in fixed]
+        assert spark[-1].done and spark[-1].accuracy >= 0.95
+        with pytest.raises(flightdeck.InvalidArgument, match=(
+                r"feature column 'features' is a list whose rows hold different numbers of "
+                r"values \(row 1000 holds 2, row 1500 holds 3\)")):
+            list(c.train("ragged", ["features"], "label", **job))
+
+
 def test_the_train_command(sealed):
     run = subprocess.run(
         [

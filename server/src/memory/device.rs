@@ -256,7 +256,8 @@ pub fn numeric_values_with_nulls(
     let Some((_, width)) = numeric_shape(col.data_type()) else {
         return Err(Error::invalid(format!(
             "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
-             can be placed on a device or trained on",
+             can be placed on a device or trained on (training also takes a list of numbers \
+             whose rows all hold one number of values, such as Spark's array<float>)",
             col.data_type()
         )));
     };
@@ -314,7 +315,8 @@ pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
     let (element, width) = numeric_shape(schema.field(idx).data_type()).ok_or_else(|| {
         Error::invalid(format!(
             "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
-             can be placed on a device or trained on",
+             can be placed on a device or trained on (training also takes a list of numbers \
+             whose rows all hold one number of values, such as Spark's array<float>)",
             schema.field(idx).data_type()
         ))
     })?;

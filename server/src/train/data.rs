@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, AsArray, Float32Array};
+use arrow::array::{Array, ArrayRef, AsArray, Float32Array, GenericListArray, OffsetSizeTrait};
 use arrow::buffer::NullBuffer;
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, Float32Type};
@@ -50,11 +50,20 @@ fn as_f32(
     col: &ArrayRef,
     name: &str,
     what: &str,
-    batch: usize,
+    (batch, first_row): (usize, u64),
     nulls: &mut Vec<NullRows>,
 ) -> Result<(Float32Array, usize)> {
     let column = format!("{what} column '{name}'");
-    let (values, width, null_rows) = numeric_values_with_nulls(col, &column)?;
+    let col = match col.data_type() {
+        DataType::List(item) if item.data_type().is_numeric() => {
+            one_length(col.as_list::<i32>(), &column, first_row)?
+        }
+        DataType::LargeList(item) if item.data_type().is_numeric() => {
+            one_length(col.as_list::<i64>(), &column, first_row)?
+        }
+        _ => col.clone(),
+    };
+    let (values, width, null_rows) = numeric_values_with_nulls(&col, &column)?;
     let f =
         cast(&values, &DataType::Float32).map_err(|e| Error::invalid(format!("{column}: {e}")))?;
     if let Some(rows) = null_rows {
@@ -66,6 +75,49 @@ fn as_f32(
         });
     }
     Ok((f.as_primitive::<Float32Type>().clone(), width))
+}
+
+/// A list column (Spark's `array<float>`) as the `fixed_size_list` it is
+/// when every row holds the same number of values; a row holding another
+/// number is refused, naming it (rows are numbered from `first_row`). Null
+/// rows stay null.
+fn one_length<O: OffsetSizeTrait>(
+    list: &GenericListArray<O>,
+    column: &str,
+    first_row: u64,
+) -> Result<ArrayRef> {
+    let (DataType::List(item) | DataType::LargeList(item)) = list.data_type() else {
+        return Ok(Arc::new(list.clone()));
+    };
+    let mut lengths = list
+        .offsets()
+        .windows(2)
+        .enumerate()
+        .filter(|(i, _)| list.is_valid(*i))
+        .map(|(i, w)| (first_row + i as u64, (w[1] - w[0]).as_usize()));
+    let Some((first, width)) = lengths.next() else {
+        return Ok(Arc::new(list.clone())); // every row null: refused as nulls
+    };
+    if let Some((row, other)) = lengths.find(|&(_, n)| n != width) {
+        return Err(Error::invalid(format!(
+            "{column} is a list whose rows hold different numbers of values (row {first} \
+             holds {width}, row {row} holds {other}); training takes lists of one length \
+             (pad or cut them to one length first)"
+        )));
+    }
+    if width == 0 {
+        return Err(Error::invalid(format!(
+            "{column} holds empty lists (row {first}); there is nothing to train on in it"
+        )));
+    }
+    let size = i32::try_from(width)
+        .map_err(|_| Error::invalid(format!("{column} holds lists of {width} values")))?;
+    let options = arrow::compute::CastOptions {
+        safe: false,
+        ..Default::default()
+    };
+    arrow::compute::cast_with_options(list, &DataType::FixedSizeList(item.clone(), size), &options)
+        .map_err(|e| Error::invalid(format!("{column}: {e}")))
 }
 
 /// The null rows of one feature or label column in one stored batch.
@@ -140,18 +192,43 @@ impl TrainData {
         let mut rows = 0u64;
         let mut nulls = Vec::new();
         for (b, batch) in data.batches().iter().enumerate() {
+            let at = (b, rows);
             let cols = feature_idx
                 .iter()
                 .zip(features)
-                .map(|(&i, name)| as_f32(batch.column(i), name, "feature", b, &mut nulls))
+                .map(|(&i, name)| as_f32(batch.column(i), name, "feature", at, &mut nulls))
                 .collect::<Result<Vec<_>>>()?;
-            out.dim = cols.iter().map(|(_, w)| w).sum();
-            out.columns = features
+            let columns: Vec<(String, usize)> = features
                 .iter()
                 .zip(&cols)
                 .map(|(name, (_, w))| (name.clone(), *w))
                 .collect();
-            let (labels, width) = as_f32(batch.column(label_idx), label, "label", b, &mut nulls)?;
+            let (labels, width) = as_f32(batch.column(label_idx), label, "label", at, &mut nulls)?;
+            // A list column's length is its rows', which every batch must share.
+            if b > 0 {
+                let widths = |cols: &[(String, usize)], label_width| {
+                    let mut all: Vec<(String, usize)> = cols.to_vec();
+                    all.push((label.to_string(), label_width));
+                    all
+                };
+                let (before, now) = (
+                    widths(&out.columns, out.label_width),
+                    widths(&columns, width),
+                );
+                if let Some(((name, w0), (_, w))) =
+                    before.iter().zip(&now).find(|(a, b)| a.1 != b.1)
+                {
+                    let what = if name == label { "label" } else { "feature" };
+                    return Err(Error::invalid(format!(
+                        "{what} column '{name}' is a list whose rows hold different numbers of \
+                         values (rows before row {rows} hold {w0}, row {rows} holds {w}); \
+                         training takes lists of one length (pad or cut them to one length \
+                         first)"
+                    )));
+                }
+            }
+            out.dim = columns.iter().map(|(_, w)| w).sum();
+            out.columns = columns;
             out.label_width = width;
             out.features.push(cols);
             out.labels.push((labels, width));

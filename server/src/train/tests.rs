@@ -914,3 +914,83 @@ fn features_that_are_not_numbers_are_refused_naming_the_row() {
     assert!(outcome.last.loss.is_finite());
     assert!(outcome.params.iter().flatten().all(|v| v.is_finite()));
 }
+
+/// `data` with its `vec` column as Spark writes `array<float>`: a list
+/// column, row `r` of stored batch `b` holding `lengths(b, r)` of its
+/// values in turn (2: the row's two values).
+fn with_vec_as_list(data: &SealedData, lengths: impl Fn(usize, usize) -> usize) -> SealedData {
+    let item = Arc::new(Field::new("item", DataType::Float32, true));
+    let mut fields: Vec<Field> = data
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    fields[0] = Field::new("vec", DataType::List(item.clone()), false);
+    let schema = Arc::new(Schema::new(fields));
+    let batches = data
+        .batches()
+        .iter()
+        .enumerate()
+        .map(|(b, batch)| {
+            let vec = batch.column(0).as_fixed_size_list();
+            let values = vec.values().as_primitive::<Float32Type>();
+            let mut offsets = vec![0i32];
+            let mut kept = Vec::new();
+            for r in 0..batch.num_rows() {
+                let n = lengths(b, r);
+                kept.extend((0..n).map(|i| values.value(r * 2 + i % 2)));
+                offsets.push(kept.len() as i32);
+            }
+            let list = arrow::array::ListArray::new(
+                item.clone(),
+                arrow::buffer::OffsetBuffer::new(offsets.into()),
+                Arc::new(Float32Array::from(kept)),
+                None,
+            );
+            let mut columns = batch.columns().to_vec();
+            columns[0] = Arc::new(list);
+            RecordBatch::try_new(schema.clone(), columns).expect("batch")
+        })
+        .collect();
+    one_partition(schema, batches)
+}
+
+/// A list feature column whose rows all hold the same number of values
+/// (Spark's `array<float>`) trains exactly as the `fixed_size_list` it
+/// is; lists whose rows differ in length, within a stored batch or from
+/// one batch to the next, are refused naming the rows.
+#[test]
+fn a_list_of_one_length_trains_as_its_fixed_size_list() {
+    let fixed = dataset(300);
+    let listed = with_vec_as_list(&fixed, |_, _| 2);
+    let outcome =
+        |data: &SealedData| run(&Job::prepare(spec(2), data, None).expect("valid job"), None);
+    assert_eq!(outcome(&fixed).params, outcome(&listed).params);
+
+    let refused = |data: &SealedData| {
+        Job::prepare(spec(1), data, None)
+            .expect_err("refused")
+            .to_string()
+    };
+    let ragged = with_vec_as_list(&fixed, |b, r| if b == 1 && r == 5 { 3 } else { 2 });
+    assert!(
+        refused(&ragged).contains(
+            "feature column 'vec' is a list whose rows hold different numbers of values (row 97 \
+             holds 2, row 102 holds 3)"
+        ),
+        "{}",
+        refused(&ragged)
+    );
+    let shifting = with_vec_as_list(&fixed, |b, _| if b == 0 { 2 } else { 1 });
+    assert!(
+        refused(&shifting).contains(
+            "feature column 'vec' is a list whose rows hold different numbers of values (rows \
+             before row 97 hold 2, row 97 holds 1)"
+        ),
+        "{}",
+        refused(&shifting)
+    );
+    let empty = with_vec_as_list(&fixed, |_, _| 0);
+    assert!(refused(&empty).contains("feature column 'vec' holds empty lists (row 0)"));
+}
