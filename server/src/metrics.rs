@@ -10,11 +10,12 @@
 //! tier and the budget, datasets, traffic totals, training jobs). Labels
 //! are bounded:
 //! method names, status codes, dataset names, ranks and job ids — never
-//! per-request values.
+//! per-request values; a dropped dataset's label sets go with it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
@@ -137,6 +138,9 @@ pub struct Metrics {
     queries: Family<OutcomeLabel, Counter>,
     query_seconds: Histogram,
     in_flight: AtomicU64,
+    /// Per dataset, one past the highest rank its reads have label sets
+    /// for: what [`Metrics::forget`] removes.
+    rank_bounds: Mutex<HashMap<String, u32>>,
 }
 
 impl Default for Metrics {
@@ -160,6 +164,7 @@ impl Default for Metrics {
             queries: Family::default(),
             query_seconds: seconds_histogram(),
             in_flight: AtomicU64::new(0),
+            rank_bounds: Mutex::default(),
         }
     }
 }
@@ -211,6 +216,35 @@ impl Metrics {
         self.rank_seconds
             .get_or_create(&labels)
             .inc_by(took.as_secs_f64());
+        let mut bounds = self.rank_bounds.lock().unwrap_or_else(|e| e.into_inner());
+        let bound = bounds.entry(labels.dataset).or_default();
+        *bound = (*bound).max(rank + 1);
+    }
+
+    /// Removes the label sets of a dataset that was dropped — its rows and
+    /// bytes committed and each rank's reads — so that a server whose jobs
+    /// write a dataset a day (`clicks-2026-11-29`) and drop old ones does
+    /// not keep series for every dataset it ever held.
+    pub fn forget(&self, dataset: &str) {
+        let labels = DatasetLabel {
+            dataset: dataset.to_string(),
+        };
+        self.committed_rows.remove(&labels);
+        self.committed_bytes.remove(&labels);
+        let bound = self
+            .rank_bounds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(dataset);
+        for rank in 0..bound.unwrap_or(0) {
+            let labels = RankLabels {
+                dataset: dataset.to_string(),
+                rank,
+            };
+            self.rank_rows.remove(&labels);
+            self.rank_bytes.remove(&labels);
+            self.rank_seconds.remove(&labels);
+        }
     }
 
     /// A write attempt of `dataset` was committed with `rows` and `bytes`.

@@ -1121,6 +1121,9 @@ impl State {
             self.delete_quietly(stored).await;
         }
         info!(dataset = %name, rows = summary.rows, freed, staged = req.staged, "dropped dataset");
+        if !req.staged {
+            self.metrics.forget(name);
+        }
         let Some(ClusterState::Member { layout, index }) = &summary.cluster else {
             return Ok(summary);
         };
@@ -1166,6 +1169,9 @@ impl State {
                 self.delete_quietly(stored).await;
             }
             let name = crate::catalog::public_name(&key);
+            if crate::catalog::staged_parts(&key).is_none() {
+                self.metrics.forget(name);
+            }
             warn!(
                 dataset = %name,
                 writes = %writes.join(","),

@@ -114,6 +114,29 @@ def test_metrics_count_what_a_put_seal_read_and_train_did(observed):
     assert value(m, "flightdeck_job_step_seconds", **job) > 0
 
 
+def test_a_dropped_datasets_series_go_with_it(observed):
+    """A dataset's per-dataset and per-rank series leave the scrape when it
+    is dropped (a server that writes a dataset a day and drops old ones
+    kept series for every one it ever held); the others' stay."""
+    c = flightdeck.connect(observed.uri)
+    for name in ("day-1", "day-2"):
+        c.put_partition(name, 0, pa.table({"x": pa.array(np.arange(100, dtype=np.float32))}))
+        c.seal(name)
+        for shard in c.plan(name, world_size=3).shards:
+            c.read_table(shard)
+
+    def series(name):
+        return sorted(k for k in scrape(observed.metrics_url) if ("dataset", name) in k[1])
+
+    kept = series("day-2")
+    assert len(series("day-1")) == len(kept) > 0
+    assert value(scrape(observed.metrics_url), "flightdeck_rank_rows_served_total",
+                 dataset="day-1", rank=2) == 34  # 100 rows, 3 equal shares
+    c.drop("day-1")
+    assert series("day-1") == []
+    assert series("day-2") == kept
+
+
 def test_every_call_is_one_log_line_and_json_logs_parse():
     server = RunningServer("--log-format", "json")
     try:
