@@ -19,7 +19,7 @@ pub struct TrainArgs {
     dataset: String,
     /// Feature columns, comma-separated: numeric, fixed_size_list of numbers,
     /// or a list of numbers whose rows all hold one number of values (Spark's
-    /// array<float>).
+    /// `array<float>`).
     #[arg(long, value_delimiter = ',', required = true)]
     features: Vec<String>,
     /// Label column.
