@@ -337,7 +337,7 @@ impl State {
                     } else {
                         String::new()
                     };
-                    let held = self.unsealed_note();
+                    let held = self.unspillable_note();
                     return Err(Error::ResourceExhausted(format!("{waited}{msg}{held}")));
                 }
                 other => return other,
@@ -444,13 +444,13 @@ impl State {
              needed, or start the server with a larger --memory-limit (or a longer \
              --admission-wait){}",
             what(),
-            self.unsealed_note(),
+            self.unspillable_note(),
         ))
     }
 
     /// What a refusal for memory adds about the datasets holding memory no
     /// spill can free (see [`unsealed_text`] and [`unspillable_text`]).
-    fn unsealed_note(&self) -> String {
+    fn unspillable_note(&self) -> String {
         let catalog = self.catalog();
         unsealed_text(&catalog.unsealed_holders())
             + &unspillable_text(&catalog.unspillable_holders())

@@ -117,8 +117,14 @@ fn folder(name: &str) -> PathPart<'static> {
 /// writer can do instead; `None` when it can. Parquet has no union (its
 /// writer panics on one), no month-day-nano interval and no struct without
 /// fields, and reads a run-end encoded column back as its plain values —
-/// the same rows, but not the type the dataset was sealed with.
+/// the same rows, but not the type the dataset was sealed with. A type
+/// made of one of those (a list of unions) cannot be held either.
 pub fn unstorable(data_type: &DataType) -> Option<Unstorable> {
+    unstorable_itself(data_type).or_else(|| parts(data_type).into_iter().find_map(unstorable))
+}
+
+/// [`unstorable`] for the type itself, not the types it is made of.
+fn unstorable_itself(data_type: &DataType) -> Option<Unstorable> {
     let (what, instead) = match data_type {
         DataType::Union(..) => (
             "a union",
@@ -132,17 +138,25 @@ pub fn unstorable(data_type: &DataType) -> Option<Unstorable> {
         DataType::Struct(fields) if fields.is_empty() => {
             ("a struct without fields", "leave it out")
         }
-        DataType::Struct(fields) => return fields.iter().find_map(|f| unstorable(f.data_type())),
+        _ => return None,
+    };
+    Some(Unstorable { what, instead })
+}
+
+/// The types a nested type is made of (none for the others; a union's and
+/// a run-end encoded array's do not matter: they are refused themselves).
+fn parts(data_type: &DataType) -> Vec<&DataType> {
+    match data_type {
+        DataType::Struct(fields) => fields.iter().map(|f| f.data_type()).collect(),
         DataType::List(f)
         | DataType::LargeList(f)
         | DataType::ListView(f)
         | DataType::LargeListView(f)
         | DataType::FixedSizeList(f, _)
-        | DataType::Map(f, _) => return unstorable(f.data_type()),
-        DataType::Dictionary(_, values) => return unstorable(values),
-        _ => return None,
-    };
-    Some(Unstorable { what, instead })
+        | DataType::Map(f, _) => vec![f.data_type()],
+        DataType::Dictionary(_, values) => vec![values],
+        _ => Vec::new(),
+    }
 }
 
 /// A type the store cannot hold (see [`unstorable`]).
@@ -160,17 +174,9 @@ pub struct Unstorable {
 pub fn unstorable_column(schema: &Schema) -> Option<(String, Unstorable)> {
     schema.fields().iter().find_map(|f| {
         let why = unstorable(f.data_type())?;
-        // Found in the column's own type, or in a type it is made of.
-        let verb = match f.data_type() {
-            DataType::Struct(fields) if !fields.is_empty() => "holds",
-            DataType::List(_)
-            | DataType::LargeList(_)
-            | DataType::ListView(_)
-            | DataType::LargeListView(_)
-            | DataType::FixedSizeList(..)
-            | DataType::Map(..)
-            | DataType::Dictionary(..) => "holds",
-            _ => "is",
+        let verb = match unstorable_itself(f.data_type()) {
+            Some(_) => "is",
+            None => "holds",
         };
         Some((format!("column '{}' {verb} {}", f.name(), why.what), why))
     })
