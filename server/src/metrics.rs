@@ -106,6 +106,10 @@ struct TierLabel {
     tier: &'static str,
 }
 
+/// Ended training jobs `/metrics` still shows (the newest); running jobs
+/// are always shown, and `flightdeck jobs` lists every job.
+pub const ENDED_JOBS_SHOWN: usize = 16;
+
 /// Ranks with a label set of their own in the per-rank metrics.
 pub const MAX_RANK_LABELS: u32 = 4096;
 
@@ -830,7 +834,15 @@ impl Collector for StateCollector {
                 &counter(load(bytes)),
             )?;
         }
-        let jobs = state.jobs(0).unwrap_or_default();
+        let mut jobs = state.jobs(0).unwrap_or_default();
+        // Every running job, and the newest ended ones: a server that runs a
+        // job an hour does not export each one it ever ran.
+        jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
+        let mut ended = 0;
+        jobs.retain(|j| {
+            ended += usize::from(j.state != "running");
+            j.state == "running" || ended <= ENDED_JOBS_SHOWN
+        });
         let per_job = |f: &dyn Fn(&crate::jobs::JobStatus) -> f64| {
             jobs.iter()
                 .map(|j| {

@@ -137,6 +137,20 @@ def test_a_dropped_datasets_series_go_with_it(observed):
     assert series("day-2") == kept
 
 
+def test_metrics_show_the_newest_ended_jobs(observed):
+    """`/metrics` shows the 16 newest ended training jobs (and every running
+    one), not each job the server ever ran; `flightdeck jobs` lists all."""
+    c = flightdeck.connect(observed.uri)
+    x = np.arange(64, dtype=np.float32)
+    c.put_partition("j", 0, pa.table({"x": x, "y": (x % 2).astype(np.int64)}))
+    c.seal("j")
+    ids = [list(c.train("j", ["x"], "y", classes=2, batch_size=16, max_steps=1))[-1].job
+           for _ in range(18)]
+    shown = {dict(k[1])["job"] for k in scrape(observed.metrics_url) if k[0] == "flightdeck_job_step"}
+    assert shown == {str(i) for i in ids[-16:]}
+    assert len(c.jobs()) == 18
+
+
 def test_every_call_is_one_log_line_and_json_logs_parse():
     server = RunningServer("--log-format", "json")
     try:
