@@ -229,6 +229,16 @@ pub fn numeric_shape(dt: &DataType) -> Option<(DataType, usize)> {
     }
 }
 
+/// The refusal of `column` (e.g. "feature column 'x'") of a type that is
+/// neither a number nor a fixed_size_list of numbers.
+fn not_numeric(column: &str, data_type: &DataType) -> Error {
+    Error::invalid(format!(
+        "{column} has type {data_type}; only numeric columns and fixed_size_list columns of \
+         numbers can be placed on a device or trained on (training also takes a list of numbers \
+         whose rows all hold one number of values, such as Spark's array<float>)"
+    ))
+}
+
 /// The values of a numeric column as one flat array holding exactly its
 /// rows, and the values per row; refuses other types and nulls. `column`
 /// names it in errors (e.g. "feature column 'x'").
@@ -254,12 +264,7 @@ pub fn numeric_values_with_nulls(
     column: &str,
 ) -> Result<(ArrayRef, usize, Option<NullBuffer>)> {
     let Some((_, width)) = numeric_shape(col.data_type()) else {
-        return Err(Error::invalid(format!(
-            "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
-             can be placed on a device or trained on (training also takes a list of numbers \
-             whose rows all hold one number of values, such as Spark's array<float>)",
-            col.data_type()
-        )));
+        return Err(not_numeric(column, col.data_type()));
     };
     if !matches!(col.data_type(), DataType::FixedSizeList(..)) {
         let nulls = col.logical_nulls().filter(|n| n.null_count() > 0);
@@ -312,14 +317,9 @@ pub fn value_bytes(col: &ArrayRef, column: &str) -> Result<Buffer> {
 pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
     let schema = data.schema();
     let column = format!("column '{}'", schema.field(idx).name());
-    let (element, width) = numeric_shape(schema.field(idx).data_type()).ok_or_else(|| {
-        Error::invalid(format!(
-            "{column} has type {}; only numeric columns and fixed_size_list columns of numbers \
-             can be placed on a device or trained on (training also takes a list of numbers \
-             whose rows all hold one number of values, such as Spark's array<float>)",
-            schema.field(idx).data_type()
-        ))
-    })?;
+    let data_type = schema.field(idx).data_type();
+    let (element, width) =
+        numeric_shape(data_type).ok_or_else(|| not_numeric(&column, data_type))?;
     let mut segments = Vec::with_capacity(data.batches().len());
     let mut rows = 0u64;
     for batch in data.batches() {
