@@ -917,8 +917,8 @@ def write_dataframe(
 ) -> int:
     """Writes `df` to `dataset` with `mapInArrow` (Spark 3.4+, Spark Connect
     too), with the same commit rule and `uri`/`uris` routing as the data
-    source; returns the rows written. `token` (default: `FLIGHTDECK_TOKEN`, on the driver and on
-    each executor) is sent as the bearer token."""
+    source; returns the rows written. `token` (default: `FLIGHTDECK_TOKEN`,
+    on the driver and on each executor) is sent as the bearer token."""
     if mode not in ("overwrite", "append"):
         raise InvalidArgument(f"mode must be 'overwrite' or 'append', not {mode!r}")
     targets = parse_uris(uris)

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use arrow::array::{Array, ArrayRef, AsArray, Float32Array, GenericListArray, OffsetSizeTrait};
 use arrow::buffer::NullBuffer;
 use arrow::compute::cast;
-use arrow::datatypes::{DataType, Float32Type};
+use arrow::datatypes::{DataType, FieldRef, Float32Type};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
@@ -56,10 +56,10 @@ fn as_f32(
     let column = format!("{what} column '{name}'");
     let col = match col.data_type() {
         DataType::List(item) if item.data_type().is_numeric() => {
-            one_length(col.as_list::<i32>(), &column, first_row)?
+            one_length(col.as_list::<i32>(), item, &column, first_row)?
         }
         DataType::LargeList(item) if item.data_type().is_numeric() => {
-            one_length(col.as_list::<i64>(), &column, first_row)?
+            one_length(col.as_list::<i64>(), item, &column, first_row)?
         }
         _ => col.clone(),
     };
@@ -77,18 +77,16 @@ fn as_f32(
     Ok((f.as_primitive::<Float32Type>().clone(), width))
 }
 
-/// A list column (Spark's `array<float>`) as the `fixed_size_list` it is
-/// when every row holds the same number of values; a row holding another
-/// number is refused, naming it (rows are numbered from `first_row`). Null
-/// rows stay null.
+/// A list column (Spark's `array<float>`) of `item`s as the
+/// `fixed_size_list` it is when every row holds the same number of values;
+/// a row holding another number is refused, naming it (rows are numbered
+/// from `first_row`). Null rows stay null.
 fn one_length<O: OffsetSizeTrait>(
     list: &GenericListArray<O>,
+    item: &FieldRef,
     column: &str,
     first_row: u64,
 ) -> Result<ArrayRef> {
-    let (DataType::List(item) | DataType::LargeList(item)) = list.data_type() else {
-        return Ok(Arc::new(list.clone()));
-    };
     let mut lengths = list
         .offsets()
         .windows(2)
@@ -99,11 +97,10 @@ fn one_length<O: OffsetSizeTrait>(
         return Ok(Arc::new(list.clone())); // every row null: refused as nulls
     };
     if let Some((row, other)) = lengths.find(|&(_, n)| n != width) {
-        return Err(Error::invalid(format!(
-            "{column} is a list whose rows hold different numbers of values (row {first} \
-             holds {width}, row {row} holds {other}); training takes lists of one length \
-             (pad or cut them to one length first)"
-        )));
+        return Err(uneven(
+            column,
+            format!("row {first} holds {width}, row {row} holds {other}"),
+        ));
     }
     if width == 0 {
         return Err(Error::invalid(format!(
@@ -118,6 +115,15 @@ fn one_length<O: OffsetSizeTrait>(
     };
     arrow::compute::cast_with_options(list, &DataType::FixedSizeList(item.clone(), size), &options)
         .map_err(|e| Error::invalid(format!("{column}: {e}")))
+}
+
+/// The refusal of list `column` (e.g. "feature column 'x'") whose rows
+/// hold different numbers of values, as `rows` says.
+fn uneven(column: &str, rows: String) -> Error {
+    Error::invalid(format!(
+        "{column} is a list whose rows hold different numbers of values ({rows}); training \
+         takes lists of one length (pad or cut them to one length first)"
+    ))
 }
 
 /// The null rows of one feature or label column in one stored batch.
@@ -206,25 +212,18 @@ impl TrainData {
             let (labels, width) = as_f32(batch.column(label_idx), label, "label", at, &mut nulls)?;
             // A list column's length is its rows', which every batch must share.
             if b > 0 {
-                let widths = |cols: &[(String, usize)], label_width| {
-                    let mut all: Vec<(String, usize)> = cols.to_vec();
-                    all.push((label.to_string(), label_width));
-                    all
-                };
-                let (before, now) = (
-                    widths(&out.columns, out.label_width),
-                    widths(&columns, width),
-                );
-                if let Some(((name, w0), (_, w))) =
-                    before.iter().zip(&now).find(|(a, b)| a.1 != b.1)
-                {
-                    let what = if name == label { "label" } else { "feature" };
-                    return Err(Error::invalid(format!(
-                        "{what} column '{name}' is a list whose rows hold different numbers of \
-                         values (rows before row {rows} hold {w0}, row {rows} holds {w}); \
-                         training takes lists of one length (pad or cut them to one length \
-                         first)"
-                    )));
+                let before = out.columns.iter().map(|(_, w)| *w).chain([out.label_width]);
+                let now = columns.iter().map(|(_, w)| *w).chain([width]);
+                let names = features.iter().map(|f| ("feature", f.as_str()));
+                let differs = names
+                    .chain([("label", label)])
+                    .zip(before.zip(now))
+                    .find(|(_, (w0, w))| w0 != w);
+                if let Some(((what, name), (w0, w))) = differs {
+                    return Err(uneven(
+                        &format!("{what} column '{name}'"),
+                        format!("rows before row {rows} hold {w0}, row {rows} holds {w}"),
+                    ));
                 }
             }
             out.dim = columns.iter().map(|(_, w)| w).sum();
