@@ -7,8 +7,6 @@
 //! file on their calls to each other. Tokens are compared in constant time
 //! and never logged or echoed.
 
-use std::path::Path;
-
 use flightdeck_protos::actions;
 use subtle::ConstantTimeEq;
 
@@ -85,18 +83,6 @@ impl Tokens {
             ));
         }
         Ok(Self { tokens })
-    }
-
-    /// Tokens from the file at `path`.
-    pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::invalid(format!(
-                "--auth-token-file {} cannot be read: {e}",
-                path.display()
-            ))
-        })?;
-        Self::parse(&text)
-            .map_err(|e| Error::invalid(format!("--auth-token-file {}: {e}", path.display())))
     }
 
     /// The token this server sends to other members: the file's first

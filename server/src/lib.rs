@@ -28,6 +28,7 @@
 //!           scrape), served as OpenMetrics on --metrics-listen; the edge ends each
 //!           call's count, duration and log line
 //! convert   wire (prost) <-> domain types, the one place a malformed message fails
+//! credentials  tokens and TLS files, read again on SIGHUP and every 10 s (auth: roles)
 //! error     the error enum and its mapping to gRPC codes
 //! ```
 //!
@@ -42,6 +43,7 @@ pub mod catalog;
 pub mod cluster;
 pub mod config;
 pub mod convert;
+pub mod credentials;
 pub mod error;
 pub mod jobs;
 pub mod memory;
@@ -85,40 +87,6 @@ pub enum ServeError {
     /// The gRPC transport failed.
     #[error("transport failed: {0}")]
     Transport(#[from] tonic::transport::Error),
-}
-
-/// A PEM file the configuration names, read whole.
-fn read_pem(path: &std::path::Path, flag: &str) -> std::result::Result<Vec<u8>, Error> {
-    std::fs::read(path)
-        .map_err(|e| Error::invalid(format!("{flag} {} cannot be read: {e}", path.display())))
-}
-
-/// The server's TLS settings, when `--tls-cert` and `--tls-key` are given.
-fn tls_config(
-    config: &ServerConfig,
-) -> std::result::Result<Option<tonic::transport::ServerTlsConfig>, Error> {
-    // Peers and the spill store may speak TLS even when callers do not.
-    flightdeck_client::use_aws_lc_crypto();
-    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
-        return Ok(None);
-    };
-    let identity = tonic::transport::Identity::from_pem(
-        read_pem(cert, "--tls-cert")?,
-        read_pem(key, "--tls-key")?,
-    );
-    Ok(Some(
-        tonic::transport::ServerTlsConfig::new().identity(identity),
-    ))
-}
-
-/// The root certificates members trust in each other: `--tls-ca`, else the
-/// server's own certificate; `None` without TLS.
-pub fn peer_roots(config: &ServerConfig) -> std::result::Result<Option<Vec<u8>>, Error> {
-    match (&config.tls_ca, &config.tls_cert) {
-        (Some(ca), _) => read_pem(ca, "--tls-ca").map(Some),
-        (None, Some(cert)) => read_pem(cert, "--tls-cert").map(Some),
-        (None, None) => Ok(None),
-    }
 }
 
 /// Binds a Unix domain socket at `path` for [`Listeners::unix`]. A socket
@@ -197,12 +165,111 @@ impl Drop for Background {
     }
 }
 
+/// Longest a client may take over its TLS handshake before its connection
+/// is closed (a client that connects and says nothing holds no one up
+/// meanwhile: each handshake runs on its own).
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepts TCP connections on `listener` and shakes hands over TLS on
+/// each, concurrently, with the certificate `acceptor` resolves (the
+/// newest); a connection whose handshake fails or takes longer than
+/// [`TLS_HANDSHAKE_TIMEOUT`] is closed. Accepting stops when the returned
+/// task is dropped.
+fn tls_incoming(
+    listener: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> (
+    Background,
+    tokio_stream::wrappers::ReceiverStream<
+        std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+    >,
+) {
+    let (ready, incoming) = tokio::sync::mpsc::channel(64);
+    let accepting = tokio::spawn(async move {
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before
+                    // it was taken: the next one may do.
+                    tracing::debug!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            };
+            // Small messages (acks, actions) must not wait for Nagle.
+            let _ = stream.set_nodelay(true);
+            let (acceptor, ready) = (acceptor.clone(), ready.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = ready.send(Ok(tls)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!("TLS handshake took too long"),
+                }
+            });
+        }
+    });
+    (
+        Background(accepting),
+        tokio_stream::wrappers::ReceiverStream::new(incoming),
+    )
+}
+
+/// Reads the credential files again every [`credentials::CHECK_EVERY`] and
+/// on `SIGHUP`, for as long as the server runs.
+async fn refresh_credentials(state: std::sync::Arc<state::State>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangup = signal(SignalKind::hangup())
+        .map_err(|e| tracing::warn!("cannot listen for SIGHUP: {e}"))
+        .ok();
+    let mut ticks = tokio::time::interval(credentials::CHECK_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        let signalled = tokio::select! {
+            _ = ticks.tick() => false,
+            Some(()) = async {
+                match &mut hangup {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => true,
+        };
+        if state.credentials.is_empty() {
+            if signalled {
+                info!(
+                    "SIGHUP received: this server reads no credential files (--auth-token-file, \
+                     --tls-cert, --tls-ca), so there is nothing to read again"
+                );
+            }
+            continue;
+        }
+        let refreshed = state.refresh_credentials();
+        if signalled {
+            info!(
+                tokens = refreshed.tokens,
+                certificate = refreshed.identity,
+                member_roots = refreshed.roots,
+                refused = refreshed.refused.len(),
+                "SIGHUP received: credential files read again"
+            );
+        }
+    }
+}
+
 /// [`serve`] on listeners the caller bound (and can then say where),
 /// instead of those `config.metrics_listen` and `config.unix_socket` name.
 /// `ready` runs once the server can answer — its spill store opened,
 /// persisted datasets reloaded, TLS configured — just before it serves: the
 /// place to tell whoever started it (an error before then is returned and
 /// `ready` never runs).
+///
+/// While it serves, the credential files (`--auth-token-file`, `--tls-cert`
+/// and `--tls-key`, `--tls-ca`) are read again every
+/// [`credentials::CHECK_EVERY`] and on `SIGHUP` (which this takes over for
+/// the process), so tokens and certificates rotate without a restart.
 pub async fn serve_with(
     listeners: Listeners,
     config: ServerConfig,
@@ -226,7 +293,8 @@ pub async fn serve_with(
         ))
     })?;
     let location = config.location(bound);
-    let tls = tls_config(&config)?;
+    // Peers and the spill store may speak TLS even when callers do not.
+    flightdeck_client::use_aws_lc_crypto();
     let state = std::sync::Arc::new(state::State::open(config, location).await?);
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics_task = metrics.map(|listener| {
@@ -287,32 +355,39 @@ pub async fn serve_with(
             }
         })
     };
-    let incoming = TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|stream| {
-            // Small messages (acks, actions) must not wait for Nagle.
-            let _ = stream.set_nodelay(true);
-        })
-    });
-    let router = |tls: Option<tonic::transport::ServerTlsConfig>| {
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = tls {
-            builder = builder.tls_config(tls)?;
-        }
-        Ok::<_, tonic::transport::Error>(
-            builder
-                .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
-                .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
-                .max_frame_size(Some(MAX_FRAME_BYTES))
-                .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .add_service(health_service.clone())
-                .add_service(service::Edge::new(
-                    service.clone(),
-                    state.clone(),
-                    max_message,
-                )),
-        )
+    let router = || {
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+            .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+            .max_frame_size(Some(MAX_FRAME_BYTES))
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_service(health_service.clone())
+            .add_service(service::Edge::new(
+                service.clone(),
+                state.clone(),
+                max_message,
+            ))
     };
-    let tcp = router(tls)?.serve_with_incoming_shutdown(incoming, drain.clone());
+    // TLS is accepted here rather than by tonic so that each handshake
+    // takes the newest certificate (credentials.rs).
+    let (tcp, _accepting) = match state.credentials.tls_acceptor() {
+        Some(acceptor) => {
+            let (accepting, incoming) = tls_incoming(listener, acceptor);
+            let served = router().serve_with_incoming_shutdown(incoming, drain.clone());
+            (served.boxed(), Some(accepting))
+        }
+        None => {
+            let incoming = TcpListenerStream::new(listener).map(|conn| {
+                conn.inspect(|stream| {
+                    // Small messages (acks, actions) must not wait for Nagle.
+                    let _ = stream.set_nodelay(true);
+                })
+            });
+            let served = router().serve_with_incoming_shutdown(incoming, drain.clone());
+            (served.boxed(), None)
+        }
+    };
+    let _refreshing = Background(tokio::spawn(refresh_credentials(state.clone())));
     info!(
         addr = %bound,
         location = %state.location,
@@ -325,8 +400,7 @@ pub async fn serve_with(
             if let Some(path) = &unix_path {
                 info!(path = %path.display(), "also serving on a Unix domain socket");
             }
-            let local =
-                router(None)?.serve_with_incoming_shutdown(UnixListenerStream::new(unix), drain);
+            let local = router().serve_with_incoming_shutdown(UnixListenerStream::new(unix), drain);
             tokio::try_join!(tcp, local).map(|_| ())
         }
         None => tcp.await,

@@ -187,8 +187,10 @@ pub struct State {
     pub peers: Arc<Peers>,
     /// What this server streamed.
     pub traffic: Arc<Traffic>,
-    /// The tokens callers must send (`--auth-token-file`); `None` = none.
-    pub tokens: Option<crate::auth::Tokens>,
+    /// The tokens callers must send (`--auth-token-file`), the TLS
+    /// certificate and the roots members are checked against, as last read
+    /// from their files ([`State::refresh_credentials`]).
+    pub credentials: Arc<crate::credentials::Credentials>,
     /// What read streams may hold ahead of their sockets
     /// (`--read-ahead-memory`).
     pub read_ahead: Arc<crate::service::outbox::ReadAhead>,
@@ -204,11 +206,7 @@ impl State {
     /// the CUDA driver, and with `persist` reloads the datasets an earlier
     /// run sealed.
     pub async fn open(config: ServerConfig, location: String) -> Result<Self> {
-        let tokens = match &config.auth_token_file {
-            Some(path) => Some(crate::auth::Tokens::load(path)?),
-            None => None,
-        };
-        let peer_roots = crate::peer_roots(&config)?;
+        let credentials = Arc::new(crate::credentials::Credentials::open(&config)?);
         let store = Store::open(&config.spill_url())?;
         store.check_writable().await.map_err(|e| match e {
             // The store the user did not name: say which flag placed it.
@@ -266,15 +264,28 @@ impl State {
             config,
             location,
             peers: Arc::new(Peers::new(
-                tokens.as_ref().map(|t| t.peer_token()),
-                peer_roots,
+                credentials.peer_token(),
+                credentials.peer_roots(),
             )),
-            tokens,
+            credentials,
             traffic: Arc::new(Traffic::default()),
             read_ahead: crate::service::outbox::ReadAhead::new(config_read_ahead),
             metrics: Arc::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Reads the credential files again and takes what changed
+    /// ([`crate::credentials::Credentials::refresh`]): calls check the new
+    /// tokens, new connections get the new certificate, and calls to other
+    /// members carry the new token and check them against the new roots.
+    pub fn refresh_credentials(&self) -> crate::credentials::Refreshed {
+        let refreshed = self.credentials.refresh();
+        if refreshed.tokens || refreshed.roots {
+            self.peers
+                .renew(self.credentials.peer_token(), self.credentials.peer_roots());
+        }
+        refreshed
     }
 
     /// The catalog, locked. Catalog operations do not panic; if one ever did,

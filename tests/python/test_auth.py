@@ -2,14 +2,18 @@
 one is UNAUTHENTICATED, a reader's token reads but cannot write, a writer's
 does everything; flightdeck's client takes `token=` or FLIGHTDECK_TOKEN, and
 a plain pyarrow client sends the header itself), and one serving over TLS
-(--tls-cert/--tls-key) to clients given its authority's certificate."""
+(--tls-cert/--tls-key) to clients given its authority's certificate; both
+rotate while the server runs (SIGHUP, or on their own within 10 s)."""
+
+import signal
+import time
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer, make_test_certs
+from conftest import RunningServer, make_test_certs, scaled
 
 
 @pytest.fixture
@@ -86,3 +90,138 @@ def test_tls_serves_clients_that_trust_it(tmp_path):
                 c.stats()
     finally:
         assert server.stop() == 0
+
+
+def read_again(server: RunningServer) -> str:
+    """Sends SIGHUP and waits (bounded) for the server's line saying it read
+    its credential files again; returns that line."""
+    said = "SIGHUP received: credential files read again"
+    before = sum(said in line for line in server.stderr_lines)
+    server.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + scaled(10)
+    while time.monotonic() < deadline:
+        lines = [line for line in server.stderr_lines if said in line]
+        if len(lines) > before:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError("no reload line after SIGHUP:\n" + "".join(server.stderr_lines))
+
+
+def test_tokens_and_certificates_rotate_without_a_restart(tmp_path):
+    """An operator replaces the token file and the certificate while the
+    server holds a dataset: after SIGHUP, calls check the new tokens and new
+    connections get the new certificate; the cache is kept, a connection
+    opened before goes on, and files that cannot be used are refused by name
+    while the server goes on with what it had. (Before, the files were read
+    once at start: rotating meant a restart, which empties a server's cache.)"""
+    for name in ("old", "new", "live"):
+        (tmp_path / name).mkdir()
+    old, new = make_test_certs(tmp_path / "old"), make_test_certs(tmp_path / "new")
+    live = tmp_path / "live"
+    cert, key, tokens = live / "cert.pem", live / "key.pem", live / "tokens"
+    cert.write_bytes(old["cert"].read_bytes())
+    key.write_bytes(old["key"].read_bytes())
+    tokens.write_text("writer w-old\nreader r-old\n")
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(cert), "--tls-key", str(key),
+        "--auth-token-file", str(tokens),
+    )
+    try:
+        uri = f"grpc+tls://{server.addr}"
+        table = pa.table({"id": pa.array(range(300), pa.int64())})
+        before = flightdeck.connect(uri, tls_root_certs=old["ca"].read_bytes(), token="w-old")
+        before.put_partition("d", 0, table)
+        before.seal("d", partitions=1)
+
+        # Step 1: the new token beside the old one, the new certificate.
+        tokens.write_text("writer w-old\nwriter w-new\nreader r-new\n")
+        cert.write_bytes(new["cert"].read_bytes())
+        key.write_bytes(new["key"].read_bytes())
+        line = read_again(server)
+        assert "tokens=true" in line and "certificate=true" in line, line
+        assert before.describe("d").rows == 300, "the connection opened before goes on"
+        with flightdeck.connect(uri, tls_root_certs=new["ca"].read_bytes(), token="w-new") as c:
+            plan = c.plan("d", world_size=2, shuffle="global")
+            assert sum(c.read_table(s).num_rows for s in plan.shards) == 300
+        with flightdeck.connect(uri, tls_root_certs=new["ca"].read_bytes(), token="r-new") as r:
+            with pytest.raises(flightdeck.PermissionDenied, match="action 'drop'"):
+                r.drop("d")
+        # A new connection trusting only the old authority is refused.
+        with flightdeck.connect(uri, tls_root_certs=old["ca"].read_bytes(), token="w-new",
+                                timeout=5) as c:
+            with pytest.raises(flightdeck.FlightDeckError):
+                c.stats()
+
+        # Step 2: the old token gone.
+        tokens.write_text("writer w-new\nreader r-new\n")
+        assert "tokens=true" in read_again(server)
+        with pytest.raises(flightdeck.Unauthenticated, match="not one this server accepts"):
+            before.describe("d")
+
+        # Files that cannot be used: refused by name, the last ones kept.
+        tokens.write_text("writer\n")
+        key.write_bytes(old["key"].read_bytes())
+        line = read_again(server)
+        assert "refused=2" in line and "tokens=false" in line, line
+        log = "".join(server.stderr_lines)
+        assert f"--auth-token-file {tokens}" in log and "must be 'writer TOKEN'" in log, log
+        assert f"--tls-key {key} cannot serve --tls-cert {cert}" in log, log
+        assert "not the private key" in log, log
+        assert "w-new" not in log, "tokens are never logged"
+        with flightdeck.connect(uri, tls_root_certs=new["ca"].read_bytes(), token="w-new") as c:
+            assert c.describe("d").rows == 300
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_token_file_is_read_again_without_a_signal(tmp_path):
+    """Where nothing sends SIGHUP (a Kubernetes secret updated in place), the
+    server reads its credential files again on its own, every 10 s."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer w-1\n")
+    server = RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+    try:
+        with flightdeck.connect(server.uri, token="w-1") as c:
+            assert c.list_datasets() == []
+        tokens.write_text("writer w-2\n")
+        deadline = time.monotonic() + scaled(25)
+        while True:
+            try:
+                with flightdeck.connect(server.uri, token="w-2") as c:
+                    assert c.list_datasets() == []
+                break
+            except flightdeck.Unauthenticated:
+                assert time.monotonic() < deadline, "".join(server.stderr_lines)
+                time.sleep(0.5)
+        assert "read again: new tokens in use" in "".join(server.stderr_lines)
+    finally:
+        assert server.stop() == 0
+
+
+def test_members_rotate_the_token_they_share(tmp_path):
+    """Members send their token file's first writer token to each other:
+    after the file is rotated everywhere, the cluster seals and reads with
+    the new one (a member sending the token it started with would be
+    refused by the others)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer w-1\n")
+    members = [RunningServer("--memory-limit", "256MiB", "--auth-token-file", str(tokens))
+               for _ in range(2)]
+    try:
+        tokens.write_text("writer w-2\n")
+        for m in members:
+            assert "tokens=true" in read_again(m)
+        layout = {}
+        for p, m in enumerate(members):
+            table = pa.table({"id": pa.array(range(p * 100, (p + 1) * 100), pa.int64())})
+            flightdeck.connect(m.uri, token="w-2").put_partition("c", p, table)
+            layout[m.uri] = {p: 0}
+        with flightdeck.connect(members[0].uri, token="w-2") as c:
+            assert c.seal_cluster("c", layout, partitions=2).rows == 200
+            # One rank on the first member: half its rows come from the other.
+            plan = c.plan("c", world_size=1, shuffle="global")
+            read = c.read_table(plan.shards[0])
+            assert sorted(read.column("id").to_pylist()) == list(range(200))
+    finally:
+        for m in members:
+            assert m.stop() == 0

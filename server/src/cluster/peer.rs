@@ -7,7 +7,7 @@
 //! naming it, never a hang. Errors name the member and the dataset.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use arrow::array::RecordBatch;
@@ -80,16 +80,35 @@ pub fn tag_batches(tag: &[u8], rows: usize) -> Option<Vec<(u64, usize)>> {
 #[derive(Default)]
 pub struct Peers {
     channels: Mutex<HashMap<String, Channel>>,
+    /// What calls to members carry and check them with ([`Peers::renew`]).
+    credentials: RwLock<PeerCredentials>,
+}
+
+/// The token calls to members carry and the roots members are checked
+/// against.
+#[derive(Default, Clone, PartialEq, Eq)]
+struct PeerCredentials {
     /// `Bearer <token>` for members that need a token.
     authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     /// PEM roots to trust in members served over TLS (`grpc+tls://`).
-    tls_roots: Option<Vec<u8>>,
+    tls_roots: Option<std::sync::Arc<Vec<u8>>>,
+}
+
+impl PeerCredentials {
+    /// A token that is not valid header text is left out (members then
+    /// answer `UNAUTHENTICATED`, naming the problem).
+    fn new(token: Option<String>, tls_roots: Option<Vec<u8>>) -> Self {
+        Self {
+            authorization: token.and_then(|t| format!("Bearer {t}").parse().ok()),
+            tls_roots: tls_roots.map(std::sync::Arc::new),
+        }
+    }
 }
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peers")
-            .field("token", &self.authorization.is_some())
+            .field("token", &self.sent().authorization.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -120,6 +139,14 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
             "member {location} no longer holds its part of dataset '{dataset}' ({msg}); the \
              cluster does not hold the dataset whole: drop it and write it again"
         )),
+        // The caller's own token passed here: this server's to the member
+        // did not, and no restart of the member changes that.
+        Code::Unauthenticated | Code::PermissionDenied => Error::FailedPrecondition(format!(
+            "member {location} holding rows of dataset '{dataset}' refused this server's call \
+             ({msg}): members send each other the first writer token of their \
+             --auth-token-file, so every member needs the same file; after changing it, read it \
+             again on every member (SIGHUP, or wait 10 s)"
+        )),
         Code::InvalidArgument => Error::InvalidArgument(format!("member {location}: {msg}")),
         Code::FailedPrecondition => Error::FailedPrecondition(format!("member {location}: {msg}")),
         Code::ResourceExhausted => Error::ResourceExhausted(format!("member {location}: {msg}")),
@@ -142,9 +169,31 @@ impl Peers {
     pub fn new(token: Option<String>, tls_roots: Option<Vec<u8>>) -> Self {
         Self {
             channels: Mutex::default(),
-            authorization: token.and_then(|t| format!("Bearer {t}").parse().ok()),
-            tls_roots,
+            credentials: RwLock::new(PeerCredentials::new(token, tls_roots)),
         }
+    }
+
+    /// Calls from now on send `token` and check members against
+    /// `tls_roots` (rotated credentials, [`crate::credentials`]). New roots
+    /// close the connections opened with the old ones once their calls
+    /// end: the next call opens one checked against the new.
+    pub fn renew(&self, token: Option<String>, tls_roots: Option<Vec<u8>>) {
+        let renewed = PeerCredentials::new(token, tls_roots);
+        let mut current = self.credentials.write().unwrap_or_else(|p| p.into_inner());
+        if current.tls_roots != renewed.tls_roots {
+            self.channels
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+        }
+        *current = renewed;
+    }
+
+    fn sent(&self) -> PeerCredentials {
+        self.credentials
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// `message` as a request carrying the cluster's token.
@@ -155,8 +204,8 @@ impl Peers {
     /// What every call to a member sends: its token, if any.
     fn metadata(&self) -> tonic::metadata::MetadataMap {
         let mut metadata = tonic::metadata::MetadataMap::new();
-        if let Some(value) = &self.authorization {
-            metadata.insert("authorization", value.clone());
+        if let Some(value) = self.sent().authorization {
+            metadata.insert("authorization", value);
         }
         metadata
     }
@@ -169,6 +218,7 @@ impl Peers {
 
     /// The connection to the member at `location`, opened on first use.
     fn channel(&self, location: &str, dataset: &str) -> Result<Channel> {
+        let tls_roots = self.sent().tls_roots;
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let channel = match channels.get(location) {
             Some(c) => c.clone(),
@@ -180,7 +230,7 @@ impl Peers {
                     ))
                 })?;
                 if uri.starts_with("https://") {
-                    let roots = self.tls_roots.as_ref().ok_or_else(|| {
+                    let roots = tls_roots.as_ref().ok_or_else(|| {
                         Error::FailedPrecondition(format!(
                             "member {location} of dataset '{dataset}' serves over TLS, but this \
                              server has no certificates to check it with: start it with \
@@ -188,7 +238,7 @@ impl Peers {
                         ))
                     })?;
                     let tls = tonic::transport::ClientTlsConfig::new()
-                        .ca_certificate(tonic::transport::Certificate::from_pem(roots));
+                        .ca_certificate(tonic::transport::Certificate::from_pem(roots.as_slice()));
                     endpoint = endpoint.tls_config(tls).map_err(|e| {
                         Error::invalid(format!("TLS settings for member {location}: {e}"))
                     })?;
@@ -361,5 +411,18 @@ mod tests {
         let e = from_peer(&Status::data_loss(lost), "grpc://b:1", "d");
         assert_eq!(e.code(), Code::DataLoss);
         assert_eq!(e.to_string(), format!("member grpc://b:1: {lost}"));
+        // Members that do not share a token file: not a member to restart.
+        for refused in [
+            Status::unauthenticated("the token is not one this server accepts"),
+            Status::permission_denied("a reader token may not call DoGet"),
+        ] {
+            let e = from_peer(&refused, "grpc://b:1", "d");
+            assert_eq!(e.code(), Code::FailedPrecondition);
+            assert!(
+                e.to_string().contains("every member needs the same file")
+                    && e.to_string().contains(refused.message()),
+                "{e}"
+            );
+        }
     }
 }

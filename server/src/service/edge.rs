@@ -135,7 +135,7 @@ where
         }
         // Every call, DoGet here included, proves its role first.
         let mut role = None;
-        if let Some(tokens) = &self.state.tokens {
+        if let Some(tokens) = self.state.credentials.tokens() {
             let header = req
                 .headers()
                 .get(http::header::AUTHORIZATION)

@@ -74,7 +74,7 @@ impl FlightService for FlightdeckService {
         &self,
         _request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
-        if self.state.tokens.is_none() {
+        if !self.state.credentials.needs_tokens() {
             return Err(Status::unimplemented(
                 "Handshake is not used by flightdeck: this server takes no token (it has no \
                  --auth-token-file); call it without one",
@@ -186,7 +186,7 @@ impl FlightService for FlightdeckService {
         if sql::is_sql_action(&request.get_ref().r#type) {
             return FlightService::do_action(self.sql.as_ref(), request).await;
         }
-        if self.state.tokens.is_some() {
+        if self.state.credentials.needs_tokens() {
             // The edge checked the token and left its role here.
             let role = request
                 .extensions()
