@@ -266,6 +266,18 @@ impl ServerConfig {
                 show_size(machine)
             )));
         }
+        if let Some(limit) = cgroup_memory_limit()
+            && self.memory_limit > limit
+        {
+            return Err(Error::invalid(format!(
+                "--memory-limit {} is more than this server's container may use ({}, its \
+                 cgroup's memory limit): the kernel would kill the server, and its cache with it, \
+                 once the cache grew past that; give less, leaving room for read-ahead \
+                 (--read-ahead-memory) and buffers, or leave it out for half the limit",
+                show_size(self.memory_limit),
+                show_size(limit)
+            )));
+        }
         if let Some(threads) = self.gather_threads
             && !(1..=MAX_GATHER_THREADS).contains(&threads)
         {
@@ -389,13 +401,72 @@ pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, Strin
     std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("'{s}': {e}"))
 }
 
-/// Half of the machine's physical memory, or 4 GiB where it cannot be read.
+/// Half of the memory this server may use — the machine's physical memory,
+/// or its container's limit where that is less ([`cgroup_memory_limit`]) —
+/// or 4 GiB where neither can be read.
 pub fn default_memory_limit() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
+    let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| parse_meminfo_total(&s))
-        .map(|total| total / 2)
-        .unwrap_or(4 << 30)
+        .and_then(|s| parse_meminfo_total(&s));
+    match (total, cgroup_memory_limit()) {
+        (Some(t), Some(c)) => t.min(c) / 2,
+        (Some(m), None) | (None, Some(m)) => m / 2,
+        (None, None) => 4 << 30,
+    }
+}
+
+/// The memory limit of the control group this process runs in — a
+/// container's `--memory`, a Kubernetes pod's `resources.limits.memory` —
+/// where one is set: past it the kernel kills the process, whatever the
+/// machine has.
+pub fn cgroup_memory_limit() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroup_limit_under(&own, std::path::Path::new("/sys/fs/cgroup"))
+}
+
+/// The smallest memory limit set on the cgroup `own` (the text of
+/// `/proc/self/cgroup`) names or on any cgroup above it, read from the
+/// cgroup file systems under `root`: v2's `memory.max`, v1's
+/// `memory/…/memory.limit_in_bytes`. `None` when none is set.
+fn cgroup_limit_under(own: &str, root: &std::path::Path) -> Option<u64> {
+    let mut files = Vec::new();
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let (hierarchy, file) = if controllers.is_empty() {
+            (root.to_path_buf(), "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (root.join("memory"), "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        // In a container the hierarchy's root is often the container's own
+        // cgroup, whatever path the line names: every level is read.
+        let mut dir = std::path::PathBuf::from(path.trim());
+        loop {
+            let relative = dir.strip_prefix("/").unwrap_or(&dir);
+            files.push(hierarchy.join(relative).join(file));
+            if !dir.pop() {
+                break;
+            }
+        }
+    }
+    files
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .filter_map(|text| parse_cgroup_limit(&text))
+        .min()
+}
+
+/// A cgroup memory limit file's value; `None` for no limit (v2's `max`,
+/// v1's page-rounded `i64::MAX`).
+fn parse_cgroup_limit(text: &str) -> Option<u64> {
+    let bytes: u64 = text.trim().parse().ok()?;
+    (bytes < 1 << 62).then_some(bytes)
 }
 
 fn parse_meminfo_total(meminfo: &str) -> Option<u64> {
@@ -661,11 +732,49 @@ mod tests {
                 .validate()
                 .expect_err("more than the machine");
             assert!(err.to_string().contains("memory and swap"), "{err}");
-            with(machine).validate().expect("all of it");
+            if cgroup_memory_limit().is_none_or(|c| c >= machine) {
+                with(machine).validate().expect("all of it");
+            }
         }
         assert_eq!(show_size(8 << 30), "8.0GiB");
         assert_eq!(show_size(1536), "1.5KiB");
         assert_eq!(show_size(100), "100B");
+    }
+
+    #[test]
+    fn a_containers_memory_limit_is_found_at_any_level_of_its_cgroup() {
+        let root = std::env::temp_dir().join(format!("flightdeck-cgroup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let write = |path: &str, text: &str| {
+            let file = root.join(path);
+            std::fs::create_dir_all(file.parent().expect("parent")).expect("dir");
+            std::fs::write(file, text).expect("write");
+        };
+        // v2: the pod's limit two levels up, none on the container itself.
+        write("kubepods/pod1/memory.max", "17179869184\n");
+        write("kubepods/pod1/ctr/memory.max", "max\n");
+        write("memory.max", "max\n");
+        let v2 = "0::/kubepods/pod1/ctr\n";
+        assert_eq!(cgroup_limit_under(v2, &root), Some(16 << 30));
+        assert_eq!(cgroup_limit_under("0::/elsewhere\n", &root), None);
+        // v1: the memory hierarchy only; unlimited is a page-rounded i64::MAX.
+        write(
+            "memory/docker/abc/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        let v1 = "4:memory:/docker/abc\n3:cpuset:/\n0::/\n";
+        assert_eq!(cgroup_limit_under(v1, &root), None);
+        // Seen from inside the container: its own cgroup at the root.
+        write("memory/memory.limit_in_bytes", "8589934592\n");
+        assert_eq!(cgroup_limit_under(v1, &root), Some(8 << 30));
+        assert_eq!(
+            cgroup_limit_under("12:cpu,memory:/\n", &root),
+            Some(8 << 30)
+        );
+        assert_eq!(cgroup_limit_under("garbage\n", &root), None);
+        assert_eq!(parse_cgroup_limit("max"), None);
+        assert_eq!(parse_cgroup_limit("1024\n"), Some(1024));
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]
