@@ -518,6 +518,12 @@ impl Client {
         }
     }
 
+    /// The connection this client calls over, for other gRPC services the
+    /// server offers on it (the standard health service).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
     /// The underlying Flight client, for plain Flight calls.
     pub fn flight(&mut self) -> &mut FlightClient {
         &mut self.inner

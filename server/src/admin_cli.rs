@@ -1,4 +1,4 @@
-//! `flightdeck datasets | describe | drop | place | evict | stats | jobs |
+//! `flightdeck datasets | describe | drop | place | evict | stats | health | jobs |
 //! sql | derive`: what a running server holds and does, and queries over
 //! what it holds, for the person operating it, without a Python client or
 //! a Flight SQL driver at hand.
@@ -212,6 +212,16 @@ pub struct StatsArgs {
     output: Output,
 }
 
+/// Flags of `flightdeck health`.
+#[derive(Debug, clap::Args)]
+pub struct HealthArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Give up after this long (e.g. 5s, 500ms): a probe's own timeout.
+    #[arg(long, value_parser = flightdeck_server::config::parse_duration, default_value = "5s")]
+    timeout: std::time::Duration,
+}
+
 /// Flags of `flightdeck jobs`.
 #[derive(Debug, clap::Args)]
 pub struct JobsArgs {
@@ -355,6 +365,42 @@ pub async fn stats(args: StatsArgs) -> Result<(), String> {
     let stats = on_server(&args.server, async |c| c.stats().await).await?;
     args.output.print(&stats, stats_text, to_json);
     Ok(())
+}
+
+/// Runs `flightdeck health`: asks the server's gRPC health service (which
+/// needs no token) whether it serves, and prints its answer. `SERVING`
+/// succeeds; `NOT_SERVING` (a server draining after SIGTERM), no answer
+/// within `--timeout`, or no server fail, saying which — an exec probe for
+/// where an orchestrator's own gRPC probe cannot reach (TLS, with
+/// `FLIGHTDECK_TLS_ROOT_CERTS`; a Unix socket).
+pub async fn health(args: HealthArgs) -> Result<(), String> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let server = named_server(&args.server.server);
+    let ask = async {
+        let client = args.server.connect().await?;
+        let reply = HealthClient::new(client.channel())
+            .check(HealthCheckRequest::default())
+            .await
+            .map_err(|s| format!("{server} did not answer its health check: {}", s.message()))?;
+        Ok::<_, String>(reply.into_inner().status())
+    };
+    let status = tokio::time::timeout(args.timeout, ask)
+        .await
+        .map_err(|_| {
+            format!(
+                "{server} did not answer its health check within {:?}",
+                args.timeout
+            )
+        })??;
+    println!("{}", status.as_str_name());
+    if status == ServingStatus::Serving {
+        return Ok(());
+    }
+    Err(format!(
+        "{server} is not serving ({}): it is shutting down, or not yet up",
+        status.as_str_name()
+    ))
 }
 
 /// Runs `flightdeck jobs`.

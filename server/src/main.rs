@@ -49,6 +49,9 @@ enum Command {
     Stats(admin_cli::StatsArgs),
     /// Show the training jobs a running server has run since it started.
     Jobs(admin_cli::JobsArgs),
+    /// Ask a running server's health service whether it serves (exit 0) or
+    /// not (exit 1): a probe that also works over TLS and Unix sockets.
+    Health(admin_cli::HealthArgs),
     /// Run a read-only SQL query over a running server's sealed datasets
     /// (each a table by its name) and print its rows.
     Sql(admin_cli::SqlArgs),
@@ -337,6 +340,7 @@ async fn main() -> ExitCode {
         Command::Evict(args) => admin_cli::evict(args).await,
         Command::Stats(args) => admin_cli::stats(args).await,
         Command::Jobs(args) => admin_cli::jobs(args).await,
+        Command::Health(args) => admin_cli::health(args).await,
         Command::Sql(args) => admin_cli::sql(args).await,
         Command::Derive(args) => admin_cli::derive(args).await,
     };

@@ -1,13 +1,18 @@
 """Observing a running server the way a cluster's tools do: Prometheus
 scrapes `/metrics` (checked here with prometheus_client's OpenMetrics
 parser against what the test did), and Kubernetes probes the standard gRPC
-health service (checked with grpcio's health client), which says
-NOT_SERVING while a drain lets a read in flight finish."""
+health service (checked with grpcio's health client and with `flightdeck
+health`, the exec probe for TLS), which says NOT_SERVING while a drain lets
+a read in flight finish."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -18,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import flightdeck
-from conftest import RunningServer, eventually, scaled
+from conftest import RunningServer, eventually, make_test_certs, scaled, server_binary
 
 FLIGHT_SERVICE = "arrow.flight.protocol.FlightService"
 
@@ -202,6 +207,9 @@ def test_health_says_not_serving_while_a_drain_finishes_a_read(sig):
                 lambda: True if health_status(server.addr) == not_serving else None,
             )
             assert health_status(server.addr, FLIGHT_SERVICE) == not_serving
+            probe = health_command(server.addr)
+            assert probe.returncode == 1 and probe.stdout == "NOT_SERVING\n", probe
+            assert "is not serving" in probe.stderr, probe
             with pytest.raises(flightdeck.Unavailable, match="shutting down"):
                 with flightdeck.connect(server.uri, timeout=5) as other:
                     other.stats()
@@ -216,6 +224,47 @@ def test_health_says_not_serving_while_a_drain_finishes_a_read(sig):
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+def health_command(server: str, *flags: str, env: dict | None = None):
+    """`flightdeck health --server SERVER`, as an exec probe runs it."""
+    return subprocess.run(
+        [str(server_binary()), "health", "--server", server, *flags],
+        capture_output=True, text=True, timeout=scaled(30), env=env,
+    )
+
+
+def test_the_health_command_probes_where_the_kubelet_cannot(tmp_path):
+    """The kubelet's gRPC probe speaks plaintext TCP only: a server on TLS
+    (or a Unix socket) is probed by `flightdeck health` as an exec probe —
+    SERVING exits 0 with no token; no server, or one that does not answer
+    within --timeout, exits 1 saying so, in bounded time."""
+    certs = make_test_certs(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("writer health-test-writer-token\n")
+    sock = tmp_path / "fd.sock"
+    server = RunningServer(
+        "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"]),
+        "--auth-token-file", str(tokens), "--unix-socket", str(sock),
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FLIGHTDECK_TOKEN"}
+    try:
+        for where in (f"grpc+tls://{server.addr}", f"grpc+unix://{sock}"):
+            probe = health_command(where, env={**env, "FLIGHTDECK_TLS_ROOT_CERTS": str(certs["ca"])})
+            assert probe.returncode == 0 and probe.stdout == "SERVING\n", probe
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+    probe = health_command(server.addr, env=env)
+    assert probe.returncode == 1 and "cannot reach" in probe.stderr, probe
+    # A port that takes connections and never answers: bounded by --timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        probe = health_command(f"127.0.0.1:{port}", "--timeout", "1s", env=env)
+        assert time.monotonic() - started < scaled(20)
+    assert probe.returncode == 1 and "within 1s" in probe.stderr, probe
 
 
 def test_health_answers_probes_without_a_token(tmp_path):
