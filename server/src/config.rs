@@ -134,7 +134,14 @@ impl ServerConfig {
     /// The location this server advertises when bound to `bound`.
     pub fn location(&self, bound: std::net::SocketAddr) -> String {
         if let Some(a) = &self.advertise {
-            return a.clone();
+            // Validated: a location without a port is reached at the one
+            // the server listens on.
+            return match advertised(a, self.tls_cert.is_some()) {
+                Ok(url) if url.port_or_known_default().is_none() => {
+                    format!("{}:{}", a.trim_end_matches('/'), bound.port())
+                }
+                _ => a.clone(),
+            };
         }
         let scheme = if self.tls_cert.is_some() {
             "grpc+tls"
@@ -300,14 +307,8 @@ impl ServerConfig {
         if self.slab_bytes.is_some_and(|b| b < 4096) {
             return Err(Error::invalid("--slab-size must be at least 4KiB"));
         }
-        if let Some(a) = &self.advertise
-            && !["grpc://", "grpc+tcp://", "http://"]
-                .iter()
-                .any(|p| a.starts_with(p) && a.len() > p.len())
-        {
-            return Err(Error::invalid(format!(
-                "--advertise '{a}' is not a location; give grpc://HOST:PORT"
-            )));
+        if let Some(a) = &self.advertise {
+            advertised(a, self.tls_cert.is_some())?;
         }
         if let Some(path) = &self.unix_socket {
             // Clients name the socket `grpc+unix://` + an absolute path, and
@@ -399,6 +400,75 @@ pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, Strin
         }
     };
     std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("'{s}': {e}"))
+}
+
+/// `--advertise` as a URL, checked: a scheme this server speaks
+/// (`grpc://`, `grpc+tcp://` or `http://`; with `tls`, `grpc+tls://` or
+/// `https://`), a host another machine can reach, and nothing after the
+/// port. Members and ranks connect to it, so a plaintext location of a
+/// server that speaks TLS, or `0.0.0.0` (which another machine reads as
+/// itself), would send them elsewhere.
+fn advertised(a: &str, tls: bool) -> Result<url::Url> {
+    let want = if tls {
+        "grpc+tls://HOST:PORT"
+    } else {
+        "grpc://HOST:PORT"
+    };
+    let url = url::Url::parse(a).map_err(|e| {
+        Error::invalid(format!(
+            "--advertise '{a}' is not a location ({e}); give {want}, where other nodes reach \
+             this server"
+        ))
+    })?;
+    let secure = match url.scheme() {
+        "grpc" | "grpc+tcp" | "http" => false,
+        "grpc+tls" | "https" => true,
+        _ => {
+            return Err(Error::invalid(format!(
+                "--advertise '{a}' is not a location; give {want}, where other nodes reach this \
+                 server"
+            )));
+        }
+    };
+    if secure && !tls {
+        return Err(Error::invalid(format!(
+            "--advertise '{a}' says TLS, but this server speaks plaintext: start it with \
+             --tls-cert and --tls-key, or advertise grpc://HOST:PORT"
+        )));
+    }
+    if tls && !secure {
+        return Err(Error::invalid(format!(
+            "--advertise '{a}' says plaintext, but this server speaks TLS only (--tls-cert): \
+             advertise grpc+tls://HOST:PORT, or members and ranks could not reach it"
+        )));
+    }
+    let host = url.host_str().unwrap_or_default();
+    if host.is_empty() {
+        return Err(Error::invalid(format!(
+            "--advertise '{a}' names no host; give {want}"
+        )));
+    }
+    let ip = host.trim_start_matches('[').trim_end_matches(']');
+    if ip
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+    {
+        return Err(Error::invalid(format!(
+            "--advertise '{a}': {host} is no address another machine can reach (there it means \
+             itself); advertise this node's address or host name (in Kubernetes \
+             grpc://$(HOST_IP):PORT)"
+        )));
+    }
+    if !matches!(url.path(), "" | "/")
+        || url.query().is_some()
+        || url.fragment().is_some()
+        || !url.username().is_empty()
+    {
+        return Err(Error::invalid(format!(
+            "--advertise '{a}': nothing may follow HOST:PORT; give {want}"
+        )));
+    }
+    Ok(url)
 }
 
 /// Half of the memory this server may use — the machine's physical memory,
@@ -739,6 +809,66 @@ mod tests {
         assert_eq!(show_size(8 << 30), "8.0GiB");
         assert_eq!(show_size(1536), "1.5KiB");
         assert_eq!(show_size(100), "100B");
+    }
+
+    #[test]
+    fn advertise_names_a_location_other_machines_reach_as_the_server_speaks() {
+        let with = |a: &str, tls: bool| ServerConfig {
+            advertise: Some(a.to_string()),
+            tls_cert: tls.then(|| "cert.pem".into()),
+            tls_key: tls.then(|| "key.pem".into()),
+            ..ServerConfig::default()
+        };
+        let bound: SocketAddr = "127.0.0.1:4242".parse().expect("addr");
+        for (a, tls, location) in [
+            ("grpc://node1:50051", false, "grpc://node1:50051"),
+            ("grpc+tcp://10.0.0.1:5", false, "grpc+tcp://10.0.0.1:5"),
+            ("http://x:1", false, "http://x:1"),
+            ("grpc://[::1]:5", false, "grpc://[::1]:5"),
+            ("grpc+tls://node1:50051", true, "grpc+tls://node1:50051"),
+            // No port: the one it listens on.
+            ("grpc://node1", false, "grpc://node1:4242"),
+            ("grpc+tls://node1/", true, "grpc+tls://node1:4242"),
+        ] {
+            let config = with(a, tls);
+            config.validate().unwrap_or_else(|e| panic!("{a}: {e}"));
+            assert_eq!(config.location(bound), location, "{a}");
+        }
+        for (a, tls, said) in [
+            (
+                "node1:50051",
+                false,
+                "is not a location; give grpc://HOST:PORT",
+            ),
+            ("grpc://node1:99999", false, "is not a location"),
+            ("s3://bucket", false, "is not a location"),
+            (
+                "grpc+tls://node1:1",
+                false,
+                "says TLS, but this server speaks plaintext",
+            ),
+            ("grpc://node1:1", true, "advertise grpc+tls://HOST:PORT"),
+            (
+                "grpc://0.0.0.0:50051",
+                false,
+                "no address another machine can reach",
+            ),
+            (
+                "grpc://[::]:50051",
+                false,
+                "no address another machine can reach",
+            ),
+            (
+                "grpc://node1:1/flight",
+                false,
+                "nothing may follow HOST:PORT",
+            ),
+            ("grpc://node1:1?x=1", false, "nothing may follow HOST:PORT"),
+        ] {
+            let err = with(a, tls).validate().expect_err(a);
+            assert!(err.to_string().contains(said), "{a}: {err}");
+            assert!(err.to_string().contains(a), "names what was given: {err}");
+        }
     }
 
     #[test]

@@ -99,8 +99,9 @@ struct ServeArgs {
     #[arg(long)]
     no_cuda: bool,
     /// The location other members and training ranks reach this server at,
-    /// e.g. grpc://node-7.cluster:50051 (default: grpc:// and the listen address,
-    /// the host name when listening on 0.0.0.0).
+    /// e.g. grpc://node-7.cluster:50051, grpc+tls://… with --tls-cert; the
+    /// listen port when it names none (default: grpc:// and the listen
+    /// address, the host name when listening on 0.0.0.0).
     #[arg(long)]
     advertise: Option<String>,
     /// How long a writer that said its size up front, a read bringing a

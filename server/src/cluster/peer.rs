@@ -147,6 +147,13 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
              --auth-token-file, so every member needs the same file; after changing it, read it \
              again on every member (SIGHUP, or wait 10 s)"
         )),
+        // rustls's refusal, as the transport reports it: no restart helps.
+        _ if msg.contains("invalid peer certificate") => Error::FailedPrecondition(format!(
+            "member {location} holding rows of dataset '{dataset}' presents a certificate this \
+             server does not trust ({msg}): give every member --tls-ca with the authority that \
+             signed the members' certificates (without it a member trusts only its own \
+             certificate)"
+        )),
         Code::InvalidArgument => Error::InvalidArgument(format!("member {location}: {msg}")),
         Code::FailedPrecondition => Error::FailedPrecondition(format!("member {location}: {msg}")),
         Code::ResourceExhausted => Error::ResourceExhausted(format!("member {location}: {msg}")),
@@ -411,6 +418,13 @@ mod tests {
         let e = from_peer(&Status::data_loss(lost), "grpc://b:1", "d");
         assert_eq!(e.code(), Code::DataLoss);
         assert_eq!(e.to_string(), format!("member grpc://b:1: {lost}"));
+        let e = from_peer(
+            &Status::unavailable("invalid peer certificate: UnknownIssuer"),
+            "grpc+tls://b:1",
+            "d",
+        );
+        assert_eq!(e.code(), Code::FailedPrecondition);
+        assert!(e.to_string().contains("--tls-ca"), "{e}");
         // Members that do not share a token file: not a member to restart.
         for refused in [
             Status::unauthenticated("the token is not one this server accepts"),
