@@ -246,7 +246,14 @@ async fn refresh_credentials(state: std::sync::Arc<state::State>) {
             }
             continue;
         }
-        let refreshed = state.refresh_credentials();
+        // File reads: off the runtime's threads (a hung network mount holds
+        // up this loop alone).
+        let reading = state.clone();
+        let Ok(refreshed) =
+            tokio::task::spawn_blocking(move || reading.refresh_credentials()).await
+        else {
+            continue;
+        };
         if signalled {
             info!(
                 tokens = refreshed.tokens,
