@@ -76,6 +76,15 @@ pub use flightdeck_protos::{
 /// `batch_rows` rows, which can be large.
 const MAX_MESSAGE_BYTES: usize = 1 << 30;
 
+/// Longest wait for a server to take a connection (a host that drops the
+/// packets, rather than refusing them, would otherwise hold a caller for
+/// the two minutes TCP gives up after).
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// HTTP/2 pings on a connection, and how long an answer may take: a server
+/// that stops answering fails the calls waiting on it within both.
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What can go wrong talking to a flightdeck server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -200,7 +209,19 @@ fn flight_text(e: &FlightError) -> String {
 /// A server status for a person: its message, advice said in `terms`, then
 /// the code's name.
 fn status_text(s: &tonic::Status, terms: &[(&str, &str)]) -> String {
-    format!("{} ({:?})", in_terms(s.message(), terms), s.code())
+    let mut text = in_terms(s.message(), terms);
+    // A status the transport made (the connection failed, no answer to its
+    // pings) says why in its causes: "http2 error" alone tells no one.
+    let mut cause = std::error::Error::source(s);
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    format!("{text} ({:?})", s.code())
 }
 
 /// The advice a server gives in Flight's words (left) as a Rust caller acts
@@ -262,6 +283,18 @@ impl ClientError {
         match self.status() {
             Some(s) => status_text(s, terms),
             None => self.to_string(),
+        }
+    }
+
+    /// Whether the connection failed, rather than the server answering:
+    /// no connection could be made, or one broke or went silent (its
+    /// HTTP/2 pings unanswered) during the call.
+    pub fn is_transport(&self) -> bool {
+        match self {
+            Self::Transport(_) => true,
+            _ => self
+                .status()
+                .is_some_and(|s| std::error::Error::source(s).is_some()),
         }
     }
 
@@ -445,6 +478,12 @@ impl Client {
             )?;
         }
         let channel = endpoint
+            .connect_timeout(CONNECT_TIMEOUT)
+            // A server that stops answering (or a port that never spoke
+            // gRPC) fails the calls waiting on it instead of holding them.
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))

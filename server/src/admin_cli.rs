@@ -279,7 +279,17 @@ async fn on_server<T>(
     call: impl AsyncFnOnce(&mut Client) -> flightdeck_client::Result<T>,
 ) -> Result<T, String> {
     let mut client = server.connect().await?;
-    call(&mut client).await.map_err(|e| e.text_in(CLI_TERMS))
+    call(&mut client).await.map_err(|e| {
+        let text = e.text_in(CLI_TERMS);
+        if !e.is_transport() {
+            return text;
+        }
+        format!(
+            "{} did not answer: {text}; is a flightdeck server running there? Name another with \
+             --server",
+            named_server(&server.server)
+        )
+    })
 }
 
 /// Runs `flightdeck datasets`: one line a dataset.

@@ -349,3 +349,43 @@ def test_an_overwrite_under_way_shows_what_it_staged(observed):
     m = scrape(observed.metrics_url)
     assert not [k for k in m if k[0] == "flightdeck_overwrite_staged_bytes"]
     assert value(m, "flightdeck_dataset_rows", dataset="o") == 5000
+
+
+def test_operator_commands_give_up_on_a_server_that_does_not_answer():
+    """`flightdeck stats` against a port that takes connections and never
+    answers, and against one whose connections are never taken (a host
+    dropping packets): each fails within a bound, saying so, instead of
+    hanging (the first forever, the second for the two minutes TCP gives
+    up after)."""
+    with socket.socket() as silent, socket.socket() as full:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        # A backlog of one, filled and never accepted: later connections'
+        # SYNs go unanswered, as from a host that drops them.
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        filling = []
+        for _ in range(3):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(full.getsockname())
+            filling.append(s)
+        started = time.monotonic()
+        probes = [
+            subprocess.Popen(
+                [str(server_binary()), "stats", "--server", f"127.0.0.1:{sock.getsockname()[1]}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for sock in (silent, full)
+        ]
+        try:
+            said = [p.communicate(timeout=scaled(90))[1] for p in probes]
+        finally:
+            for p in probes:
+                p.kill()
+            for s in filling:
+                s.close()
+        assert time.monotonic() - started < scaled(60)
+    assert [p.returncode for p in probes] == [1, 1], said
+    assert "did not answer" in said[0] and "keep-alive timed out" in said[0], said[0]
+    assert "cannot reach" in said[1] and "deadline has elapsed" in said[1], said[1]
