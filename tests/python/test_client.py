@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import flightdeck
-from conftest import eventually, scaled, server_name_cases, strided_order
+from conftest import RunningServer, eventually, scaled, server_name_cases, strided_order
 from flightdeck import ShardedDataset, to_numpy
 from flightdeck.client import Prefetched
 
@@ -785,3 +785,33 @@ def test_two_jobs_writing_one_dataset_at_once_never_mix(flightdeck_server):
     with pytest.raises(flightdeck.Aborted, match="write 'job-b'"):
         c.put_partition("both", 0, part(0, "b"), write_id="job-b")
     c.close()
+
+
+def test_a_read_from_a_server_that_hangs_fails_instead_of_waiting_forever():
+    """A server that stops answering mid-read (hung; on a cluster, a node cut
+    off without a word) used to hold the reading rank — and so the DDP job —
+    forever: nothing closes a TCP connection whose peer is alive but silent.
+    The client's HTTP/2 pings go unanswered and the read fails UNAVAILABLE
+    within the ping timeout, which `reconnect_seconds` rides out or the
+    job sees."""
+    server = RunningServer("--memory-limit", "256MiB")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            c.put_partition("d", 0, pa.table({"x": pa.array(np.arange(8_000_000))}))
+            c.seal("d")
+            [shard] = c.plan("d", batch_rows=50_000).shards
+            batches = c.read_shard(shard)
+            next(batches)
+            server.proc.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(flightdeck.Unavailable, match="ping timeout"):
+                    for _ in batches:
+                        pass
+                assert time.monotonic() - started < scaled(80)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            # Back again: reads as before.
+            assert c.read_table(shard).num_rows == 8_000_000
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)

@@ -300,6 +300,20 @@ def _schema_and_batches(
     return first.schema, chained()
 
 
+#: HTTP/2 pings on every connection: a server that stops answering them
+#: (hung, or its node cut off) fails the calls waiting on it with
+#: UNAVAILABLE within about 50 s — which `ShardedDataset`'s
+#: `reconnect_seconds` then rides out or reports — instead of holding a
+#: training rank, and the DDP job with it, forever.
+KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", 20_000),
+)
+
+
 class Client:
     """A connection to one flightdeck server.
 
@@ -335,7 +349,10 @@ class Client:
         # the socket's escaped path as the authority, which the server's
         # HTTP/2 stack refuses as malformed: name this machine instead.
         unix = self.uri.startswith("grpc+unix://")
-        options = {"generic_options": [("grpc.default_authority", "localhost")]} if unix else {}
+        generic = list(KEEPALIVE)
+        if unix:
+            generic.append(("grpc.default_authority", "localhost"))
+        options: dict = {"generic_options": generic}
         if tls_root_certs and not unix:
             options["tls_root_certs"] = tls_root_certs
         self._connection = translate(lambda: flight.FlightClient(self.uri, **options))
