@@ -270,7 +270,7 @@ SPARK_JAR = REPO / "connectors" / "spark" / "target" / "flightdeck-spark-0.1.0.j
 
 
 @pytest.fixture(scope="session")
-def spark():
+def spark(tmp_path_factory):
     """A local Spark session: 2 threads, up to 3 attempts per task, with the
     JVM connector's jar on `spark.jars` where it has been built (so
     `format("flightdeck")` is the JVM connector; the Python data source's
@@ -292,6 +292,8 @@ def spark():
         # Spark's filters reach the Python data source's reader too.
         .config("spark.sql.python.filterPushdown.enabled", "true")
         .config("spark.jars", str(SPARK_JAR) if SPARK_JAR.exists() else "")
+        # Tables the catalog tests make live here, not in the checkout.
+        .config("spark.sql.warehouse.dir", str(tmp_path_factory.mktemp("spark-warehouse")))
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
