@@ -141,6 +141,7 @@ pub struct Metrics {
     queries_running: Gauge,
     queries: Family<OutcomeLabel, Counter>,
     query_seconds: Histogram,
+    credential_reloads: Family<OutcomeLabel, Counter>,
     in_flight: AtomicU64,
     /// Per dataset, one past the highest rank its reads have label sets
     /// for: what [`Metrics::forget`] removes.
@@ -167,6 +168,7 @@ impl Default for Metrics {
             queries_running: Gauge::default(),
             queries: Family::default(),
             query_seconds: seconds_histogram(),
+            credential_reloads: Family::default(),
             in_flight: AtomicU64::new(0),
             rank_bounds: Mutex::default(),
         }
@@ -270,6 +272,18 @@ impl Metrics {
         self.attempts
             .get_or_create(&OutcomeLabel { outcome: "aborted" })
             .inc();
+    }
+
+    /// Credential files that changed were read again: `taken` are in use,
+    /// `refused` could not be (the server goes on with the previous ones).
+    pub fn credentials_read(&self, taken: usize, refused: usize) {
+        for (outcome, n) in [("taken", taken), ("refused", refused)] {
+            if n > 0 {
+                self.credential_reloads
+                    .get_or_create(&OutcomeLabel { outcome })
+                    .inc_by(n as u64);
+            }
+        }
     }
 
     /// A dataset was sealed.
@@ -376,6 +390,13 @@ impl Metrics {
             self.attempts.clone(),
         );
         r.register("seals", "datasets sealed", self.seals.clone());
+        r.register(
+            "credential_reloads",
+            "credential files (tokens, TLS certificate and key, member roots) read again after \
+             they changed, on SIGHUP or the 10 s check: taken, or refused as unusable (the server \
+             goes on with the previous ones: alert on refused)",
+            self.credential_reloads.clone(),
+        );
         r.register(
             "spill_duration_seconds",
             "time to spill a dataset to the store",

@@ -281,6 +281,11 @@ impl State {
     /// members carry the new token and check them against the new roots.
     pub fn refresh_credentials(&self) -> crate::credentials::Refreshed {
         let refreshed = self.credentials.refresh();
+        let taken = [refreshed.tokens, refreshed.identity, refreshed.roots];
+        self.metrics.credentials_read(
+            taken.iter().filter(|t| **t).count(),
+            refreshed.refused.len(),
+        );
         if refreshed.tokens || refreshed.roots {
             self.peers
                 .renew(self.credentials.peer_token(), self.credentials.peer_roots());

@@ -7,6 +7,7 @@ rotate while the server runs (SIGHUP, or on their own within 10 s)."""
 
 import signal
 import time
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -124,7 +125,7 @@ def test_tokens_and_certificates_rotate_without_a_restart(tmp_path):
     tokens.write_text("writer w-old\nreader r-old\n")
     server = RunningServer(
         "--memory-limit", "256MiB", "--tls-cert", str(cert), "--tls-key", str(key),
-        "--auth-token-file", str(tokens),
+        "--auth-token-file", str(tokens), "--metrics-listen", "127.0.0.1:0",
     )
     try:
         uri = f"grpc+tls://{server.addr}"
@@ -170,6 +171,12 @@ def test_tokens_and_certificates_rotate_without_a_restart(tmp_path):
         assert "w-new" not in log, "tokens are never logged"
         with flightdeck.connect(uri, tls_root_certs=new["ca"].read_bytes(), token="w-new") as c:
             assert c.describe("d").rows == 300
+        # What an alert watches: tokens, certificate and member roots (the
+        # certificate's file, without --tls-ca) taken, then tokens; two refused.
+        with urllib.request.urlopen(server.metrics_url, timeout=scaled(10)) as response:
+            scraped = response.read().decode()
+        assert 'flightdeck_credential_reloads_total{outcome="taken"} 4' in scraped, scraped
+        assert 'flightdeck_credential_reloads_total{outcome="refused"} 2' in scraped, scraped
     finally:
         assert server.stop() == 0
 
