@@ -9,10 +9,12 @@ before any byte is sent; a read sends only the rows its filter selects (the
 `filter` option, and Spark's filters pushed down); a read never mixes two
 writes; the `token` option; TLS servers trusted through
 FLIGHTDECK_TLS_ROOT_CERTS; unknown options and unreachable servers
-refused saying what to give."""
+refused saying what to give; a server that hangs fails the job instead of
+holding it."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 
 pytest.importorskip("pyspark")
@@ -121,6 +123,36 @@ def test_a_write_whose_server_dies_fails_instead_of_waiting_for_ever(spark):
     check_a_write_whose_server_dies_fails(
         spark, lambda df, uri, name: write(df, uri, name, batch_rows=1000)
     )
+
+
+def test_a_read_from_a_server_that_hangs_fails_instead_of_waiting_for_ever(spark):
+    """A server that stops answering (hung; its node cut off) without
+    closing its connections used to hold the job for ever: the connector's
+    HTTP/2 pings go unanswered and the read fails UNAVAILABLE within about
+    20 s, naming the server."""
+    import signal
+    import time
+
+    from conftest import RunningServer, scaled
+
+    server = RunningServer("--memory-limit", "256MiB")
+    try:
+        with flightdeck.connect(server.uri) as c:
+            c.put_partition("hang", 0, pa.table({"id": pa.array(range(1000), pa.int64())}))
+            c.seal("hang")
+        df = spark.read.format("flightdeck").option("uri", server.uri).option(
+            "dataset", "hang").load()
+        server.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(Exception, match="Keepalive failed") as failed:
+                df.selectExpr("sum(id)").collect()
+            assert time.monotonic() - started < scaled(90)
+            assert server.uri in str(failed.value)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
 
 
 def test_a_server_that_is_not_running_is_named(spark):

@@ -1,5 +1,9 @@
 package flightdeck.spark;
 
+import io.grpc.ManagedChannel;
+import io.grpc.netty.GrpcSslContexts;
+import io.grpc.netty.NettyChannelBuilder;
+import io.netty.handler.ssl.SslContextBuilder;
 import java.io.ByteArrayInputStream;
 import java.io.IOException;
 import java.net.URI;
@@ -8,14 +12,16 @@ import java.nio.file.InvalidPathException;
 import java.nio.file.Path;
 import java.util.Iterator;
 import java.util.Optional;
+import java.util.concurrent.TimeUnit;
+import javax.net.ssl.SSLException;
 import org.apache.arrow.flight.Action;
 import org.apache.arrow.flight.CallOption;
 import org.apache.arrow.flight.FlightCallHeaders;
 import org.apache.arrow.flight.FlightClient;
+import org.apache.arrow.flight.FlightGrpcUtils;
 import org.apache.arrow.flight.FlightRuntimeException;
 import org.apache.arrow.flight.FlightStatusCode;
 import org.apache.arrow.flight.HeaderCallOption;
-import org.apache.arrow.flight.Location;
 import org.apache.arrow.flight.Result;
 import org.apache.arrow.memory.BufferAllocator;
 import org.apache.spark.sql.util.ArrowUtils;
@@ -72,11 +78,7 @@ final class Server implements AutoCloseable {
               + "flightdeck over TCP: give the server's grpc://HOST:PORT as the uri option "
               + "(FLIGHTDECK_URI may name the socket for Python and Rust clients only)");
     }
-    FlightClient.Builder builder = FlightClient.builder(allocator, new Location(URI.create(location)));
-    if (location.startsWith("grpc+tls://")) {
-      trustRoots(builder);
-    }
-    FlightClient client = builder.build();
+    FlightClient client = FlightGrpcUtils.createFlightClient(allocator, channel(location));
     String bearer = token != null && !token.isEmpty() ? token : System.getenv("FLIGHTDECK_TOKEN");
     CallOption[] options = new CallOption[0];
     if (bearer != null && !bearer.isEmpty()) {
@@ -91,25 +93,64 @@ final class Server implements AutoCloseable {
   static final String ROOTS_VARIABLE = "FLIGHTDECK_TLS_ROOT_CERTS";
 
   /**
-   * Has a TLS connection trust the certificates in the PEM file {@code
-   * FLIGHTDECK_TLS_ROOT_CERTS} names, as the Python and Rust clients do (set
-   * it on the driver and every executor, {@code spark.executorEnv.*});
-   * without it, the JVM's own trust store.
+   * HTTP/2 pings on every connection, and how long an answer may take: a
+   * server that stops answering (hung, or its node cut off) fails the calls
+   * waiting on it, and so the task, instead of holding them forever. As the
+   * Python client pings.
    */
-  private static void trustRoots(FlightClient.Builder builder) {
+  static final long KEEPALIVE_SECONDS = 10;
+
+  static final long KEEPALIVE_TIMEOUT_SECONDS = 10;
+
+  /**
+   * The gRPC channel to {@code location}, as Flight's own client builder
+   * makes one (no limit on message size; over TLS, the roots {@link
+   * #trustRoots} gives), with keepalive pings.
+   */
+  private static ManagedChannel channel(String location) {
+    URI uri = URI.create(location);
+    NettyChannelBuilder builder =
+        NettyChannelBuilder.forAddress(uri.getHost(), uri.getPort())
+            .maxInboundMessageSize(Integer.MAX_VALUE)
+            .maxInboundMetadataSize(Integer.MAX_VALUE)
+            .keepAliveTime(KEEPALIVE_SECONDS, TimeUnit.SECONDS)
+            .keepAliveTimeout(KEEPALIVE_TIMEOUT_SECONDS, TimeUnit.SECONDS)
+            .keepAliveWithoutCalls(true);
+    if (location.startsWith("grpc+tls://")) {
+      try {
+        SslContextBuilder tls = GrpcSslContexts.forClient();
+        byte[] roots = trustRoots();
+        if (roots != null) {
+          tls.trustManager(new ByteArrayInputStream(roots));
+        }
+        builder.useTransportSecurity().sslContext(tls.build());
+      } catch (SSLException e) {
+        throw new IllegalArgumentException("cannot set up TLS to " + location + ": " + e, e);
+      }
+    } else {
+      builder.usePlaintext();
+    }
+    return builder.build();
+  }
+
+  /**
+   * The certificates in the PEM file {@code FLIGHTDECK_TLS_ROOT_CERTS}
+   * names, which a TLS connection trusts, as the Python and Rust clients do
+   * (set it on the driver and every executor, {@code
+   * spark.executorEnv.*}); without it (null), the JVM's own trust store.
+   */
+  private static byte[] trustRoots() {
     String roots = System.getenv(ROOTS_VARIABLE);
     if (roots == null || roots.isEmpty()) {
-      return;
+      return null;
     }
-    byte[] pem;
     try {
-      pem = Files.readAllBytes(Path.of(roots));
+      return Files.readAllBytes(Path.of(roots));
     } catch (IOException | InvalidPathException e) {
       throw new IllegalArgumentException(ROOTS_VARIABLE + " names '" + roots + "', which cannot "
           + "be read (" + e + "): set it to the PEM file of the servers' certificate authority, "
           + "on the driver and on every executor (spark.executorEnv." + ROOTS_VARIABLE + ")");
     }
-    builder.trustedCertificates(new ByteArrayInputStream(pem));
   }
 
   /** Runs action {@code kind} and returns its one result's body. */
