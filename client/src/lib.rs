@@ -209,10 +209,15 @@ fn flight_text(e: &FlightError) -> String {
 /// A server status for a person: its message, advice said in `terms`, then
 /// the code's name.
 fn status_text(s: &tonic::Status, terms: &[(&str, &str)]) -> String {
-    let mut text = in_terms(s.message(), terms);
     // A status the transport made (the connection failed, no answer to its
     // pings) says why in its causes: "http2 error" alone tells no one.
-    let mut cause = std::error::Error::source(s);
+    let text = with_causes(in_terms(s.message(), terms), std::error::Error::source(s));
+    format!("{text} ({:?})", s.code())
+}
+
+/// `text`, then each error of the chain from `cause` on that it does not
+/// already say, `: ` apart.
+pub fn with_causes(mut text: String, mut cause: Option<&dyn std::error::Error>) -> String {
     while let Some(c) = cause {
         let said = c.to_string();
         if !text.contains(&said) {
@@ -221,7 +226,7 @@ fn status_text(s: &tonic::Status, terms: &[(&str, &str)]) -> String {
         }
         cause = c.source();
     }
-    format!("{text} ({:?})", s.code())
+    text
 }
 
 /// The advice a server gives in Flight's words (left) as a Rust caller acts

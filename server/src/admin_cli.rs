@@ -96,17 +96,7 @@ fn named_server(name: &str) -> String {
 
 /// `e` and each of its causes that it does not already say, `: ` apart.
 fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let said = c.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        cause = c.source();
-    }
-    text
+    flightdeck_client::with_causes(e.to_string(), e.source())
 }
 
 /// How a command prints the server's reply.
