@@ -230,8 +230,8 @@ def test_members_rotate_the_token_they_share(tmp_path):
             read = c.read_table(plan.shards[0])
             assert sorted(read.column("id").to_pylist()) == list(range(200))
     finally:
-        for m in members:
-            assert m.stop() == 0
+        # Every member stopped before any is judged: none is left running.
+        assert [m.stop() for m in members] == [0] * len(members)
 
 
 def test_members_on_tls_advertise_where_other_nodes_reach_them(tmp_path):
@@ -270,8 +270,8 @@ def test_members_on_tls_advertise_where_other_nodes_reach_them(tmp_path):
         with pytest.raises(RuntimeError, match="says plaintext, but this server speaks TLS"):
             RunningServer("--memory-limit", "256MiB", *tls, "--advertise", "grpc://localhost")
     finally:
-        for m in members:
-            assert m.stop() == 0
+        # Every member stopped before any is judged: none is left running.
+        assert [m.stop() for m in members] == [0] * len(members)
 
     # Without --tls-ca a member trusts only its own certificate: one signed
     # by an authority is refused, saying which flag is missing (not that a
@@ -286,5 +286,5 @@ def test_members_on_tls_advertise_where_other_nodes_reach_them(tmp_path):
             with pytest.raises(flightdeck.FailedPrecondition, match="give every member --tls-ca"):
                 c.seal_cluster("c", layout, partitions=2)
     finally:
-        for m in members:
-            assert m.stop() == 0
+        # Every member stopped before any is judged: none is left running.
+        assert [m.stop() for m in members] == [0] * len(members)
