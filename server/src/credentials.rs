@@ -278,18 +278,21 @@ impl Credentials {
     }
 
     /// What accepts TLS on the server's TCP listener — always with the
-    /// newest certificate — when it serves over TLS.
-    pub fn tls_acceptor(&self) -> Option<tokio_rustls::TlsAcceptor> {
-        let identity = self.identity.as_ref()?;
+    /// newest certificate — when it serves over TLS (`Ok(None)` when it
+    /// does not); an error where TLS cannot be set up, never plaintext in
+    /// its place.
+    pub fn tls_acceptor(&self) -> Result<Option<tokio_rustls::TlsAcceptor>> {
+        let Some(identity) = &self.identity else {
+            return Ok(None);
+        };
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        // aws-lc-rs's defaults are the safe protocol versions: no error.
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .ok()?
+            .map_err(|e| Error::Internal(format!("cannot set up TLS: {e}")))?
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(Newest(identity.clone())));
         config.alpn_protocols = vec![b"h2".to_vec()];
-        Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+        Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))))
     }
 
     /// Reads every file again and takes what changed and can be used;
@@ -439,7 +442,13 @@ mod tests {
         };
         let err = Credentials::open(&missing).expect_err("no file");
         assert!(err.to_string().contains("--tls-ca"), "{err}");
-        assert!(Credentials::none().is_empty() && Credentials::none().tls_acceptor().is_none());
+        assert!(Credentials::none().is_empty());
+        assert!(
+            Credentials::none()
+                .tls_acceptor()
+                .expect("no TLS")
+                .is_none()
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

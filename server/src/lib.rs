@@ -377,7 +377,7 @@ pub async fn serve_with(
     };
     // TLS is accepted here rather than by tonic so that each handshake
     // takes the newest certificate (credentials.rs).
-    let (tcp, _accepting) = match state.credentials.tls_acceptor() {
+    let (tcp, _accepting) = match state.credentials.tls_acceptor()? {
         Some(acceptor) => {
             let (accepting, incoming) = tls_incoming(listener, acceptor);
             let served = router().serve_with_incoming_shutdown(incoming, drain.clone());
