@@ -272,9 +272,10 @@ impl Credentials {
         self.tokens().map(|t| t.peer_token())
     }
 
-    /// The PEM roots other members served over TLS are checked against.
-    pub fn peer_roots(&self) -> Option<Vec<u8>> {
-        self.roots.as_ref().map(|r| r.get().as_ref().clone())
+    /// The PEM roots other members served over TLS are checked against
+    /// (the same `Arc` until they are read again changed).
+    pub fn peer_roots(&self) -> Option<Arc<Vec<u8>>> {
+        self.roots.as_ref().map(Watched::get)
     }
 
     /// What accepts TLS on the server's TCP listener — always with the

@@ -263,10 +263,7 @@ impl State {
             jobs: crate::jobs::Jobs::default(),
             config,
             location,
-            peers: Arc::new(Peers::new(
-                credentials.peer_token(),
-                credentials.peer_roots(),
-            )),
+            peers: Arc::new(Peers::new(credentials.clone())),
             credentials,
             traffic: Arc::new(Traffic::default()),
             read_ahead: crate::service::outbox::ReadAhead::new(config_read_ahead),
@@ -286,10 +283,6 @@ impl State {
             taken.iter().filter(|t| **t).count(),
             refreshed.refused.len(),
         );
-        if refreshed.tokens || refreshed.roots {
-            self.peers
-                .renew(self.credentials.peer_token(), self.credentials.peer_roots());
-        }
         refreshed
     }
 

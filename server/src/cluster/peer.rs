@@ -7,7 +7,7 @@
 //! naming it, never a hang. Errors name the member and the dataset.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arrow::array::RecordBatch;
@@ -22,6 +22,7 @@ use prost::Message;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
+use crate::credentials::Credentials;
 use crate::error::{Error, Result};
 
 /// Longest wait for a connection to a member.
@@ -76,39 +77,26 @@ pub fn tag_batches(tag: &[u8], rows: usize) -> Option<Vec<(u64, usize)>> {
     (out.iter().map(|&(_, n)| n).sum::<usize>() == rows).then_some(out)
 }
 
-/// Connections to other members, opened on first use and shared.
-#[derive(Default)]
+/// Connections to other members, opened on first use and shared; every
+/// call carries the cluster's token and checks TLS members against the
+/// roots, both as the server's credentials hold them now (rotated ones
+/// included, [`crate::credentials`]).
 pub struct Peers {
-    channels: Mutex<HashMap<String, Channel>>,
-    /// What calls to members carry and check them with ([`Peers::renew`]).
-    credentials: RwLock<PeerCredentials>,
+    channels: Mutex<Channels>,
+    credentials: Arc<Credentials>,
 }
 
-/// The token calls to members carry and the roots members are checked
-/// against.
-#[derive(Default, Clone, PartialEq, Eq)]
-struct PeerCredentials {
-    /// `Bearer <token>` for members that need a token.
-    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
-    /// PEM roots to trust in members served over TLS (`grpc+tls://`).
-    tls_roots: Option<std::sync::Arc<Vec<u8>>>,
-}
-
-impl PeerCredentials {
-    /// A token that is not valid header text is left out (members then
-    /// answer `UNAUTHENTICATED`, naming the problem).
-    fn new(token: Option<String>, tls_roots: Option<Vec<u8>>) -> Self {
-        Self {
-            authorization: token.and_then(|t| format!("Bearer {t}").parse().ok()),
-            tls_roots: tls_roots.map(std::sync::Arc::new),
-        }
-    }
+/// Open connections, and the roots those over TLS were opened with.
+#[derive(Default)]
+struct Channels {
+    roots: Option<Arc<Vec<u8>>>,
+    open: HashMap<String, Channel>,
 }
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peers")
-            .field("token", &self.sent().authorization.is_some())
+            .field("token", &self.credentials.needs_tokens())
             .finish_non_exhaustive()
     }
 }
@@ -168,39 +156,14 @@ pub fn from_peer(status: &Status, location: &str, dataset: &str) -> Error {
 }
 
 impl Peers {
-    /// Connections that send `token` (the cluster's token, if any) on every
-    /// call. A token that is not valid header text is left out (members
-    /// then answer `UNAUTHENTICATED`, naming the problem).
-    /// `tls_roots` are the root certificates members served over TLS are
-    /// checked against.
-    pub fn new(token: Option<String>, tls_roots: Option<Vec<u8>>) -> Self {
+    /// Connections that send the first writer token of `credentials`
+    /// (if it has tokens) on every call and check members served over TLS
+    /// against its member roots.
+    pub fn new(credentials: Arc<Credentials>) -> Self {
         Self {
             channels: Mutex::default(),
-            credentials: RwLock::new(PeerCredentials::new(token, tls_roots)),
+            credentials,
         }
-    }
-
-    /// Calls from now on send `token` and check members against
-    /// `tls_roots` (rotated credentials, [`crate::credentials`]). New roots
-    /// close the connections opened with the old ones once their calls
-    /// end: the next call opens one checked against the new.
-    pub fn renew(&self, token: Option<String>, tls_roots: Option<Vec<u8>>) {
-        let renewed = PeerCredentials::new(token, tls_roots);
-        let mut current = self.credentials.write().unwrap_or_else(|p| p.into_inner());
-        if current.tls_roots != renewed.tls_roots {
-            self.channels
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clear();
-        }
-        *current = renewed;
-    }
-
-    fn sent(&self) -> PeerCredentials {
-        self.credentials
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
     }
 
     /// `message` as a request carrying the cluster's token.
@@ -208,10 +171,16 @@ impl Peers {
         tonic::Request::from_parts(self.metadata(), Default::default(), message)
     }
 
-    /// What every call to a member sends: its token, if any.
+    /// What every call to a member sends: its token, if any. A token that
+    /// is not valid header text is left out (members then answer
+    /// `UNAUTHENTICATED`, naming the problem).
     fn metadata(&self) -> tonic::metadata::MetadataMap {
         let mut metadata = tonic::metadata::MetadataMap::new();
-        if let Some(value) = self.sent().authorization {
+        if let Some(value) = self
+            .credentials
+            .peer_token()
+            .and_then(|t| format!("Bearer {t}").parse().ok())
+        {
             metadata.insert("authorization", value);
         }
         metadata
@@ -224,10 +193,21 @@ impl Peers {
     }
 
     /// The connection to the member at `location`, opened on first use.
+    /// New roots close the connections opened with the old ones once their
+    /// calls end: the next call opens one checked against the new.
     fn channel(&self, location: &str, dataset: &str) -> Result<Channel> {
-        let tls_roots = self.sent().tls_roots;
+        let tls_roots = self.credentials.peer_roots();
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        let channel = match channels.get(location) {
+        let same = match (&channels.roots, &tls_roots) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            channels.open.clear();
+            channels.roots = tls_roots.clone();
+        }
+        let channel = match channels.open.get(location) {
             Some(c) => c.clone(),
             None => {
                 let uri = endpoint_uri(location);
@@ -262,7 +242,7 @@ impl Peers {
                     // larger frames (as a client's shards do).
                     .max_frame_size(Some(1 << 20))
                     .connect_lazy();
-                channels.insert(location.to_string(), c.clone());
+                channels.open.insert(location.to_string(), c.clone());
                 c
             }
         };
