@@ -7,14 +7,20 @@
 //! out when its manifest is); dropping returns memory to
 //! the pool, and so does a reader that hangs up; `place` without a CUDA
 //! driver answers its code. Batches gathered on several threads
-//! (`--gather-threads`) are the bytes of batches gathered on one.
+//! (`--gather-threads`) are the bytes of batches gathered on one. A killed
+//! server's spill files are removed by the next server on its store; a
+//! second server persisting into a store another holds is refused, and one
+//! whose holder it cannot check takes the store over once the holder's
+//! record stays silent (a SIGHUP while it waits does not kill it).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use flightdeck_client::{Client, Code, DatasetState, Expected, ReadPlan, SealDataset, Shuffle};
 use flightdeck_server::ServerConfig;
 use flightdeck_tests::{
-    TempDir, TestServer, partition_batches, raw_bytes, schema, temp_dir, test_config, timed,
+    MemberProcess, TempDir, TestServer, partition_batches, raw_bytes, scaled, schema, spawn_server,
+    temp_dir, test_config, timed,
 };
 use futures::{TryStreamExt, stream};
 
@@ -659,4 +665,196 @@ async fn writers_that_say_their_size_are_admitted_whole_or_refused_up_front() {
     assert!(stats.memory_used_peak <= limit, "{stats:?}");
     assert!(stats.memory_used < 40 << 20, "{stats:?}");
     server.stop().await;
+}
+
+/// The `.parquet` files under `dir`.
+fn parquet_files(dir: &std::path::Path) -> Vec<PathBuf> {
+    walk(dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect()
+}
+
+/// A server killed while it held spill files leaves them behind; the next
+/// server started on the same store removes them, at start, without being
+/// asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_servers_spill_files_are_removed_by_the_next_server() {
+    let one = dataset_bytes().await;
+    let dir = temp_dir("stopped-spills");
+    let url = format!("file://{}", dir.display());
+    let limit = (one * 5 / 2).to_string();
+    let args = [
+        "--spill-url",
+        url.as_str(),
+        "--memory-limit",
+        limit.as_str(),
+    ];
+    let mut first = MemberProcess::start("127.0.0.1:0", &args);
+    let mut c = first.client().await;
+    for ds in ["a", "b", "c"] {
+        write_sealed(&mut c, ds).await;
+    }
+    let stats = c.stats().await.expect("stats");
+    assert!(stats.spills >= 1, "{stats:?}");
+    let left = parquet_files(&dir);
+    assert!(!left.is_empty());
+    first.kill();
+    assert_eq!(parquet_files(&dir), left, "a killed server removes nothing");
+
+    let second = MemberProcess::start("127.0.0.1:0", &args);
+    let deadline = std::time::Instant::now() + scaled(Duration::from_secs(10));
+    while !parquet_files(&dir).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed server's spill files stay: {:?}",
+            parquet_files(&dir)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = std::fs::read_to_string(&second.log).expect("log");
+    assert!(
+        log.contains("removed the spill files of a server that stopped without shutting down"),
+        "{log}"
+    );
+}
+
+/// Two servers persisting into one store would write over each other's
+/// datasets (each numbers its generations from 1): the second is refused
+/// at start, naming the first and what to do. Once the first is killed —
+/// even before it is reaped — the next server takes the store over at once
+/// and serves what the first persisted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_server_persisting_into_one_store_is_refused_by_name() {
+    let dir = temp_dir("one-store");
+    let url = format!("file://{}", dir.display());
+    let args = ["--persist", "--spill-url", url.as_str()];
+    let first = MemberProcess::start("127.0.0.1:0", &args);
+    let mut c = first.client().await;
+    write_sealed(&mut c, "kept").await;
+    let kept = c.describe("kept").await.expect("describe");
+
+    let log = dir.join("second.log");
+    let argv: Vec<String> = ["serve", "--listen", "127.0.0.1:0"]
+        .iter()
+        .chain(&args)
+        .map(|a| a.to_string())
+        .collect();
+    let (mut second, lines) = spawn_server(&argv, &log);
+    // Its stdout ends as it exits (its exit status follows soon after).
+    let printed: Vec<String> = lines.collect();
+    let exited = (0..250).find_map(|_| {
+        let status = second.try_wait().expect("waits");
+        if status.is_none() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        status
+    });
+    let Some(status) = exited else {
+        let _ = second.kill();
+        panic!("a second server on the store started: {printed:?}");
+    };
+    let said = std::fs::read_to_string(&log).expect("log");
+    assert_eq!(status.code(), Some(1), "{said}");
+    for part in [
+        format!("held by another flightdeck server (pid {} ", first.pid()),
+        format!("serving at {}", first.location()),
+        "needs a store of its own".to_string(),
+    ] {
+        assert!(said.contains(&part), "{part:?} not in: {said}");
+    }
+
+    // Killed, and not reaped yet: its pid is a zombie's.
+    let pid = first.pid();
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + scaled(Duration::from_secs(10));
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'))
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not killed: {stat}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let third = MemberProcess::start("127.0.0.1:0", &args);
+    let mut c = third.client().await;
+    let again = c.describe("kept").await.expect("describe");
+    assert_eq!((again.rows, again.generation), (kept.rows, kept.generation));
+    drop(first);
+}
+
+/// A server whose store is held by a server it cannot check (another
+/// machine's, or another container's: a container restarted after being
+/// killed finds its own record so) watches the record for a beat and, when
+/// none comes, takes the store over and serves. A SIGHUP meanwhile (an
+/// operator rotating credentials) does not kill the starting server.
+#[test]
+fn a_silent_holder_elsewhere_is_taken_over_after_a_watch() {
+    let dir = temp_dir("silent-holder");
+    std::fs::create_dir_all(dir.join("datasets")).expect("dirs");
+    let record = dir.join("datasets/server.json");
+    std::fs::write(
+        &record,
+        r#"{"session": "1-1", "host": "node-b", "location": "grpc://10.0.0.2:50051",
+            "process": {"machine": "another-boot", "pid_namespace": "pid:[1]", "pid": 1,
+                        "start": 1},
+            "beat": 3}"#,
+    )
+    .expect("writes the record");
+    let log = dir.join("stderr.log");
+    let url = format!("file://{}", dir.display());
+    let argv: Vec<String> = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--persist",
+        "--spill-url",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain([url])
+    .collect();
+    let (mut child, mut lines) = spawn_server(&argv, &log);
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    let deadline = std::time::Instant::now() + scaled(Duration::from_secs(20));
+    while !said().contains("watching its record for a beat") {
+        assert!(std::time::Instant::now() < deadline, "no watch: {}", said());
+        assert!(
+            child.try_wait().expect("waits").is_none(),
+            "exited: {}",
+            said()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(said().contains("node-b"), "{}", said());
+    let hangup = std::process::Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(hangup.success());
+    let Some(listening) = lines.next() else {
+        // Its stdout closed (it ended), or it never said it listens.
+        let _ = child.kill();
+        let status = child.wait().expect("waits");
+        panic!("no server after the SIGHUP ({status}): {}", said());
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        listening.starts_with("flightdeck listening on "),
+        "{listening}"
+    );
+    assert!(
+        said().contains("taking over the persisted datasets of a server that stopped"),
+        "{}",
+        said()
+    );
 }

@@ -266,6 +266,40 @@ async fn refresh_credentials(state: std::sync::Arc<state::State>) {
     }
 }
 
+/// Tends the spill store for as long as the server runs
+/// ([`state::State::tend_store`]): a beat every
+/// [`memory::heartbeat::Timing::beat`], and the files of stopped servers
+/// looked for at start and every sixth beat. A failure is logged when it
+/// starts or changes, and its end too.
+async fn tend_store(state: std::sync::Arc<state::State>) {
+    let every = state.tend_store_every();
+    // Its records were written as it started (a claim, a first spill): the
+    // first beat is one period on; the first clean is now.
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing: Option<String> = None;
+    for n in 0u64.. {
+        let beat = n > 0;
+        if beat {
+            ticks.tick().await;
+        }
+        match state.tend_store(beat, n % 6 == 0).await {
+            Ok(()) => {
+                if failing.take().is_some() {
+                    info!("the spill store answers again");
+                }
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if failing.as_deref() != Some(text.as_str()) {
+                    tracing::error!(error = %text, "could not tend the spill store");
+                    failing = Some(text);
+                }
+            }
+        }
+    }
+}
+
 /// [`serve`] on listeners the caller bound (and can then say where),
 /// instead of those `config.metrics_listen` and `config.unix_socket` name.
 /// `ready` runs once the server can answer — its spill store opened,
@@ -395,6 +429,7 @@ pub async fn serve_with(
         }
     };
     let _refreshing = Background(tokio::spawn(refresh_credentials(state.clone())));
+    let tending = Background(tokio::spawn(tend_store(state.clone())));
     info!(
         addr = %bound,
         location = %state.location,
@@ -420,6 +455,8 @@ pub async fn serve_with(
     if let Some(task) = metrics_task {
         let _ = task.await;
     }
+    // No beat after the session's files are gone.
+    drop(tending);
     state.shutdown().await;
     info!("flightdeck stopped");
     Ok(())

@@ -287,6 +287,12 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     let stop = shutdown_signal();
+    // SIGHUP has the credential files read again once the server serves.
+    // Taken over here, so that one arriving while it starts (reloading
+    // persisted datasets, waiting to take its store over) leaves it running.
+    #[cfg(unix)]
+    let _hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|e| error!("cannot listen for SIGHUP: {e}"));
     // Machine-readable lines for scripts and tests that start the server,
     // printed once it can answer: a spill store or TLS files it cannot use
     // end it before, with no "listening" line to mislead them.

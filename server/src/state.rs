@@ -207,7 +207,7 @@ impl State {
     /// run sealed.
     pub async fn open(config: ServerConfig, location: String) -> Result<Self> {
         let credentials = Arc::new(crate::credentials::Credentials::open(&config)?);
-        let store = Store::open(&config.spill_url())?;
+        let store = Store::open(&config.spill_url())?.serving_at(&location);
         store.check_writable().await.map_err(|e| match e {
             // The store the user did not name: say which flag placed it.
             Error::InvalidArgument(m) if config.spill_url.is_none() => Error::invalid(format!(
@@ -237,7 +237,14 @@ impl State {
             Catalog::new()
         };
         if config.persist {
-            for ds in store.persisted().await? {
+            // One server a store: two would number generations alike and
+            // write over each other's datasets.
+            store.claim().await?;
+            let found = store.persisted().await?;
+            if let Err(e) = store.remove_superseded(&found).await {
+                warn!(error = %e, "could not remove persisted generations that nothing serves");
+            }
+            for ds in found {
                 info!(dataset = %ds.name, generation = ds.generation, "reloaded persisted dataset");
                 catalog.insert_persisted(ds)?;
             }
@@ -1300,10 +1307,34 @@ impl State {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// Cleans up at shutdown: this server's spill files (not persisted ones).
+    /// With `beat`, keeps this server's records in the store fresh (see
+    /// [`crate::memory::heartbeat`]); with `clean`, removes the spill files
+    /// of servers that stopped without shutting down.
+    pub async fn tend_store(&self, beat: bool, clean: bool) -> Result<()> {
+        if beat {
+            self.store.beat(self.config.persist).await?;
+        }
+        if clean {
+            self.store.remove_stopped_sessions().await?;
+        }
+        Ok(())
+    }
+
+    /// How often [`State::tend_store`] should run.
+    pub fn tend_store_every(&self) -> std::time::Duration {
+        self.store.beat_every()
+    }
+
+    /// Cleans up at shutdown: this server's spill files (not persisted
+    /// ones), and its hold on the store's persisted datasets.
     pub async fn shutdown(&self) {
         if let Err(e) = self.store.clear_session().await {
             warn!(error = %e, "could not remove spill files at shutdown");
+        }
+        if self.config.persist
+            && let Err(e) = self.store.release().await
+        {
+            warn!(error = %e, "could not give up the store's persisted datasets at shutdown");
         }
     }
 }

@@ -503,6 +503,40 @@ pub fn server_binary() -> std::path::PathBuf {
     path
 }
 
+/// Starts the server binary with `args` and `--no-cuda`, its stderr into
+/// the file `log`; the lines of its stdout as they come, for
+/// [`STEP_TIMEOUT`] (scaled) at most, since a server that never says it
+/// listens must not hold a test up.
+pub fn spawn_server(
+    args: &[String],
+    log: &std::path::Path,
+) -> (std::process::Child, impl Iterator<Item = String> + use<>) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(server_binary())
+        .args(args)
+        .arg("--no-cuda")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(log).expect("log file"))
+        .spawn()
+        .expect("start flightdeck");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = std::time::Instant::now() + scaled(STEP_TIMEOUT);
+    let lines = std::iter::from_fn(move || {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        rx.recv_timeout(left).ok()
+    });
+    (child, lines)
+}
+
 /// A `flightdeck serve` child process: one member of a cluster. Its log
 /// is kept in a file; it is killed when dropped, so a failing assertion
 /// never leaves servers behind.
@@ -519,7 +553,6 @@ pub struct MemberProcess {
 impl MemberProcess {
     /// Starts a member on `listen` (e.g. `127.0.0.1:0`) with extra flags.
     pub fn start(listen: &str, extra: &[&str]) -> Self {
-        use std::io::BufRead;
         let dir = temp_dir("member");
         let log = dir.join("stderr.log");
         let mut args = vec!["serve".to_string(), "--listen".into(), listen.into()];
@@ -530,26 +563,12 @@ impl MemberProcess {
         if !extra.contains(&"--memory-limit") {
             args.extend(["--memory-limit".into(), "1GiB".into()]);
         }
-        let mut child = std::process::Command::new(server_binary())
-            .args(&args)
-            .arg("--no-cuda")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("start flightdeck");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if let Some(addr) = line.strip_prefix("flightdeck listening on ") {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
+        let (mut child, mut lines) = spawn_server(&args, &log);
+        let addr = lines.find_map(|line| {
+            line.strip_prefix("flightdeck listening on ")
+                .map(|a| a.trim().to_string())
         });
-        let addr = match rx.recv_timeout(scaled(STEP_TIMEOUT)) {
+        let addr = match addr.ok_or(()) {
             Ok(a) => a.parse().expect("address"),
             Err(_) => {
                 let _ = child.kill();

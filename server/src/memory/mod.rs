@@ -9,6 +9,8 @@
 //! - [`device`]: the CUDA driver when present; columns placed on GPUs.
 //! - [`spill`]: sealed datasets as Parquet in an object store, for spill and
 //!   for persistence across restarts.
+//! - [`heartbeat`]: which servers use the spill store, so that a stopped
+//!   server's files are removed and a running one's never taken.
 //! - [`query_pool`]: what a SQL query holds of its own, charged to the
 //!   budget as it grows.
 //!
@@ -17,6 +19,7 @@
 
 pub mod arena;
 pub mod device;
+pub mod heartbeat;
 pub mod query_pool;
 pub mod spill;
 

@@ -7,9 +7,12 @@
 //! ```text
 //! datasets/<name>/<generation>/data.parquet    persisted (--persist), with
 //! datasets/<name>/<generation>/manifest.json   the catalog entry for restart
+//! datasets/server.json                         the server persisting here (heartbeat.rs)
 //! spill/<session>/<name>/<generation>/data.parquet
 //!                                              spilled by a server without --persist;
-//!                                              removed on drop and at shutdown
+//!                                              removed on drop and at shutdown, or by
+//!                                              any server once this one has stopped
+//! spill/<session>/server.json                  whose they are (heartbeat.rs)
 //! ```
 //!
 //! One file per dataset, rows in the dataset's row order, so a dataset read
@@ -42,6 +45,9 @@ use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
 use serde_json::{Value, json};
 
+use std::sync::atomic::AtomicU64;
+
+use super::heartbeat::{Holder, Process, Timing};
 use crate::catalog::{AttemptKey, ClusterState, PartitionSummary, SealedData};
 use crate::cluster::{Layout, Member};
 use crate::error::{Error, Result};
@@ -185,13 +191,22 @@ pub fn unstorable_column(schema: &Schema) -> Option<(String, Unstorable)> {
 /// An object store with flightdeck's layout.
 #[derive(Debug, Clone)]
 pub struct Store {
-    store: Arc<dyn ObjectStore>,
-    root: Path,
-    session: String,
-    url: String,
+    pub(super) store: Arc<dyn ObjectStore>,
+    pub(super) root: Path,
+    pub(super) session: String,
+    pub(super) url: String,
+    /// This server, as its records in the store name it.
+    pub(super) holder: Holder,
+    /// Beats written so far (a record's `beat`).
+    pub(super) beats: Arc<AtomicU64>,
+    /// Spill folders this session holds or is writing (its record in the
+    /// store is kept while there are any).
+    pub(super) spill_folders: Arc<tokio::sync::Mutex<usize>>,
+    pub(super) timing: Timing,
 }
 
-fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
+/// The store failing to answer while doing `what` (`UNAVAILABLE`).
+pub(super) fn store_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("{what}: {e}"))
 }
 
@@ -353,12 +368,43 @@ impl Store {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
+        let session = format!("{}-{nanos}", std::process::id());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
         Ok(Self {
             store,
             root,
-            session: format!("{}-{nanos}", std::process::id()),
+            holder: Holder {
+                session: session.clone(),
+                host,
+                location: String::new(),
+                process: Process::current(),
+            },
+            session,
             url: url.to_string(),
+            beats: Arc::default(),
+            spill_folders: Arc::default(),
+            timing: Timing::DEFAULT,
         })
+    }
+
+    /// The store of a server that serves at `location` (as its records
+    /// name it).
+    pub fn serving_at(mut self, location: &str) -> Self {
+        self.holder.location = location.to_string();
+        self
+    }
+
+    /// The store with other heartbeat timings (tests).
+    pub fn with_timing(mut self, timing: Timing) -> Self {
+        self.timing = timing;
+        self
+    }
+
+    /// How often [`Store::beat`] should run.
+    pub fn beat_every(&self) -> std::time::Duration {
+        self.timing.beat
     }
 
     /// Fails, naming the URL, when nothing can be written under the store's
@@ -413,6 +459,34 @@ impl Store {
                 what()
             )));
         }
+        let spill = manifest.is_none();
+        if spill {
+            // Its session's record first (a spill of a stopped server is
+            // then known as one): failing, it is this write that failed.
+            self.spill_begins()
+                .await
+                .map_err(|e| store_error(&what(), e))?;
+        }
+        let written = self
+            .write_files(&stored, name, generation, data, manifest)
+            .await;
+        if spill && written.is_err() {
+            // Nothing part-written stays behind.
+            let _ = self.delete_under(&stored.dir).await;
+            let _ = self.spill_ends().await;
+        }
+        written.map(|()| stored)
+    }
+
+    async fn write_files(
+        &self,
+        stored: &Stored,
+        name: &str,
+        generation: u64,
+        data: &SealedData,
+        manifest: Option<(&[PartitionSummary], Option<&ClusterState>)>,
+    ) -> Result<()> {
+        let what = || format!("writing dataset '{name}' to {}", self.url);
         let props = WriterProperties::builder()
             .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
             .build();
@@ -427,10 +501,10 @@ impl Store {
         }
         writer.close().await.map_err(|e| store_error(&what(), e))?;
         if let Some((parts, cluster)) = manifest {
-            self.write_manifest(&stored, name, generation, data.schema(), parts, cluster)
+            self.write_manifest(stored, name, generation, data.schema(), parts, cluster)
                 .await?;
         }
-        Ok(stored)
+        Ok(())
     }
 
     /// Writes (or rewrites) the manifest of a persisted dataset.
@@ -493,7 +567,11 @@ impl Store {
 
     /// Removes a dataset's files.
     pub async fn delete(&self, stored: &Stored) -> Result<()> {
-        self.delete_under(&stored.dir).await
+        self.delete_under(&stored.dir).await?;
+        if !stored.persisted {
+            self.spill_ends().await?;
+        }
+        Ok(())
     }
 
     async fn delete_under(&self, dir: &Path) -> Result<()> {
@@ -504,8 +582,13 @@ impl Store {
             .try_collect()
             .await
             .map_err(|e| store_error(&format!("listing {dir}"), e))?;
+        self.delete_each(&paths).await
+    }
+
+    /// Deletes each object of `paths`; one already gone is no error.
+    pub(super) async fn delete_each(&self, paths: &[Path]) -> Result<()> {
         for p in paths {
-            match self.store.delete(&p).await {
+            match self.store.delete(p).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => return Err(store_error(&format!("deleting {p}"), e)),
             }
@@ -516,7 +599,9 @@ impl Store {
     /// Removes this server's spill files (at shutdown).
     pub async fn clear_session(&self) -> Result<()> {
         let dir = self.root.clone().join("spill").join(self.session.as_str());
-        self.delete_under(&dir).await
+        self.delete_under(&dir).await?;
+        self.spills_cleared().await;
+        Ok(())
     }
 
     /// Every persisted dataset with a manifest, newest generation per name.
@@ -1201,7 +1286,13 @@ mod tests {
             assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
             assert!(err.to_string().contains(&said), "{err}");
         }
-        let files: Vec<_> = store.store.list(None).try_collect().await.expect("lists");
+        let files: Vec<_> = store
+            .store
+            .list(None)
+            .try_filter(|f| std::future::ready(f.location.filename() != Some("server.json")))
+            .try_collect()
+            .await
+            .expect("lists");
         assert_eq!(files.len(), 1, "only the storable batch's file: {files:?}");
     }
 
