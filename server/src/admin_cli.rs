@@ -82,6 +82,21 @@ impl ServerArg {
             )
         })
     }
+
+    /// `e`, an error of a call to this server, in command-line words; one
+    /// of the transport (the server stopped answering: hung, gone, cut
+    /// off) says which server did not answer.
+    pub fn said(&self, e: &ClientError) -> String {
+        let text = e.text_in(CLI_TERMS);
+        if !e.is_transport() {
+            return text;
+        }
+        format!(
+            "{} did not answer: {text}; is a flightdeck server running there? Name another with \
+             --server",
+            named_server(&self.server)
+        )
+    }
 }
 
 /// `name` as given and, where it stands for another location (`local`, a
@@ -269,17 +284,7 @@ async fn on_server<T>(
     call: impl AsyncFnOnce(&mut Client) -> flightdeck_client::Result<T>,
 ) -> Result<T, String> {
     let mut client = server.connect().await?;
-    call(&mut client).await.map_err(|e| {
-        let text = e.text_in(CLI_TERMS);
-        if !e.is_transport() {
-            return text;
-        }
-        format!(
-            "{} did not answer: {text}; is a flightdeck server running there? Name another with \
-             --server",
-            named_server(&server.server)
-        )
-    })
+    call(&mut client).await.map_err(|e| server.said(&e))
 }
 
 /// Runs `flightdeck datasets`: one line a dataset.
@@ -416,7 +421,7 @@ pub async fn jobs(args: JobsArgs) -> Result<(), String> {
 /// they arrive.
 pub async fn sql(args: SqlArgs) -> Result<(), String> {
     let mut client = args.server.connect().await?;
-    let said = |e: flightdeck_client::ClientError| e.text_in(CLI_TERMS);
+    let said = |e: flightdeck_client::ClientError| args.server.said(&e);
     let result = client.sql(&args.query).await.map_err(said)?;
     if args.json {
         json_keys(&result.schema)?;

@@ -507,21 +507,30 @@ fn cgroup_limit_under(own: &str, root: &std::path::Path) -> Option<u64> {
         else {
             continue;
         };
-        let (hierarchy, file) = if controllers.is_empty() {
-            (root.to_path_buf(), "memory.max")
+        // v1 mounts a hierarchy under `memory`, or under its controllers'
+        // names where memory shares it (`cpu,memory`) and no `memory` link
+        // was made: both are read.
+        let (hierarchies, file) = if controllers.is_empty() {
+            (vec![root.to_path_buf()], "memory.max")
         } else if controllers.split(',').any(|c| c == "memory") {
-            (root.join("memory"), "memory.limit_in_bytes")
+            let mut at = vec![root.join("memory")];
+            if controllers != "memory" {
+                at.push(root.join(controllers));
+            }
+            (at, "memory.limit_in_bytes")
         } else {
             continue;
         };
         // In a container the hierarchy's root is often the container's own
         // cgroup, whatever path the line names: every level is read.
-        let mut dir = std::path::PathBuf::from(path.trim());
-        loop {
-            let relative = dir.strip_prefix("/").unwrap_or(&dir);
-            files.push(hierarchy.join(relative).join(file));
-            if !dir.pop() {
-                break;
+        for hierarchy in hierarchies {
+            let mut dir = std::path::PathBuf::from(path.trim());
+            loop {
+                let relative = dir.strip_prefix("/").unwrap_or(&dir);
+                files.push(hierarchy.join(relative).join(file));
+                if !dir.pop() {
+                    break;
+                }
             }
         }
     }
@@ -900,6 +909,12 @@ mod tests {
         assert_eq!(
             cgroup_limit_under("12:cpu,memory:/\n", &root),
             Some(8 << 30)
+        );
+        // A hierarchy memory shares, mounted under its controllers' names.
+        write("cpu,memory/memory.limit_in_bytes", "4294967296\n");
+        assert_eq!(
+            cgroup_limit_under("12:cpu,memory:/\n", &root),
+            Some(4 << 30)
         );
         assert_eq!(cgroup_limit_under("garbage\n", &root), None);
         assert_eq!(parse_cgroup_limit("max"), None);

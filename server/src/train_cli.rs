@@ -7,7 +7,7 @@ use std::io::{IsTerminal, Write};
 use flightdeck_client::{OptimizerKind, Shuffle, Task, TrainJob, TrainProgress};
 use futures::StreamExt;
 
-use crate::admin_cli::{CLI_TERMS, ServerArg, to_json};
+use crate::admin_cli::{ServerArg, to_json};
 
 /// Flags of `flightdeck train`.
 #[derive(Debug, clap::Args)]
@@ -196,7 +196,7 @@ fn line(p: &TrainProgress) -> String {
 pub async fn run(args: TrainArgs) -> Result<(), String> {
     let job = args.job()?;
     let mut client = args.server.connect().await?;
-    let mut progress = client.train(job).await.map_err(|e| e.text_in(CLI_TERMS))?;
+    let mut progress = client.train(job).await.map_err(|e| args.server.said(&e))?;
     let tty = std::io::stderr().is_terminal();
     let mut err = std::io::stderr();
     while let Some(p) = progress.next().await {
@@ -204,7 +204,7 @@ pub async fn run(args: TrainArgs) -> Result<(), String> {
             if tty {
                 eprintln!();
             }
-            e.text_in(CLI_TERMS)
+            args.server.said(&e)
         })?;
         if args.json {
             println!("{}", to_json(&p));

@@ -356,7 +356,7 @@ def test_operator_commands_give_up_on_a_server_that_does_not_answer():
     answers, and against one whose connections are never taken (a host
     dropping packets): each fails within a bound, saying so, instead of
     hanging (the first forever, the second for the two minutes TCP gives
-    up after)."""
+    up after). `sql` and `train` against the silent port say the same."""
     with socket.socket() as silent, socket.socket() as full:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -371,12 +371,18 @@ def test_operator_commands_give_up_on_a_server_that_does_not_answer():
             s.connect_ex(full.getsockname())
             filling.append(s)
         started = time.monotonic()
+        at = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in (silent, full)]
+        commands = [
+            ["stats", "--server", at[0]],
+            ["stats", "--server", at[1]],
+            ["sql", "--server", at[0], "SELECT 1"],
+            ["train", "--server", at[0], "--dataset", "d", "--features", "x", "--label", "y",
+             "--classes", "2"],
+        ]
         probes = [
-            subprocess.Popen(
-                [str(server_binary()), "stats", "--server", f"127.0.0.1:{sock.getsockname()[1]}"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )
-            for sock in (silent, full)
+            subprocess.Popen([str(server_binary()), *command],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for command in commands
         ]
         try:
             said = [p.communicate(timeout=scaled(90))[1] for p in probes]
@@ -386,6 +392,8 @@ def test_operator_commands_give_up_on_a_server_that_does_not_answer():
             for s in filling:
                 s.close()
         assert time.monotonic() - started < scaled(60)
-    assert [p.returncode for p in probes] == [1, 1], said
-    assert "did not answer" in said[0] and "keep-alive timed out" in said[0], said[0]
+    assert [p.returncode for p in probes] == [1] * len(commands), said
+    for silent_said in (said[0], *said[2:]):
+        assert f"{at[0]} (grpc://{at[0]}) did not answer" in silent_said, silent_said
+        assert "keep-alive timed out" in silent_said, silent_said
     assert "cannot reach" in said[1] and "deadline has elapsed" in said[1], said[1]
