@@ -142,6 +142,8 @@ pub struct Metrics {
     queries: Family<OutcomeLabel, Counter>,
     query_seconds: Histogram,
     credential_reloads: Family<OutcomeLabel, Counter>,
+    store_beats: Family<OutcomeLabel, Counter>,
+    stopped_sessions_removed: Counter,
     in_flight: AtomicU64,
     /// Per dataset, one past the highest rank its reads have label sets
     /// for: what [`Metrics::forget`] removes.
@@ -169,6 +171,8 @@ impl Default for Metrics {
             queries: Family::default(),
             query_seconds: seconds_histogram(),
             credential_reloads: Family::default(),
+            store_beats: Family::default(),
+            stopped_sessions_removed: Counter::default(),
             in_flight: AtomicU64::new(0),
             rank_bounds: Mutex::default(),
         }
@@ -286,6 +290,21 @@ impl Metrics {
         }
     }
 
+    /// This server wrote its records in the spill store (a beat), or
+    /// failed to (`ok` false).
+    pub fn store_beat(&self, ok: bool) {
+        let outcome = if ok { "ok" } else { "failed" };
+        self.store_beats
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+    }
+
+    /// `n` spill folders of servers that stopped without shutting down
+    /// were removed from the store.
+    pub fn stopped_sessions_removed(&self, n: usize) {
+        self.stopped_sessions_removed.inc_by(n as u64);
+    }
+
     /// A dataset was sealed.
     pub fn sealed(&self) {
         self.seals.inc();
@@ -396,6 +415,19 @@ impl Metrics {
              they changed, on SIGHUP or the 10 s check: taken, or refused as unusable (the server \
              goes on with the previous ones: alert on refused)",
             self.credential_reloads.clone(),
+        );
+        r.register(
+            "store_beats",
+            "rewrites of this server's records in the spill store every 10 s (while it has \
+             spill files, and always with --persist): ok, or failed (the store does not answer: \
+             alert on failed, spills and persists will fail too)",
+            self.store_beats.clone(),
+        );
+        r.register(
+            "stopped_sessions_removed",
+            "spill folders of servers that stopped without shutting down, removed from the \
+             store by this server",
+            self.stopped_sessions_removed.clone(),
         );
         r.register(
             "spill_duration_seconds",

@@ -1312,10 +1312,21 @@ impl State {
     /// of servers that stopped without shutting down.
     pub async fn tend_store(&self, beat: bool, clean: bool) -> Result<()> {
         if beat {
-            self.store.beat(self.config.persist).await?;
+            match self.store.beat(self.config.persist).await {
+                Ok(wrote) => {
+                    if wrote {
+                        self.metrics.store_beat(true);
+                    }
+                }
+                Err(e) => {
+                    self.metrics.store_beat(false);
+                    return Err(e);
+                }
+            }
         }
         if clean {
-            self.store.remove_stopped_sessions().await?;
+            let removed = self.store.remove_stopped_sessions().await?;
+            self.metrics.stopped_sessions_removed(removed);
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -300,6 +301,41 @@ def test_metrics_show_a_spill_and_a_restore():
         m = scrape(server.metrics_url)
         assert value(m, "flightdeck_restores_total") == 1
         assert value(m, "flightdeck_restore_duration_seconds_count") == 1
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+
+
+def test_metrics_show_the_spill_store_tended(tmp_path):
+    """The spill files a killed server left (here: a session folder without
+    a record, last written an hour ago) are removed by the next server on
+    the store and counted. A server started with --persist rewrites its
+    record every 10 s and counts it; with the store gone it counts the
+    failure — what to alert on before the next spill or persist fails."""
+    store = tmp_path / "store"
+    left = store / "spill" / "1-1" / "d" / "1" / "data.parquet"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"PAR1")
+    an_hour_ago = time.time() - 3600
+    os.utime(left, (an_hour_ago, an_hour_ago))
+    server = RunningServer("--persist", "--spill-url", str(store), "--metrics-listen", "127.0.0.1:0")
+
+    def counted(name: str, at_least: float, **labels):
+        def probe():
+            m = scrape(server.metrics_url)
+            key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+            return True if m.get(key, 0) >= at_least else None
+        return probe
+
+    try:
+        eventually("the left spill folder removed",
+                   counted("flightdeck_stopped_sessions_removed_total", 1))
+        assert not left.exists()
+        assert (store / "datasets" / "server.json").exists()
+        eventually("a beat", counted("flightdeck_store_beats_total", 1, outcome="ok"))
+        shutil.rmtree(store)
+        store.write_text("in the way")
+        eventually("a failed beat", counted("flightdeck_store_beats_total", 1, outcome="failed"))
+        store.unlink()
     finally:
         assert server.stop() == 0, "".join(server.stderr_lines)
 

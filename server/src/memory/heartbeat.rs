@@ -326,9 +326,9 @@ impl Store {
     /// with `persist`, the record that it holds the store's persisted
     /// datasets — unless another server took them over meanwhile (it
     /// judged this one stopped), which is an error to log: this server's
-    /// later persists would write over that one's.
-    pub async fn beat(&self, persist: bool) -> Result<()> {
-        {
+    /// later persists would write over that one's. Whether it wrote any.
+    pub async fn beat(&self, persist: bool) -> Result<bool> {
+        let spilled = {
             // Held while writing: a spill's end must not delete the record
             // between the check and the write.
             let folders = self.spill_folders.lock().await;
@@ -338,7 +338,8 @@ impl Store {
                     .await
                     .map_err(|e| store_error(&format!("writing {path} to {}", self.url), e))?;
             }
-        }
+            *folders > 0
+        };
         if persist {
             let path = self.persist_record();
             if let Some(Seen {
@@ -358,7 +359,7 @@ impl Store {
                 .await
                 .map_err(|e| store_error(&format!("writing {path} to {}", self.url), e))?;
         }
-        Ok(())
+        Ok(spilled || persist)
     }
 
     /// Removes the spill folders of servers that stopped without shutting
