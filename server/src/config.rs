@@ -39,7 +39,8 @@ pub struct ServerConfig {
     pub default_block_rows: u32,
     /// Folder for the server's own files; the default spill store lives in
     /// `<data_dir>/store`. Nothing is written there until a dataset spills
-    /// or is persisted.
+    /// or is persisted (with `persist`, the record that this server persists
+    /// into the store, at start).
     pub data_dir: std::path::PathBuf,
     /// Spill and persistence store (`file://`, `memory://`, `s3://`, `gs://`,
     /// `az://` or a local path); `None` = `<data_dir>/store`.

@@ -79,7 +79,8 @@ struct ServeArgs {
     default_batch_rows: u32,
     /// Folder for the server's files; the default spill store is
     /// DATA_DIR/store. Nothing is written until a dataset spills or is
-    /// persisted.
+    /// persisted (with --persist, the record that this server persists
+    /// into the store, at start).
     #[arg(long, default_value = config::DEFAULT_DATA_DIR)]
     data_dir: std::path::PathBuf,
     /// Where datasets spill when memory is full (and are persisted with
@@ -89,7 +90,8 @@ struct ServeArgs {
     #[arg(long)]
     spill_url: Option<String>,
     /// Write each sealed dataset to the spill store at seal, and serve the
-    /// stored datasets again after a restart.
+    /// stored datasets again after a restart. One server a store: a store
+    /// another running server persists into is refused at start.
     #[arg(long)]
     persist: bool,
     /// Size of the host arena's slabs (default 64MiB, less for small limits).
