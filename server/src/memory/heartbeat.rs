@@ -378,6 +378,23 @@ impl Store {
             if session.filename() == Some(self.session.as_str()) {
                 continue;
             }
+            let stopped = |holder: Option<&Holder>, age| {
+                let verdict = judge(
+                    here,
+                    holder,
+                    age,
+                    self.timing.stopped_after,
+                    start_of_running,
+                );
+                verdict == Verdict::Stopped
+            };
+            // The record first: a running server's files are not listed.
+            let seen = self.read_record(&session.clone().join(RECORD)).await?;
+            if let Some(seen) = &seen
+                && !stopped(seen.holder.as_ref(), seen.age)
+            {
+                continue;
+            }
             let files: Vec<object_store::ObjectMeta> = self
                 .store
                 .list(Some(&session))
@@ -387,27 +404,22 @@ impl Store {
             if files.is_empty() {
                 continue;
             }
-            let record = session.clone().join(RECORD);
-            let (holder, age) = match self.read_record(&record).await? {
+            let (holder, age) = match seen {
                 Some(seen) => (seen.holder, seen.age),
                 None => {
+                    // No record (written before a session's first file):
+                    // judged by its newest file.
                     let newest = files
                         .iter()
                         .map(|f| f.last_modified.timestamp_millis())
                         .max();
-                    (None, newest.map_or(Duration::MAX, age_of))
+                    let age = newest.map_or(Duration::MAX, age_of);
+                    if !stopped(None, age) {
+                        continue;
+                    }
+                    (None, age)
                 }
             };
-            let verdict = judge(
-                here,
-                holder.as_ref(),
-                age,
-                self.timing.stopped_after,
-                start_of_running,
-            );
-            if verdict != Verdict::Stopped {
-                continue;
-            }
             let bytes: u64 = files.iter().map(|f| f.size).sum();
             let paths: Vec<Path> = files.iter().map(|f| f.location.clone()).collect();
             self.delete_each(&paths).await?;
