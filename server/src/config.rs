@@ -150,11 +150,7 @@ impl ServerConfig {
             "grpc"
         };
         if bound.ip().is_unspecified() {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_string())
-                .ok()
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| "127.0.0.1".to_string());
+            let host = host_name().unwrap_or_else(|| "127.0.0.1".to_string());
             return format!("{scheme}://{host}:{}", bound.port());
         }
         format!("{scheme}://{bound}")
@@ -484,6 +480,14 @@ pub fn default_memory_limit() -> u64 {
         (Some(m), None) | (None, Some(m)) => m / 2,
         (None, None) => 4 << 30,
     }
+}
+
+/// This machine's host name, where the kernel says one.
+pub fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
 }
 
 /// The memory limit of the control group this process runs in — a

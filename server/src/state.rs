@@ -240,11 +240,7 @@ impl State {
             // One server a store: two would number generations alike and
             // write over each other's datasets.
             store.claim().await?;
-            let found = store.persisted().await?;
-            if let Err(e) = store.remove_superseded(&found).await {
-                warn!(error = %e, "could not remove persisted generations that nothing serves");
-            }
-            for ds in found {
+            for ds in store.persisted().await? {
                 info!(dataset = %ds.name, generation = ds.generation, "reloaded persisted dataset");
                 catalog.insert_persisted(ds)?;
             }
@@ -1312,17 +1308,13 @@ impl State {
     /// of servers that stopped without shutting down.
     pub async fn tend_store(&self, beat: bool, clean: bool) -> Result<()> {
         if beat {
-            match self.store.beat(self.config.persist).await {
-                Ok(wrote) => {
-                    if wrote {
-                        self.metrics.store_beat(true);
-                    }
-                }
-                Err(e) => {
-                    self.metrics.store_beat(false);
-                    return Err(e);
-                }
+            let beaten = self.store.beat(self.config.persist).await;
+            match beaten {
+                Ok(true) => self.metrics.store_beat(true),
+                Ok(false) => {}
+                Err(_) => self.metrics.store_beat(false),
             }
+            beaten?;
         }
         if clean {
             let removed = self.store.remove_stopped_sessions().await?;

@@ -25,7 +25,7 @@
 //!   and takes it over from one that stopped — at once when it can tell,
 //!   otherwise after watching the record for missed beats. It then removes
 //!   the generations that a stopped server's overwrite or persist left
-//!   half done ([`Store::remove_superseded`]).
+//!   half done, as it reloads them ([`Store::persisted`]).
 
 use std::time::Duration;
 
@@ -35,7 +35,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
-use super::spill::{PersistedDataset, Store, store_error};
+use super::spill::{PersistedDataset, Store, age_of, store_error};
 use crate::error::{Error, Result};
 
 /// Name of the records, in a spill session's folder and in `datasets/`.
@@ -243,18 +243,11 @@ fn parent(path: &Path) -> Path {
     Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned())
 }
 
-/// How long ago the store says it last wrote an object (at `modified`,
-/// milliseconds since the epoch).
-fn age_of(modified: i64) -> Duration {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
-    Duration::from_millis(now.saturating_sub(modified).max(0) as u64)
-}
-
 impl Store {
     fn session_record(&self) -> Path {
-        self.spill_root().join(self.session.as_str()).join(RECORD)
+        self.spill_root()
+            .join(self.holder.session.as_str())
+            .join(RECORD)
     }
 
     fn spill_root(&self) -> Path {
@@ -272,7 +265,7 @@ impl Store {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(store_error(&what(), e)),
         };
-        let age = age_of(got.meta.last_modified.timestamp_millis());
+        let age = age_of(&got.meta);
         let bytes = got.bytes().await.map_err(|e| store_error(&what(), e))?;
         let (holder, beat) = match Holder::parse(&bytes) {
             Some((h, b)) => (Some(h), b),
@@ -373,21 +366,21 @@ impl Store {
             Err(e) => return Err(store_error(&format!("listing {dir} in {}", self.url), e)),
         };
         let here = self.holder.process.as_ref();
+        let stopped = |holder: Option<&Holder>, age| {
+            let verdict = judge(
+                here,
+                holder,
+                age,
+                self.timing.stopped_after,
+                start_of_running,
+            );
+            verdict == Verdict::Stopped
+        };
         let mut removed = 0;
         for session in listing.common_prefixes {
-            if session.filename() == Some(self.session.as_str()) {
+            if session.filename() == Some(self.holder.session.as_str()) {
                 continue;
             }
-            let stopped = |holder: Option<&Holder>, age| {
-                let verdict = judge(
-                    here,
-                    holder,
-                    age,
-                    self.timing.stopped_after,
-                    start_of_running,
-                );
-                verdict == Verdict::Stopped
-            };
             // The record first: a running server's files are not listed.
             let seen = self.read_record(&session.clone().join(RECORD)).await?;
             if let Some(seen) = &seen
@@ -409,11 +402,7 @@ impl Store {
                 None => {
                     // No record (written before a session's first file):
                     // judged by its newest file.
-                    let newest = files
-                        .iter()
-                        .map(|f| f.last_modified.timestamp_millis())
-                        .max();
-                    let age = newest.map_or(Duration::MAX, age_of);
+                    let age = files.iter().map(age_of).min().unwrap_or(Duration::MAX);
                     if !stopped(None, age) {
                         continue;
                     }
@@ -556,17 +545,16 @@ impl Store {
     /// Removes the generations of persisted datasets that nothing serves:
     /// one older than its dataset's served generation (an overwrite stopped
     /// before it removed the old files) and one without a manifest (a
-    /// persist stopped before it finished). Only the holder of the store
-    /// ([`Store::claim`]) may, right after reloading `served`: nothing is
+    /// persist stopped before it finished). `files` are those under `dir`
+    /// (`datasets/`), listed as `served` was reloaded from them; only the
+    /// holder of the store ([`Store::claim`]) may, at start: nothing is
     /// being written then. Returns how many it removed.
-    pub async fn remove_superseded(&self, served: &[PersistedDataset]) -> Result<usize> {
-        let dir = self.root.clone().join("datasets");
-        let files: Vec<object_store::ObjectMeta> = self
-            .store
-            .list(Some(&dir))
-            .try_collect()
-            .await
-            .map_err(|e| store_error(&format!("listing {dir} in {}", self.url), e))?;
+    pub(super) async fn remove_superseded(
+        &self,
+        dir: &Path,
+        files: &[object_store::ObjectMeta],
+        served: &[PersistedDataset],
+    ) -> Result<usize> {
         let depth = dir.parts().count();
         // …/datasets/NAME/GENERATION/FILE: each generation's files, and
         // whether it has a manifest.
@@ -755,7 +743,6 @@ mod tests {
     /// session and record).
     fn other(store: &Store, session: &str, process: Option<Process>) -> Store {
         Store {
-            session: session.to_string(),
             holder: Holder {
                 session: session.to_string(),
                 process,
@@ -769,7 +756,7 @@ mod tests {
 
     /// Rewrites the record of `store`'s session to say it is `process`'s.
     async fn says(store: &Store, process: Process) {
-        let rewritten = other(store, &store.session, Some(process));
+        let rewritten = other(store, &store.holder.session, Some(process));
         *rewritten.spill_folders.lock().await = 1;
         rewritten.beat(false).await.expect("beats");
     }
@@ -808,7 +795,7 @@ mod tests {
         let me = a.holder.process.clone().expect("/proc tells this process");
         let x = a.write("x", 1, &data(), None).await.expect("spills");
         let y = a.write("y", 2, &data(), None).await.expect("spills");
-        let session = format!("spill/{}", a.session);
+        let session = format!("spill/{}", a.holder.session);
         assert_eq!(
             files(&a, &session).await.len(),
             3,
@@ -914,7 +901,7 @@ mod tests {
         // `a` stopped without shutting down: taken over at once.
         let a_gone = other(
             &a,
-            &a.session,
+            &a.holder.session,
             Some(Process {
                 start: me.start + 1,
                 ..me.clone()
@@ -935,7 +922,10 @@ mod tests {
             watch: Duration::from_millis(300),
             stopped_after: Duration::from_secs(600),
         };
-        let b = Store::open("memory://").expect("opens").with_timing(timing);
+        let b = Store {
+            timing,
+            ..Store::open("memory://").expect("opens")
+        };
         let remote = other(&b, "remote", Some(process("boot-elsewhere", 1, 1)));
         remote.claim().await.expect("claims");
         let beating = {
@@ -993,8 +983,18 @@ mod tests {
             },
             cluster: None,
         };
+        let dir = under(&store, "datasets");
+        let listed: Vec<object_store::ObjectMeta> = store
+            .store
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .expect("lists");
         assert_eq!(
-            store.remove_superseded(&[served]).await.expect("removes"),
+            store
+                .remove_superseded(&dir, &listed, &[served])
+                .await
+                .expect("removes"),
             2
         );
         let left: Vec<String> = files(&store, "datasets")

@@ -21,6 +21,7 @@
 //! short.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, IntervalUnit, Schema, SchemaRef};
@@ -44,8 +45,6 @@ use parquet::errors::ParquetError;
 use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
 use serde_json::{Value, json};
-
-use std::sync::atomic::AtomicU64;
 
 use super::heartbeat::{Holder, Process, Timing};
 use crate::catalog::{AttemptKey, ClusterState, PartitionSummary, SealedData};
@@ -193,9 +192,9 @@ pub fn unstorable_column(schema: &Schema) -> Option<(String, Unstorable)> {
 pub struct Store {
     pub(super) store: Arc<dyn ObjectStore>,
     pub(super) root: Path,
-    pub(super) session: String,
     pub(super) url: String,
-    /// This server, as its records in the store name it.
+    /// This server, as its records in the store name it; its session
+    /// (unique per run) names its spill folder.
     pub(super) holder: Holder,
     /// Beats written so far (a record's `beat`).
     pub(super) beats: Arc<AtomicU64>,
@@ -298,7 +297,7 @@ const PROBE_PREFIX: &str = ".flightdeck-write-check";
 /// A probe this old was left by a process stopped between writing and
 /// deleting it (a probe lives for one round trip, at most
 /// [`WRITE_CHECK_TIMEOUT`]).
-const STALE_PROBE_SECS: i64 = 600;
+const STALE_PROBE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Writes and deletes a small object under `dir` of `store`: whether
 /// anything can be written there, checked before work that would write there
@@ -333,20 +332,26 @@ pub async fn check_writable(
     }
 }
 
-/// Deletes the probes in `dir` older than [`STALE_PROBE_SECS`].
+/// How long ago the store last wrote the object `meta` describes.
+pub(super) fn age_of(meta: &object_store::ObjectMeta) -> std::time::Duration {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let written = meta.last_modified.timestamp_millis();
+    std::time::Duration::from_millis(now.saturating_sub(written).max(0) as u64)
+}
+
+/// Deletes the probes in `dir` older than [`STALE_PROBE`].
 async fn remove_stale_probes(store: &dyn ObjectStore, dir: &Path) {
     let Ok(listing) = store.list_with_delimiter(Some(dir)).await else {
         return;
     };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
     for meta in listing.objects {
         let probe = meta
             .location
             .filename()
             .is_some_and(|name| name.starts_with(PROBE_PREFIX));
-        if probe && now - meta.last_modified.timestamp() > STALE_PROBE_SECS {
+        if probe && age_of(&meta) > STALE_PROBE {
             tracing::info!(probe = %meta.location, "removing a write check a stopped process left");
             let _ = store.delete(&meta.location).await;
         }
@@ -368,20 +373,15 @@ impl Store {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        let session = format!("{}-{nanos}", std::process::id());
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_default();
         Ok(Self {
             store,
             root,
             holder: Holder {
-                session: session.clone(),
-                host,
+                session: format!("{}-{nanos}", std::process::id()),
+                host: crate::config::host_name().unwrap_or_default(),
                 location: String::new(),
                 process: Process::current(),
             },
-            session,
             url: url.to_string(),
             beats: Arc::default(),
             spill_folders: Arc::default(),
@@ -393,12 +393,6 @@ impl Store {
     /// name it).
     pub fn serving_at(mut self, location: &str) -> Self {
         self.holder.location = location.to_string();
-        self
-    }
-
-    /// The store with other heartbeat timings (tests).
-    pub fn with_timing(mut self, timing: Timing) -> Self {
-        self.timing = timing;
         self
     }
 
@@ -430,7 +424,10 @@ impl Store {
         let base = if persisted {
             self.root.clone().join("datasets")
         } else {
-            self.root.clone().join("spill").join(self.session.as_str())
+            self.root
+                .clone()
+                .join("spill")
+                .join(self.holder.session.as_str())
         };
         // What a write stages goes under its dataset's name too (the
         // generation, unique per server, keeps the two apart).
@@ -598,7 +595,11 @@ impl Store {
 
     /// Removes this server's spill files (at shutdown).
     pub async fn clear_session(&self) -> Result<()> {
-        let dir = self.root.clone().join("spill").join(self.session.as_str());
+        let dir = self
+            .root
+            .clone()
+            .join("spill")
+            .join(self.holder.session.as_str());
         self.delete_under(&dir).await?;
         self.spills_cleared().await;
         Ok(())
@@ -608,16 +609,21 @@ impl Store {
     /// A manifest that does not parse (its file damaged) is logged and left
     /// out, and so is every older generation of its dataset: serving one
     /// would serve a write that is not the last. The others are served.
+    /// The generations nothing serves — older than a served one, or
+    /// without a manifest — are removed, found in the same listing, so only
+    /// the server holding the store ([`Store::claim`]) may ask, at start.
     pub async fn persisted(&self) -> Result<Vec<PersistedDataset>> {
         let dir = self.root.clone().join("datasets");
-        let manifests: Vec<Path> = self
+        let files: Vec<object_store::ObjectMeta> = self
             .store
             .list(Some(&dir))
-            .map_ok(|m| m.location)
-            .try_filter(|p| std::future::ready(p.filename() == Some("manifest.json")))
             .try_collect()
             .await
             .map_err(|e| store_error(&format!("listing {dir} in {}", self.url), e))?;
+        let manifests = files
+            .iter()
+            .map(|f| f.location.clone())
+            .filter(|p| p.filename() == Some("manifest.json"));
         // Each served dataset beside its folder (…/datasets/NAME), the
         // newest generation per name; (folder, generation) of each damaged
         // manifest.
@@ -684,6 +690,9 @@ impl Store {
             })
             .collect();
         found.sort_by(|a, b| a.name.cmp(&b.name));
+        if let Err(e) = self.remove_superseded(&dir, &files, &found).await {
+            tracing::warn!(error = %e, "could not remove persisted generations that nothing serves");
+        }
         Ok(found)
     }
 }
