@@ -8,18 +8,22 @@
 //! the server calls it on `SIGHUP` and every [`CHECK_EVERY`]. A file that
 //! changed to something the server cannot use (a token file cut short, a
 //! key that is not the certificate's) is refused with a warning naming it,
-//! and the server goes on with what it had. Calls check the newest tokens;
-//! connections opened after a refresh get the newest certificate, and those
-//! already open keep the one they were opened with.
+//! and the server goes on with what it had; so is a certificate that has
+//! expired (at start too: every client that checks it would refuse it).
+//! Calls check the newest tokens; connections opened after a refresh get
+//! the newest certificate, and those already open keep the one they were
+//! opened with. [`Expiry`] says when the certificate in use expires, for
+//! the log's warnings and the metrics.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
 use tracing::{info, warn};
+use x509_cert::der::Decode;
 
 use crate::auth::Tokens;
 use crate::config::ServerConfig;
@@ -151,9 +155,100 @@ fn certificates(pem: &[u8], path: &Path, flag: &str) -> Result<Vec<CertificateDe
     Ok(certs)
 }
 
-fn parse_identity(read: &[Vec<u8>], files: &[File]) -> Result<CertifiedKey> {
+/// When a certificate chain stops being valid: its earliest `notAfter`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expiry {
+    /// The moment, as time since the Unix epoch.
+    pub at: Duration,
+    /// The moment as the certificate states it (`2027-03-01T00:00:00Z`).
+    pub text: String,
+}
+
+impl Expiry {
+    /// The earliest `notAfter` of `certs`; an error names the file whose
+    /// certificate is not X.509.
+    fn of(certs: &[CertificateDer<'_>], path: &Path, flag: &str) -> Result<Self> {
+        let mut earliest: Option<Self> = None;
+        for der in certs {
+            let cert = x509_cert::Certificate::from_der(der.as_ref()).map_err(|e| {
+                Error::invalid(format!(
+                    "{flag} {} holds a certificate that is not X.509: {e}",
+                    path.display()
+                ))
+            })?;
+            let not_after = cert.tbs_certificate().validity().not_after;
+            let at = not_after.to_unix_duration();
+            if earliest.as_ref().is_none_or(|e| at < e.at) {
+                earliest = Some(Self {
+                    at,
+                    text: not_after.to_string(),
+                });
+            }
+        }
+        earliest.ok_or_else(|| {
+            Error::invalid(format!("{flag} {} holds no certificate", path.display()))
+        })
+    }
+
+    /// How long from `now` until it expires; `None` once it has.
+    pub fn left(&self, now: SystemTime) -> Option<Duration> {
+        let now = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.at.checked_sub(now).filter(|left| !left.is_zero())
+    }
+}
+
+/// How long before its certificate expires the server starts warning, once
+/// a day.
+pub const WARN_BEFORE: Duration = Duration::from_secs(14 * 24 * 3600);
+
+/// What the log says about the expiry of the certificate in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ExpiryWarning {
+    /// It expires within [`WARN_BEFORE`], in this many whole days (0: within
+    /// a day).
+    Soon {
+        /// Whole days left.
+        days: u64,
+    },
+    /// It has expired: clients that check it refuse new connections.
+    Expired,
+}
+
+impl Expiry {
+    /// What to warn of at `now`: `None` while more than [`WARN_BEFORE`]
+    /// is left. The warning changes once a day, so a log that says each
+    /// new one warns daily.
+    pub fn warning(&self, now: SystemTime) -> Option<ExpiryWarning> {
+        match self.left(now) {
+            None => Some(ExpiryWarning::Expired),
+            Some(left) if left <= WARN_BEFORE => Some(ExpiryWarning::Soon {
+                days: left.as_secs() / (24 * 3600),
+            }),
+            Some(_) => None,
+        }
+    }
+}
+
+/// A certificate (with its chain and key) and when it expires.
+struct Identity {
+    key: Arc<CertifiedKey>,
+    expiry: Expiry,
+}
+
+fn parse_identity(read: &[Vec<u8>], files: &[File]) -> Result<Identity> {
     let ((cert_path, cert_flag), (key_path, key_flag)) = (&files[0], &files[1]);
     let certs = certificates(&read[0], cert_path, cert_flag)?;
+    let expiry = Expiry::of(&certs, cert_path, cert_flag)?;
+    if expiry.left(SystemTime::now()).is_none() {
+        return Err(Error::invalid(format!(
+            "{cert_flag} {} expired at {} (its notAfter): clients refuse it; install a renewed \
+             certificate and key",
+            cert_path.display(),
+            expiry.text
+        )));
+    }
     let key = PrivateKeyDer::from_pem_slice(&read[1]).map_err(|e| {
         Error::invalid(format!(
             "{key_flag} {} holds no PEM private key: {e}",
@@ -161,7 +256,7 @@ fn parse_identity(read: &[Vec<u8>], files: &[File]) -> Result<CertifiedKey> {
         ))
     })?;
     let provider = rustls::crypto::aws_lc_rs::default_provider();
-    CertifiedKey::from_der(certs, key, &provider).map_err(|e| {
+    let key = CertifiedKey::from_der(certs, key, &provider).map_err(|e| {
         let why = match e {
             rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
                 "it is not the private key of the (first) certificate there".to_string()
@@ -173,6 +268,10 @@ fn parse_identity(read: &[Vec<u8>], files: &[File]) -> Result<CertifiedKey> {
             key_path.display(),
             cert_path.display()
         ))
+    })?;
+    Ok(Identity {
+        key: Arc::new(key),
+        expiry,
     })
 }
 
@@ -185,7 +284,7 @@ fn parse_roots(read: &[Vec<u8>], files: &[File]) -> Result<Vec<u8>> {
 /// The server's credentials, as last read from their files.
 pub struct Credentials {
     tokens: Option<Watched<Tokens>>,
-    identity: Option<Arc<Watched<CertifiedKey>>>,
+    identity: Option<Arc<Watched<Identity>>>,
     roots: Option<Watched<Vec<u8>>>,
 }
 
@@ -272,6 +371,11 @@ impl Credentials {
         self.tokens().map(|t| t.peer_token())
     }
 
+    /// When the certificate in use expires (`None` without `--tls-cert`).
+    pub fn certificate_expiry(&self) -> Option<Expiry> {
+        self.identity.as_ref().map(|w| w.get().expiry.clone())
+    }
+
     /// The PEM roots other members served over TLS are checked against
     /// (the same `Arc` until they are read again changed).
     pub fn peer_roots(&self) -> Option<Arc<Vec<u8>>> {
@@ -336,7 +440,7 @@ impl Credentials {
 }
 
 /// Hands every TLS handshake the newest certificate.
-struct Newest(Arc<Watched<CertifiedKey>>);
+struct Newest(Arc<Watched<Identity>>);
 
 impl std::fmt::Debug for Newest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -346,7 +450,7 @@ impl std::fmt::Debug for Newest {
 
 impl rustls::server::ResolvesServerCert for Newest {
     fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.get())
+        Some(self.0.get().key.clone())
     }
 }
 
@@ -419,6 +523,41 @@ mod tests {
         assert!(creds.refresh().tokens);
         assert_eq!(role(&creds, "w-3"), Some(crate::auth::Role::Writer));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_certificate_is_warned_of_daily_from_two_weeks_before_it_expires() {
+        let day = 24 * 3600;
+        let at = Duration::from_secs(1_800_000_000);
+        let expiry = Expiry {
+            at,
+            text: "2027-01-15T08:00:00Z".into(),
+        };
+        let seen = |before: i64| {
+            let now = SystemTime::UNIX_EPOCH + at;
+            let now = match u64::try_from(before) {
+                Ok(b) => now - Duration::from_secs(b),
+                Err(_) => now + Duration::from_secs(before.unsigned_abs()),
+            };
+            (expiry.left(now), expiry.warning(now))
+        };
+        let soon = |days| Some(ExpiryWarning::Soon { days });
+        assert_eq!(
+            seen(30 * day),
+            (Some(Duration::from_secs(30 * 86400)), None)
+        );
+        assert_eq!(seen(14 * day + 1).1, None);
+        assert_eq!(seen(14 * day).1, soon(14));
+        assert_eq!(seen(14 * day - 1).1, soon(13));
+        assert_eq!(seen(3 * day + day / 2).1, soon(3));
+        assert_eq!(seen(1), (Some(Duration::from_secs(1)), soon(0)));
+        assert_eq!(seen(0), (None, Some(ExpiryWarning::Expired)));
+        assert_eq!(seen(-5), (None, Some(ExpiryWarning::Expired)));
+        // The log says each new warning: one a day, then one at expiry.
+        let said: std::collections::BTreeSet<_> = (0..=20 * 24)
+            .map(|hours: i64| seen(hours * 3600 - 3600).1)
+            .collect();
+        assert_eq!(said.len(), 15 + 1 + 1, "{said:?}");
     }
 
     #[test]

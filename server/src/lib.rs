@@ -219,7 +219,10 @@ fn tls_incoming(
 
 /// Reads the credential files again every [`credentials::CHECK_EVERY`] and
 /// on `SIGHUP`, for as long as the server runs.
-async fn refresh_credentials(state: std::sync::Arc<state::State>) {
+async fn refresh_credentials(
+    state: std::sync::Arc<state::State>,
+    mut warned: Option<credentials::ExpiryWarning>,
+) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangup = signal(SignalKind::hangup())
         .map_err(|e| tracing::warn!("cannot listen for SIGHUP: {e}"))
@@ -254,6 +257,12 @@ async fn refresh_credentials(state: std::sync::Arc<state::State>) {
         else {
             continue;
         };
+        if refreshed.identity
+            && let Some(expiry) = state.credentials.certificate_expiry()
+        {
+            info!(expires = %expiry.text, "the new certificate's expiry");
+        }
+        warn_of_expiry(&state, &mut warned);
         if signalled {
             info!(
                 tokens = refreshed.tokens,
@@ -264,6 +273,35 @@ async fn refresh_credentials(state: std::sync::Arc<state::State>) {
             );
         }
     }
+}
+
+/// Warns that the certificate in use expires soon (once a day, from
+/// [`credentials::WARN_BEFORE`] before) or has expired (once), when that
+/// differs from what was said last (`said`).
+fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWarning>) {
+    let Some(expiry) = state.credentials.certificate_expiry() else {
+        return;
+    };
+    let warning = expiry.warning(std::time::SystemTime::now());
+    if warning == *said {
+        return;
+    }
+    let every = credentials::CHECK_EVERY.as_secs();
+    match warning {
+        Some(credentials::ExpiryWarning::Soon { days }) => tracing::warn!(
+            expires = %expiry.text,
+            "the certificate (--tls-cert) expires in {days} day(s): install a renewed certificate \
+             and key at the same paths; the server reads them again on SIGHUP and every {every}s"
+        ),
+        Some(credentials::ExpiryWarning::Expired) => tracing::error!(
+            expires = %expiry.text,
+            "the certificate (--tls-cert) has expired: clients that check it refuse new \
+             connections; install a renewed certificate and key at the same paths (read again on \
+             SIGHUP and every {every}s)"
+        ),
+        None => {}
+    }
+    *said = warning;
 }
 
 /// Tends the spill store for as long as the server runs
@@ -428,7 +466,12 @@ pub async fn serve_with(
             (served.boxed(), None)
         }
     };
-    let _refreshing = Background(tokio::spawn(refresh_credentials(state.clone())));
+    let mut warned = None;
+    if let Some(expiry) = state.credentials.certificate_expiry() {
+        info!(expires = %expiry.text, "serving TLS with --tls-cert");
+        warn_of_expiry(&state, &mut warned);
+    }
+    let _refreshing = Background(tokio::spawn(refresh_credentials(state.clone(), warned)));
     let tending = Background(tokio::spawn(tend_store(state.clone())));
     info!(
         addr = %bound,

@@ -148,7 +148,8 @@ struct ServeArgs {
     #[arg(long)]
     auth_token_file: Option<std::path::PathBuf>,
     /// Serve over TLS with this PEM certificate (chain); needs --tls-key.
-    /// The server then advertises grpc+tls://.
+    /// The server then advertises grpc+tls://. An expired certificate is
+    /// refused; one that expires within 14 days is warned of daily.
     #[arg(long)]
     tls_cert: Option<std::path::PathBuf>,
     /// The PEM private key of --tls-cert.

@@ -773,6 +773,15 @@ impl Collector for StateCollector {
             "1 when the host arena's slabs are page-locked (a CUDA driver is present)",
             &gauge(u64::from(tiers.arena.pinned)),
         )?;
+        if let Some(expiry) = state.credentials.certificate_expiry() {
+            one(
+                &mut e,
+                "tls_certificate_expiry_timestamp_seconds",
+                "when the certificate served (--tls-cert) expires: the earliest notAfter of its \
+                 chain, in seconds since the Unix epoch",
+                &gauge(expiry.at.as_secs()),
+            )?;
+        }
         one(
             &mut e,
             "datasets",

@@ -321,3 +321,24 @@ def make_test_certs(folder: Path) -> dict[str, Path]:
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
         "-CAcreateserial", "-days", "2", "-extfile", "server.ext", "-out", "cert.pem")
     return {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "key.pem"}
+
+
+def sign_expired(folder: Path) -> Path:
+    """A certificate for the key and request `make_test_certs` left in
+    `folder`, self-signed and valid only on 1 January 2020 (expired), made
+    with `openssl ca` (the only openssl 3.0 command that takes dates):
+    `folder / "expired.pem"`."""
+    (folder / "index.txt").write_text("")
+    (folder / "serial").write_text("01\n")
+    (folder / "expired.cnf").write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nnew_certs_dir = .\n"
+        "serial = serial\ndefault_md = sha256\npolicy = p\n[p]\ncommonName = supplied\n"
+    )
+    subprocess.run(
+        ["openssl", "ca", "-batch", "-config", "expired.cnf", "-selfsign", "-keyfile", "key.pem",
+         "-in", "server.csr", "-startdate", "20200101000000Z", "-enddate", "20200102000000Z",
+         "-extfile", "server.ext", "-notext", "-out", "expired.pem"],
+        cwd=folder, check=True, capture_output=True,
+    )
+    return folder / "expired.pem"
+

@@ -3,9 +3,12 @@ one is UNAUTHENTICATED, a reader's token reads but cannot write, a writer's
 does everything; flightdeck's client takes `token=` or FLIGHTDECK_TOKEN, and
 a plain pyarrow client sends the header itself), and one serving over TLS
 (--tls-cert/--tls-key) to clients given its authority's certificate; both
-rotate while the server runs (SIGHUP, or on their own within 10 s)."""
+rotate while the server runs (SIGHUP, or on their own within 10 s); a
+certificate that has expired is refused, and one about to is warned of."""
 
 import signal
+import ssl
+import subprocess
 import time
 import urllib.request
 
@@ -14,7 +17,9 @@ import pyarrow.flight as flight
 import pytest
 
 import flightdeck
-from conftest import RunningServer, make_test_certs, scaled
+from conftest import (
+    RunningServer, eventually, make_test_certs, scaled, server_binary, sign_expired,
+)
 
 
 @pytest.fixture
@@ -177,6 +182,58 @@ def test_tokens_and_certificates_rotate_without_a_restart(tmp_path):
             scraped = response.read().decode()
         assert 'flightdeck_credential_reloads_total{outcome="taken"} 4' in scraped, scraped
         assert 'flightdeck_credential_reloads_total{outcome="refused"} 2' in scraped, scraped
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_expired_certificate_is_refused_and_one_expiring_soon_is_warned_of(tmp_path):
+    """A certificate past its notAfter is refused by name at start (every
+    client that checks it would refuse the server, with a handshake error
+    that names nothing) and when a rotation brings one (the server goes on
+    with the certificate it had); one that expires within 14 days is warned
+    of, and the metrics say when the certificate in use expires."""
+    certs = make_test_certs(tmp_path)
+    expired = sign_expired(tmp_path)
+    started = subprocess.run(
+        [str(server_binary()), "serve", "--listen", "127.0.0.1:0", "--spill-url", "memory://",
+         "--tls-cert", str(expired), "--tls-key", str(certs["key"])],
+        capture_output=True, text=True, timeout=scaled(30),
+    )
+    assert started.returncode != 0, started
+    assert f"--tls-cert {expired} expired at 2020-01-02T00:00:00Z" in started.stderr, started.stderr
+    assert "install a renewed certificate and key" in started.stderr, started.stderr
+
+    live = tmp_path / "live.pem"
+    live.write_bytes(certs["cert"].read_bytes())
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(live), "--tls-key", str(certs["key"]),
+        "--metrics-listen", "127.0.0.1:0",
+    )
+    try:
+        # make_test_certs signs for 2 days: 1 whole day and some hours left.
+        eventually("the warning", lambda: next(
+            (line for line in server.stderr_lines if "expires in 1 day(s)" in line), None))
+        not_after = subprocess.run(
+            ["openssl", "x509", "-in", str(live), "-noout", "-enddate"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip().split("=", 1)[1]
+        gauge = f"flightdeck_tls_certificate_expiry_timestamp_seconds {ssl.cert_time_to_seconds(not_after)}"
+
+        def scrape() -> str:
+            with urllib.request.urlopen(server.metrics_url, timeout=scaled(10)) as response:
+                return response.read().decode()
+
+        assert gauge in scrape()
+
+        live.write_bytes(expired.read_bytes())
+        line = read_again(server)
+        assert "refused=1" in line and "certificate=false" in line, line
+        log = "".join(server.stderr_lines)
+        assert f"--tls-cert {live} expired at 2020-01-02T00:00:00Z" in log, log
+        with flightdeck.connect(f"grpc+tls://{server.addr}",
+                                tls_root_certs=certs["ca"].read_bytes()) as c:
+            assert c.stats().location == f"grpc+tls://{server.addr}", "the old certificate serves"
+        assert gauge in scrape()
     finally:
         assert server.stop() == 0
 
