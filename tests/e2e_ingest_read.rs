@@ -708,9 +708,19 @@ async fn a_replacing_write_swaps_in_at_its_seal_or_leaves_the_dataset() {
 /// A writer on the socket and one on TCP fill one dataset; every rank's
 /// stream reads byte for byte the same over either; the socket file goes
 /// when the server stops, a stale one is replaced, and a live server's
-/// socket or a file that is not a socket is refused naming the path.
+/// socket or a file that is not a socket is refused naming the path. The
+/// socket file's mode is `--unix-socket-mode` (660 unless told), whatever
+/// the process's umask.
 #[tokio::test]
 async fn a_unix_socket_serves_what_tcp_serves() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .expect("the socket file")
+            .permissions()
+            .mode()
+            & 0o7777
+    };
     let dir = flightdeck_tests::temp_dir("unix");
     let path = dir.join("fd.sock");
     let config = || ServerConfig {
@@ -725,6 +735,11 @@ async fn a_unix_socket_serves_what_tcp_serves() {
         Client::connect(&local_uri).await.map_err(|e| e.to_string())
     })
     .await;
+    assert_eq!(
+        mode(&path),
+        0o660,
+        "the server's user and group may connect"
+    );
     let parts = layout(&[900, 1300, 40]);
     put_rows(&mut tcp, "both", 0, parts[0].clone()).await;
     put_rows(&mut local, "both", 1, parts[1].clone()).await;
@@ -799,11 +814,16 @@ async fn a_unix_socket_serves_what_tcp_serves() {
     // A socket left behind by a server that is gone is replaced.
     drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
     assert!(path.exists());
-    let server = TestServer::start_with(config()).await;
+    let server = TestServer::start_with(ServerConfig {
+        unix_socket_mode: 0o600,
+        ..config()
+    })
+    .await;
     let mut local = flightdeck_tests::eventually("the socket accepts again", || async {
         Client::connect(&local_uri).await.map_err(|e| e.to_string())
     })
     .await;
+    assert_eq!(mode(&path), 0o600, "--unix-socket-mode");
     assert_eq!(
         local.list_datasets().await.expect("list"),
         Vec::<String>::new()

@@ -98,7 +98,15 @@ pub struct ServerConfig {
     /// machine (`grpc+unix://PATH`): the same service without the TCP
     /// stack. `None` = none.
     pub unix_socket: Option<std::path::PathBuf>,
+    /// The permission bits the Unix socket file gets (connecting needs
+    /// write permission on it): [`DEFAULT_UNIX_SOCKET_MODE`], owner and
+    /// group, unless told otherwise.
+    pub unix_socket_mode: u32,
 }
+
+/// The default of [`ServerConfig::unix_socket_mode`]: the server's user and
+/// group may connect, others not.
+pub const DEFAULT_UNIX_SOCKET_MODE: u32 = 0o660;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -127,6 +135,7 @@ impl Default for ServerConfig {
             tls_ca: None,
             metrics_listen: None,
             unix_socket: None,
+            unix_socket_mode: DEFAULT_UNIX_SOCKET_MODE,
         }
     }
 }
@@ -318,8 +327,30 @@ impl ServerConfig {
                 )));
             }
         }
+        if self.unix_socket_mode > 0o777 {
+            return Err(Error::invalid(format!(
+                "--unix-socket-mode {:o} is not a file mode: give permission bits, 0 to 777 in \
+                 octal (e.g. 660: the server's user and group may connect)",
+                self.unix_socket_mode
+            )));
+        }
         Ok(())
     }
+}
+
+/// Permission bits as `chmod` takes them, in octal: `660`, `0660`, `0o660`.
+pub fn parse_mode(s: &str) -> std::result::Result<u32, String> {
+    let s = s.trim();
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    u32::from_str_radix(digits, 8)
+        .ok()
+        .filter(|m| !digits.is_empty() && *m <= 0o777)
+        .ok_or_else(|| {
+            format!(
+                "'{s}' is not a file mode: give permission bits in octal as chmod takes them, e.g. \
+                 660 (user and group) or 666 (everyone)"
+            )
+        })
 }
 
 /// The longest path a Unix domain socket can be bound to (`sun_path`,
@@ -706,6 +737,30 @@ mod tests {
             .validate()
             .expect_err("a 108-byte path");
         assert!(e.to_string().contains("107 bytes"), "{e}");
+    }
+
+    #[test]
+    fn a_socket_mode_is_permission_bits_in_octal() {
+        for (text, mode) in [
+            ("660", 0o660),
+            ("0660", 0o660),
+            ("0o600", 0o600),
+            ("777", 0o777),
+        ] {
+            assert_eq!(parse_mode(text), Ok(mode), "{text}");
+        }
+        for bad in ["", "0o", "1000", "rw-rw----", "8", "-1", "0x1b6"] {
+            let e = parse_mode(bad).expect_err(bad);
+            assert!(e.contains("octal"), "{bad}: {e}");
+        }
+        let config = ServerConfig {
+            unix_socket_mode: 0o4755,
+            memory_limit: MIN_MEMORY_LIMIT,
+            ..ServerConfig::default()
+        };
+        let e = config.validate().expect_err("setuid bits").to_string();
+        assert!(e.contains("--unix-socket-mode 4755"), "{e}");
+        assert_eq!(ServerConfig::default().unix_socket_mode, 0o660);
     }
 
     #[test]

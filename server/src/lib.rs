@@ -89,11 +89,14 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Binds a Unix domain socket at `path` for [`Listeners::unix`]. A socket
-/// file left there by a server that is gone is replaced; a live server on
-/// it, or a file that is not a socket, is an error naming the path.
-pub fn bind_unix(path: &std::path::Path) -> std::result::Result<UnixListener, Error> {
-    use std::os::unix::fs::FileTypeExt;
+/// Binds a Unix domain socket at `path` for [`Listeners::unix`], its file
+/// given the permission bits `mode` (connecting needs write permission; the
+/// folder's permissions guard the moment between the bind and the change).
+/// A socket file left there by a server that is gone is replaced; a live
+/// server on it, or a file that is not a socket, is an error naming the
+/// path.
+pub fn bind_unix(path: &std::path::Path, mode: u32) -> std::result::Result<UnixListener, Error> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let shown = path.display();
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
@@ -111,8 +114,15 @@ pub fn bind_unix(path: &std::path::Path) -> std::result::Result<UnixListener, Er
             Error::Unavailable(format!("cannot remove the stale socket {shown}: {e}"))
         })?;
     }
-    UnixListener::bind(path)
-        .map_err(|e| Error::Unavailable(format!("cannot listen on --unix-socket {shown}: {e}")))
+    let listener = UnixListener::bind(path)
+        .map_err(|e| Error::Unavailable(format!("cannot listen on --unix-socket {shown}: {e}")))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| {
+        let _ = std::fs::remove_file(path);
+        Error::Unavailable(format!(
+            "cannot give --unix-socket {shown} the mode {mode:o} (--unix-socket-mode): {e}"
+        ))
+    })?;
+    Ok(listener)
 }
 
 /// What a server listens on: the Flight service on TCP (what members,
@@ -147,7 +157,11 @@ pub async fn serve(
         })?),
         None => None,
     };
-    let unix = config.unix_socket.as_deref().map(bind_unix).transpose()?;
+    let unix = config
+        .unix_socket
+        .as_deref()
+        .map(|path| bind_unix(path, config.unix_socket_mode))
+        .transpose()?;
     let listeners = Listeners {
         flight: listener,
         unix,

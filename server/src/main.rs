@@ -166,10 +166,16 @@ struct ServeArgs {
     /// Also serve on this Unix domain socket (an absolute path), for ranks
     /// and writers on this machine: `grpc+unix:///run/flightdeck.sock`
     /// reaches the same datasets without the TCP stack. Who may connect is
-    /// the socket file's permissions (and tokens, with --auth-token-file);
-    /// never TLS. A socket left by a server that is gone is replaced.
+    /// the socket file's permissions (--unix-socket-mode) and tokens, with
+    /// --auth-token-file; never TLS. A socket left by a server that is gone
+    /// is replaced.
     #[arg(long)]
     unix_socket: Option<std::path::PathBuf>,
+    /// The --unix-socket file's permission bits, in octal as chmod takes
+    /// them: 660 lets the server's user and group connect; 666 everyone
+    /// who can reach the folder.
+    #[arg(long, value_parser = config::parse_mode, default_value = "660")]
+    unix_socket_mode: u32,
     /// Log lines as text for people or as JSON objects for log collectors.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -213,6 +219,7 @@ impl ServeArgs {
             tls_ca: self.tls_ca,
             metrics_listen: self.metrics_listen,
             unix_socket: self.unix_socket,
+            unix_socket_mode: self.unix_socket_mode,
             ..defaults
         }
     }
@@ -286,7 +293,10 @@ async fn run(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     let unix = match &config.unix_socket {
-        Some(path) => Some(flightdeck_server::bind_unix(path).map_err(|e| e.to_string())?),
+        Some(path) => Some(
+            flightdeck_server::bind_unix(path, config.unix_socket_mode)
+                .map_err(|e| e.to_string())?,
+        ),
         None => None,
     };
     let stop = shutdown_signal();
