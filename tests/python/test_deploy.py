@@ -2,23 +2,30 @@
 on these machines, so no image is built here): the Kubernetes manifests
 validate against the schemas of a current release, the compose file and
 the Dockerfile parse, every path they copy exists, every flag they pass is
-one `flightdeck serve` takes and starts with, and the compose client's
-script runs against three members."""
+one `flightdeck serve` takes and starts with, the compose client's script
+runs against three members, and the Prometheus alerting rules parse and
+watch metrics the server exports, with label values they take."""
 
 from __future__ import annotations
 
 import copy
 import os
+import re
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import grpc
 import kubernetes_validate
+import promql_parser
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from conftest import REPO, RunningServer, scaled, server_binary
+from conftest import REPO, RunningServer, eventually, make_test_certs, scaled, server_binary
 
 DOCKER = REPO / "docker"
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -207,3 +214,96 @@ def test_the_compose_clients_script_runs_against_three_members():
     finally:
         for s in servers:
             assert s.stop() == 0, "".join(s.stderr_lines)
+
+
+def documented_metrics() -> dict[str, str]:
+    """The README's metrics table: every metric it names, with the
+    `flightdeck_` prefix, to its row (labels, their values, what it says)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("| metric | labels | what it says |") + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        names = line.split(" | ")[0]
+        for name in re.findall(r"`([a-z_]+)`", names):
+            rows[f"flightdeck_{name}"] = line
+    return rows
+
+
+def exported_sample_names(url: str) -> set[str]:
+    with urllib.request.urlopen(url, timeout=scaled(10)) as response:
+        text = response.read().decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_alert_rules_parse_and_watch_what_the_server_exports(tmp_path):
+    """`docker/prometheus/alerts.yaml`: every rule has a name, a PromQL
+    expression that parses, a severity, and a summary and a description
+    (what to do); every metric it watches is in the README's table and in
+    the scrape of a server that did what each alert watches (TLS, a write
+    and a read, a training job, a refused credential file, a store beat),
+    and every label value it matches is one that metric takes."""
+    rules = [r for g in yaml.safe_load((DOCKER / "prometheus" / "alerts.yaml").read_text())["groups"]
+             for r in g["rules"]]
+    assert len(rules) >= 8
+    documented = documented_metrics()
+    codes = {c.name for c in grpc.StatusCode}
+    watched = set()
+    for rule in rules:
+        name = rule["alert"]
+        assert re.fullmatch(r"Flightdeck[A-Z][A-Za-z]+", name), name
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40
+        expr = str(promql_parser.parse(rule["expr"]))
+        selectors = re.findall(r"\b(flightdeck_[a-z_]+)(\{[^}]*\})?", expr)
+        assert selectors, f"{name} watches no flightdeck metric: {expr}"
+        for metric, matchers in selectors:
+            base = re.sub(r"_(count|sum|bucket)$", "", metric)
+            row = documented.get(metric) or documented.get(base)
+            assert row, f"{name}: {metric} is not in the README's metrics table"
+            for label, value in re.findall(r'(\w+)="([^"]*)"', matchers):
+                assert f"`{label}`" in row, f"{name}: {metric} has no label {label}"
+                if label == "code":
+                    assert value in codes, f"{name}: {value} is not a gRPC code"
+                elif label == "method":
+                    assert value in {"DoPut", "DoGet", "DoAction", "GetFlightInfo"}, value
+                else:
+                    assert f"`{value}`" in row, f"{name}: {metric} has no {label}={value}"
+            watched.add(metric)
+
+    import flightdeck
+    import pyarrow as pa
+
+    certs = make_test_certs(tmp_path)
+    cert = tmp_path / "live.pem"
+    cert.write_bytes(certs["cert"].read_bytes())
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--persist", "--spill-url", str(tmp_path / "store"),
+        "--tls-cert", str(cert), "--tls-key", str(certs["key"]), "--metrics-listen", "127.0.0.1:0",
+    )
+    try:
+        uri = f"grpc+tls://{server.addr}"
+        with flightdeck.connect(uri, tls_root_certs=certs["ca"].read_bytes()) as c:
+            x = pa.array([float(i % 7) for i in range(2000)], pa.float32())
+            c.put_partition("d", 0, pa.table({"x": pa.FixedSizeListArray.from_arrays(x, 1),
+                                              "y": pa.array([i % 2 for i in range(2000)])}))
+            c.seal("d")
+            c.read_table(c.plan("d").shards[0])
+            list(c.train("d", "x", "y", classes=2, batch_size=500, cpu_ranks=1, epochs=1))
+        cert.write_text("not a certificate\n")
+        server.proc.send_signal(signal.SIGHUP)
+
+        def missing() -> set[str]:
+            return watched - exported_sample_names(server.metrics_url)
+
+        try:
+            eventually("every watched metric exported", lambda: None if missing() else True,
+                       timeout=30)
+        except pytest.fail.Exception:
+            assert not missing(), f"watched, not exported: {sorted(missing())}"
+            raise
+    finally:
+        assert server.stop() == 0, "".join(server.stderr_lines)
+
