@@ -934,8 +934,34 @@ fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
 
-/// The text of `flightdeck stats`.
+/// The text of `flightdeck stats`, now.
 pub fn stats_text(s: &ServerStats) -> String {
+    stats_text_at(s, std::time::SystemTime::now())
+}
+
+/// When a certificate that expires at `expires` (Unix seconds) does, seen
+/// at `now`: the moment and how far it is (`none` for 0, no TLS).
+fn tls_text(expires: u64, now: std::time::SystemTime) -> String {
+    if expires == 0 {
+        return "none".into();
+    }
+    let at = std::time::Duration::from_secs(expires);
+    let when = x509_cert::der::DateTime::from_unix_duration(at)
+        .map_or_else(|_| format!("{expires} (Unix seconds)"), |d| d.to_string());
+    let now = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    match at.checked_sub(now).filter(|left| !left.is_zero()) {
+        Some(left) => format!("certificate expires {when}, in {}", show_age(left)),
+        None => format!(
+            "certificate EXPIRED {when}, {} ago: install a renewed one",
+            show_age(now - at)
+        ),
+    }
+}
+
+/// The text of `flightdeck stats` as seen at `now`.
+fn stats_text_at(s: &ServerStats, now: std::time::SystemTime) -> String {
     let resident = if s.resident_peak_bytes > 0 {
         format!("; resident peak {}", show_size(s.resident_peak_bytes))
     } else {
@@ -945,6 +971,7 @@ pub fn stats_text(s: &ServerStats) -> String {
     let traffic = |rows: u64, bytes: u64| format!("{rows} rows, {}", show_size(bytes));
     let lines = [
         ("location", s.location.clone()),
+        ("tls", tls_text(s.tls_certificate_expires, now)),
         (
             "memory",
             format!(
@@ -1464,6 +1491,7 @@ mod tests {
         let text = stats_text(&stats);
         for line in [
             "location    grpc://127.0.0.1:1",
+            "tls         none",
             "memory      3.0MiB of 1.0GiB in use (peak 5.0MiB)",
             "gpus        0 devices, 0B placed",
             "datasets    2 (1 sealed, 0 spilled): 10 rows, 0B in memory",
@@ -1487,6 +1515,23 @@ mod tests {
             ..stats
         });
         assert!(with_rss.contains("(peak 5.0MiB); resident peak 2.0GiB"));
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_000);
+        let with_tls = |hours_left: i64| {
+            let expires = 1_800_000_000i64 + hours_left * 3600;
+            let s = ServerStats {
+                tls_certificate_expires: expires as u64,
+                ..ServerStats::default()
+            };
+            stats_text_at(&s, at)
+        };
+        assert_has_line(
+            &with_tls(41 * 24 + 5),
+            "tls         certificate expires 2027-02-25T13:00:00Z, in 41d5h",
+        );
+        assert_has_line(
+            &with_tls(-2),
+            "tls         certificate EXPIRED 2027-01-15T06:00:00Z, 2h0m ago: install a renewed one",
+        );
     }
 
     #[test]

@@ -6,6 +6,8 @@ a plain pyarrow client sends the header itself), and one serving over TLS
 rotate while the server runs (SIGHUP, or on their own within 10 s); a
 certificate that has expired is refused, and one about to is warned of."""
 
+import os
+import re
 import signal
 import ssl
 import subprocess
@@ -224,6 +226,17 @@ def test_an_expired_certificate_is_refused_and_one_expiring_soon_is_warned_of(tm
                 return response.read().decode()
 
         assert gauge in scrape()
+        uri = f"grpc+tls://{server.addr}"
+        with flightdeck.connect(uri, tls_root_certs=certs["ca"].read_bytes()) as c:
+            assert c.stats().tls_certificate_expires == ssl.cert_time_to_seconds(not_after)
+        shown = subprocess.run(
+            [str(server_binary()), "stats", "--server", uri],
+            env={**os.environ, "FLIGHTDECK_TLS_ROOT_CERTS": str(certs["ca"])},
+            capture_output=True, text=True, timeout=scaled(30),
+        )
+        assert shown.returncode == 0, shown.stderr
+        tls = next(line for line in shown.stdout.splitlines() if line.startswith("tls "))
+        assert re.fullmatch(r"tls +certificate expires \S+Z, in 1d2[23]h", tls), tls
 
         live.write_bytes(expired.read_bytes())
         line = read_again(server)

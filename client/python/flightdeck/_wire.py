@@ -469,6 +469,7 @@ ServerStats = _message(
     Field("queries_done", 30, "uint64"),
     Field("queries_failed", 31, "uint64"),
     Field("queries_given_up", 32, "uint64"),
+    Field("tls_certificate_expires", 33, "uint64"),
 )
 TrainJob = _message(
     "TrainJob",

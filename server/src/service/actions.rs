@@ -174,6 +174,10 @@ pub(super) async fn do_action(state: &State, action: &Action) -> Result<Bytes> {
                 queries_done,
                 queries_failed,
                 queries_given_up,
+                tls_certificate_expires: state
+                    .credentials
+                    .certificate_expiry()
+                    .map_or(0, |e| e.at.as_secs()),
             }
             .encode_to_vec()
             .into())
