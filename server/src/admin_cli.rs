@@ -946,16 +946,21 @@ fn tls_text(expires: u64, now: std::time::SystemTime) -> String {
         return "none".into();
     }
     let at = std::time::Duration::from_secs(expires);
-    let when = x509_cert::der::DateTime::from_unix_duration(at)
-        .map_or_else(|_| format!("{expires} (Unix seconds)"), |d| d.to_string());
-    let now = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    match at.checked_sub(now).filter(|left| !left.is_zero()) {
-        Some(left) => format!("certificate expires {when}, in {}", show_age(left)),
+    let expiry = flightdeck_server::credentials::Expiry {
+        at,
+        text: x509_cert::der::DateTime::from_unix_duration(at)
+            .map_or_else(|_| format!("{expires} (Unix seconds)"), |d| d.to_string()),
+    };
+    match expiry.left(now) {
+        Some(left) => format!("certificate expires {}, in {}", expiry.text, show_age(left)),
         None => format!(
-            "certificate EXPIRED {when}, {} ago: install a renewed one",
-            show_age(now - at)
+            "certificate EXPIRED {}, {} ago: install a renewed one",
+            expiry.text,
+            show_age(
+                now.duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .saturating_sub(at)
+            )
         ),
     }
 }

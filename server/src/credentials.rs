@@ -155,6 +155,23 @@ fn certificates(pem: &[u8], path: &Path, flag: &str) -> Result<Vec<CertificateDe
     Ok(certs)
 }
 
+/// How long before its certificate expires the server starts warning, once
+/// a day.
+pub const WARN_BEFORE: Duration = Duration::from_secs(14 * 24 * 3600);
+
+/// What the log says about the expiry of the certificate in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ExpiryWarning {
+    /// It expires within [`WARN_BEFORE`], in this many whole days (0: within
+    /// a day).
+    Soon {
+        /// Whole days left.
+        days: u64,
+    },
+    /// It has expired: clients that check it refuse new connections.
+    Expired,
+}
+
 /// When a certificate chain stops being valid: its earliest `notAfter`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expiry {
@@ -197,26 +214,7 @@ impl Expiry {
             .unwrap_or_default();
         self.at.checked_sub(now).filter(|left| !left.is_zero())
     }
-}
 
-/// How long before its certificate expires the server starts warning, once
-/// a day.
-pub const WARN_BEFORE: Duration = Duration::from_secs(14 * 24 * 3600);
-
-/// What the log says about the expiry of the certificate in use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum ExpiryWarning {
-    /// It expires within [`WARN_BEFORE`], in this many whole days (0: within
-    /// a day).
-    Soon {
-        /// Whole days left.
-        days: u64,
-    },
-    /// It has expired: clients that check it refuse new connections.
-    Expired,
-}
-
-impl Expiry {
     /// What to warn of at `now`: `None` while more than [`WARN_BEFORE`]
     /// is left. The warning changes once a day, so a log that says each
     /// new one warns daily.
