@@ -112,6 +112,25 @@ fn one_write(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<()> {
 /// or a new write keeps replacing it under the read.
 const RESTORE_TRIES: u32 = 4;
 
+/// Most datasets one attempt to make room tries to spill when the store
+/// fails to take them (each a write that failed).
+const SPILL_TRIES: usize = 3;
+
+/// The refusal when making room failed because the store took none of the
+/// datasets tried (`failed`, in the order tried); `None` when none was.
+fn spill_failed(failed: &[(String, Error)]) -> Option<Error> {
+    let ((first, e), others) = failed.split_first()?;
+    let also: String = others
+        .iter()
+        .map(|(name, e)| format!("; spilling dataset '{name}' failed too: {e}"))
+        .collect();
+    Some(Error::ResourceExhausted(format!(
+        "the memory budget is full and spilling dataset '{first}' failed: {e}; make room in the \
+         spill store (--spill-url) or drop datasets that are no longer needed (`flightdeck drop \
+         NAME`), then retry{also}"
+    )))
+}
+
 /// How often a writer waiting for memory looks again.
 const ADMISSION_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -486,7 +505,10 @@ impl State {
 
     /// Makes room: gives up a packed copy of rows (no data lost) or else
     /// spills the least-recently-read resident sealed dataset; false when
-    /// there is neither.
+    /// there is neither. A dataset the store fails to take is passed over
+    /// for the next (a smaller one may fit where it did not), up to
+    /// [`SPILL_TRIES`] datasets; when none is taken the error names the
+    /// first failure, and the others after it.
     async fn spill_one(&self, except: Option<&str>) -> Result<bool> {
         let _one = self.spill_lock.lock().await;
         let started = std::time::Instant::now();
@@ -496,35 +518,42 @@ impl State {
             info!(bytes = packed, "gave up a packed copy to make room");
             return Ok(true);
         }
-        let Some(victim) = self.catalog().spill_candidate(except) else {
-            return Ok(false);
-        };
-        let stored = match victim.stored.clone() {
-            Some(stored) => stored,
-            None => {
-                let stored = self
-                    .store
-                    .write(&victim.name, victim.generation, &victim.data, None)
-                    .await
-                    .map_err(|e| {
-                        Error::ResourceExhausted(format!(
-                            "the memory budget is full and spilling dataset '{}' failed: {e}; \
-                             make room in the spill store (--spill-url) or drop datasets that \
-                             are no longer needed (`flightdeck drop NAME`), then retry",
-                            victim.name
-                        ))
-                    })?;
-                if !self
-                    .catalog()
-                    .set_stored(&victim.name, victim.generation, stored.clone())
-                {
-                    // Dropped while being written: nothing to keep.
-                    self.delete_quietly(&stored).await;
-                    return Ok(true);
+        let mut failed: Vec<(String, Error)> = Vec::new();
+        let found = loop {
+            let tried: Vec<String> = failed.iter().map(|(name, _)| name.clone()).collect();
+            let Some(victim) = self.catalog().spill_candidate_past(except, &tried) else {
+                break None;
+            };
+            if let Some(stored) = victim.stored.clone() {
+                break Some((victim, stored));
+            }
+            match self
+                .store
+                .write(&victim.name, victim.generation, &victim.data, None)
+                .await
+            {
+                Ok(stored) => break Some((victim, stored)),
+                Err(e) => {
+                    warn!(dataset = %victim.name, error = %e, "could not spill dataset to the store");
+                    failed.push((victim.name, e));
+                    if failed.len() == SPILL_TRIES {
+                        break None;
+                    }
                 }
-                stored
             }
         };
+        let Some((victim, stored)) = found else {
+            return spill_failed(&failed).map_or(Ok(false), Err);
+        };
+        if victim.stored.is_none()
+            && !self
+                .catalog()
+                .set_stored(&victim.name, victim.generation, stored.clone())
+        {
+            // Dropped while being written: nothing to keep.
+            self.delete_quietly(&stored).await;
+            return Ok(true);
+        }
         self.catalog().release_host(&victim.name, victim.generation);
         self.spills.fetch_add(1, Ordering::Relaxed);
         self.metrics.spilled(started.elapsed());

@@ -213,6 +213,34 @@ def test_a_spill_store_that_fails_is_named_and_writes_go_on_once_it_has_room(tmp
         stopped(server)
 
 
+def test_a_dataset_the_store_fails_to_take_is_passed_over_for_the_next(tmp_path):
+    """When the store fails to take the dataset read least recently (its
+    folder in the way here; a disk with room for a smaller dataset but not
+    for it), the next is spilled instead and the write that needed room
+    goes on; the one passed over stays in memory, readable, and the log
+    names it. (Before, the write was refused, though the store would have
+    taken another dataset.)"""
+    store = tmp_path / "store"
+    server = RunningServer("--memory-limit", "8MiB", "--admission-wait", "0",
+                           "--spill-url", str(store))
+    try:
+        with flightdeck.connect(server.uri) as c:
+            write(c, "a", table(200_000, 8))  # ~3.2 MB each
+            write(c, "b", table(200_000, 9))
+            write(c, "c", table(200_000, 10))  # spills 'a'
+            assert c.describe("a").spilled
+            [session] = [p for p in (store / "spill").iterdir() if p.is_dir()]
+            (session / "b").write_text("in the way")
+            write(c, "d", table(200_000, 11))  # 'b' is read least recently
+            assert not c.describe("b").spilled and c.describe("c").spilled
+            for name, seed in (("a", 8), ("b", 9), ("c", 10), ("d", 11)):
+                assert c.read_table(c.plan(name).shards[0]).equals(table(200_000, seed)), name
+        log = "".join(server.stderr_lines)
+        assert "could not spill dataset to the store" in log and "dataset=b" in log, log
+    finally:
+        stopped(server)
+
+
 def unions(n: int) -> pa.Table:
     """A table with a union column, which Parquet (the store) cannot hold."""
     kinds = pa.array(np.arange(n) % 2, pa.int8())

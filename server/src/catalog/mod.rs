@@ -1065,7 +1065,18 @@ impl Catalog {
     /// A dataset with a column the store cannot hold is never one: it stays
     /// in memory until dropped ([`Catalog::unspillable_holders`]).
     pub fn spill_candidate(&self, except: Option<&str>) -> Option<SpillCandidate> {
+        self.spill_candidate_past(except, &[])
+    }
+
+    /// [`Catalog::spill_candidate`] other than the datasets in `tried`
+    /// (those whose spill just failed).
+    pub fn spill_candidate_past(
+        &self,
+        except: Option<&str>,
+        tried: &[String],
+    ) -> Option<SpillCandidate> {
         self.resident(except)
+            .filter(|(name, ..)| !tried.contains(name))
             .filter(|(.., s, data)| {
                 s.stored.is_some() || unstorable_column(data.schema()).is_none()
             })
