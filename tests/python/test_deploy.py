@@ -4,11 +4,13 @@ validate against the schemas of a current release, the compose file and
 the Dockerfile parse, every path they copy exists, every flag they pass is
 one `flightdeck serve` takes and starts with, the compose client's script
 runs against three members, and the Prometheus alerting rules parse and
-watch metrics the server exports, with label values they take."""
+and the Grafana dashboard read metrics the server exports, with label
+values they take."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import signal
@@ -237,41 +239,84 @@ def exported_sample_names(url: str) -> set[str]:
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_the_alert_rules_parse_and_watch_what_the_server_exports(tmp_path):
+#: Labels Prometheus gives every sample it scrapes: the target's
+#: `instance`, and `exported_job` — the metrics' own `job` (a training job's
+#: id), renamed because it meets the scrape's `job`.
+PROMETHEUS_LABELS = {"instance", "exported_job"}
+
+
+def watched(expr: str, where: str, documented: dict[str, str]) -> set[str]:
+    """The flightdeck metrics PromQL `expr` reads, after checking that it
+    parses, that each is in the README's table and that each label it
+    matches is one the metric has, with values it takes."""
+    parsed = str(promql_parser.parse(expr))
+    selectors = re.findall(r"\b(flightdeck_[a-z_]+)(\{[^}]*\})?", parsed)
+    assert selectors, f"{where} reads no flightdeck metric: {parsed}"
+    codes = {c.name for c in grpc.StatusCode}
+    for metric, matchers in selectors:
+        base = re.sub(r"_(count|sum|bucket)$", "", metric)
+        row = documented.get(metric) or documented.get(base)
+        assert row, f"{where}: {metric} is not in the README's metrics table"
+        for label, op, value in re.findall(r'(\w+)(=~|!=|!~|=)"([^"]*)"', matchers):
+            if label in PROMETHEUS_LABELS or (base.endswith("_seconds") and label == "le"):
+                continue
+            assert f"`{label}`" in row, f"{where}: {metric} has no label {label}"
+            for one in value.split("|") if op == "=~" else [value]:
+                if label == "code":
+                    assert one in codes, f"{where}: {one} is not a gRPC code"
+                elif label == "method":
+                    assert one in {"DoPut", "DoGet", "DoAction", "GetFlightInfo"}, one
+                else:
+                    assert f"`{one}`" in row, f"{where}: {metric} has no {label}={one}"
+    return {metric for metric, _ in selectors}
+
+
+def test_the_alert_rules_and_the_dashboard_read_what_the_server_exports(tmp_path):
     """`docker/prometheus/alerts.yaml`: every rule has a name, a PromQL
     expression that parses, a severity, and a summary and a description
-    (what to do); every metric it watches is in the README's table and in
-    the scrape of a server that did what each alert watches (TLS, a write
-    and a read, a training job, a refused credential file, a store beat),
-    and every label value it matches is one that metric takes."""
+    (what to do). `docker/grafana/flightdeck.json`: every panel has a title,
+    a description, a unit and queries that parse (Grafana's variables
+    replaced as it does), and sits on the grid without overlapping
+    another. Every metric either reads is in the README's table and in the
+    scrape of a server that did what they watch (TLS, a write and a read,
+    a training job, a refused credential file, a store beat), and every
+    label value it matches is one that metric takes."""
+    documented = documented_metrics()
     rules = [r for g in yaml.safe_load((DOCKER / "prometheus" / "alerts.yaml").read_text())["groups"]
              for r in g["rules"]]
     assert len(rules) >= 8
-    documented = documented_metrics()
-    codes = {c.name for c in grpc.StatusCode}
-    watched = set()
+    reads = set()
     for rule in rules:
         name = rule["alert"]
         assert re.fullmatch(r"Flightdeck[A-Z][A-Za-z]+", name), name
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40
-        expr = str(promql_parser.parse(rule["expr"]))
-        selectors = re.findall(r"\b(flightdeck_[a-z_]+)(\{[^}]*\})?", expr)
-        assert selectors, f"{name} watches no flightdeck metric: {expr}"
-        for metric, matchers in selectors:
-            base = re.sub(r"_(count|sum|bucket)$", "", metric)
-            row = documented.get(metric) or documented.get(base)
-            assert row, f"{name}: {metric} is not in the README's metrics table"
-            for label, value in re.findall(r'(\w+)="([^"]*)"', matchers):
-                assert f"`{label}`" in row, f"{name}: {metric} has no label {label}"
-                if label == "code":
-                    assert value in codes, f"{name}: {value} is not a gRPC code"
-                elif label == "method":
-                    assert value in {"DoPut", "DoGet", "DoAction", "GetFlightInfo"}, value
-                else:
-                    assert f"`{value}`" in row, f"{name}: {metric} has no {label}={value}"
-            watched.add(metric)
+        assert "$labels.job " not in rule["annotations"]["summary"], "exported_job, not job"
+        reads |= watched(rule["expr"], name, documented)
+
+    dashboard = json.loads((DOCKER / "grafana" / "flightdeck.json").read_text())
+    assert dashboard["uid"] and dashboard["title"]
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    taken: set[tuple[int, int]] = set()
+    for panel in dashboard["panels"]:
+        title = panel["title"]
+        assert panel["description"] and panel["fieldConfig"]["defaults"]["unit"], title
+        grid = panel["gridPos"]
+        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                 for y in range(grid["y"], grid["y"] + grid["h"])}
+        assert grid["x"] + grid["w"] <= 24 and not cells & taken, f"{title} overlaps"
+        taken |= cells
+        assert panel["targets"], title
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for var in re.findall(r"\$(\w+)", expr):
+                assert var in variables or var == "__rate_interval", f"{title}: ${var}"
+            expr = expr.replace("$__rate_interval", "5m").replace('"$instance"', '".*"')
+            reads |= watched(expr, title, documented)
+        if "exported_job" not in json.dumps(panel["targets"]):
+            assert "{{job}}" not in json.dumps(panel["targets"]), f"{title}: exported_job"
+    assert {"flightdeck_job_data_stall_fraction", "flightdeck_rank_read_seconds_total"} <= reads
 
     import flightdeck
     import pyarrow as pa
@@ -296,7 +341,7 @@ def test_the_alert_rules_parse_and_watch_what_the_server_exports(tmp_path):
         server.proc.send_signal(signal.SIGHUP)
 
         def missing() -> set[str]:
-            return watched - exported_sample_names(server.metrics_url)
+            return reads - exported_sample_names(server.metrics_url)
 
         try:
             eventually("every watched metric exported", lambda: None if missing() else True,
