@@ -44,8 +44,9 @@ type Parse<T> = fn(&[Vec<u8>], &[File]) -> Result<T>;
 struct Watched<T> {
     files: Vec<File>,
     /// What reading the files gave last: their bytes, or why they could
-    /// not be read.
-    read: Mutex<std::result::Result<Vec<Vec<u8>>, String>>,
+    /// not be read; and whether that was refused (the server uses older
+    /// bytes).
+    read: Mutex<(std::result::Result<Vec<Vec<u8>>, String>, bool)>,
     current: RwLock<Arc<T>>,
     parse: Parse<T>,
 }
@@ -77,7 +78,7 @@ impl<T> Watched<T> {
         let current = parse(&read, &files)?;
         Ok(Self {
             files,
-            read: Mutex::new(Ok(read)),
+            read: Mutex::new((Ok(read), false)),
             current: RwLock::new(Arc::new(current)),
             parse,
         })
@@ -102,17 +103,27 @@ impl<T> Watched<T> {
             .collect::<Result<Vec<_>>>()
             .map_err(|e| e.to_string());
         let mut last = self.read.lock().unwrap_or_else(|p| p.into_inner());
-        if *last == read {
+        if last.0 == read {
             return Refresh::Unchanged;
         }
-        *last = read.clone();
+        last.0 = read.clone();
         match read.and_then(|read| (self.parse)(&read, &self.files).map_err(|e| e.to_string())) {
             Ok(value) => {
                 *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(value);
+                last.1 = false;
                 Refresh::Taken
             }
-            Err(why) => Refresh::Refused(why),
+            Err(why) => {
+                last.1 = true;
+                Refresh::Refused(why)
+            }
         }
+    }
+
+    /// Whether the files as last read were refused: the server goes on
+    /// with what it read before, until they change to something it can use.
+    fn refused(&self) -> bool {
+        self.read.lock().unwrap_or_else(|p| p.into_inner()).1
     }
 
     /// The files, as a log names them.
@@ -369,6 +380,20 @@ impl Credentials {
         self.tokens().map(|t| t.peer_token())
     }
 
+    /// How many credentials (tokens, certificate and key, member roots)
+    /// the server reads from files it refused when they last changed: it
+    /// uses what it read before until they change to something it can use.
+    pub fn refused_now(&self) -> usize {
+        [
+            self.tokens.as_ref().map(Watched::refused),
+            self.identity.as_ref().map(|w| w.refused()),
+            self.roots.as_ref().map(Watched::refused),
+        ]
+        .into_iter()
+        .filter(|r| *r == Some(true))
+        .count()
+    }
+
     /// When the certificate in use expires (`None` without `--tls-cert`).
     pub fn certificate_expiry(&self) -> Option<Expiry> {
         self.identity.as_ref().map(|w| w.get().expiry.clone())
@@ -507,6 +532,7 @@ mod tests {
                 "{refreshed:?}"
             );
             assert_eq!(creds.refresh(), Refreshed::default(), "reported once");
+            assert_eq!(creds.refused_now(), 1, "still refused");
             assert_eq!(role(&creds, "w-2"), Some(crate::auth::Role::Writer));
         }
         std::fs::remove_file(&file).expect("remove");
@@ -519,6 +545,7 @@ mod tests {
         assert_eq!(role(&creds, "w-2"), Some(crate::auth::Role::Writer));
         std::fs::write(&file, "writer w-3\n").expect("write");
         assert!(creds.refresh().tokens);
+        assert_eq!(creds.refused_now(), 0, "taken: nothing refused now");
         assert_eq!(role(&creds, "w-3"), Some(crate::auth::Role::Writer));
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -773,6 +773,13 @@ impl Collector for StateCollector {
             "1 when the host arena's slabs are page-locked (a CUDA driver is present)",
             &gauge(u64::from(tiers.arena.pinned)),
         )?;
+        one(
+            &mut e,
+            "credential_files_refused",
+            "credentials (tokens, certificate and key, member roots) whose files changed to \
+             something the server refused: it uses what it read before until they are fixed",
+            &gauge(state.credentials.refused_now() as u64),
+        )?;
         if let Some(expiry) = state.credentials.certificate_expiry() {
             one(
                 &mut e,

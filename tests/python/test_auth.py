@@ -184,6 +184,12 @@ def test_tokens_and_certificates_rotate_without_a_restart(tmp_path):
             scraped = response.read().decode()
         assert 'flightdeck_credential_reloads_total{outcome="taken"} 4' in scraped, scraped
         assert 'flightdeck_credential_reloads_total{outcome="refused"} 2' in scraped, scraped
+        # Both still refused: what the alert watches, until the files are fixed.
+        assert "flightdeck_credential_files_refused 2" in scraped, scraped
+        key.write_bytes(new["key"].read_bytes())
+        assert "certificate=true" in read_again(server), "the key fixed: taken again"
+        with urllib.request.urlopen(server.metrics_url, timeout=scaled(10)) as response:
+            assert "flightdeck_credential_files_refused 1" in response.read().decode()
     finally:
         assert server.stop() == 0
 
