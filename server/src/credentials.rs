@@ -43,10 +43,7 @@ type Parse<T> = fn(&[Vec<u8>], &[File]) -> Result<T>;
 /// named it), the bytes last read, and what they gave.
 struct Watched<T> {
     files: Vec<File>,
-    /// What reading the files gave last: their bytes, or why they could
-    /// not be read; and whether that was refused (the server uses older
-    /// bytes).
-    read: Mutex<(std::result::Result<Vec<Vec<u8>>, String>, bool)>,
+    read: Mutex<LastRead>,
     current: RwLock<Arc<T>>,
     parse: Parse<T>,
 }
@@ -78,7 +75,10 @@ impl<T> Watched<T> {
         let current = parse(&read, &files)?;
         Ok(Self {
             files,
-            read: Mutex::new((Ok(read), false)),
+            read: Mutex::new(LastRead {
+                files: Ok(read),
+                refused: false,
+            }),
             current: RwLock::new(Arc::new(current)),
             parse,
         })
@@ -103,18 +103,18 @@ impl<T> Watched<T> {
             .collect::<Result<Vec<_>>>()
             .map_err(|e| e.to_string());
         let mut last = self.read.lock().unwrap_or_else(|p| p.into_inner());
-        if last.0 == read {
+        if last.files == read {
             return Refresh::Unchanged;
         }
-        last.0 = read.clone();
+        last.files = read.clone();
         match read.and_then(|read| (self.parse)(&read, &self.files).map_err(|e| e.to_string())) {
             Ok(value) => {
                 *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(value);
-                last.1 = false;
+                last.refused = false;
                 Refresh::Taken
             }
             Err(why) => {
-                last.1 = true;
+                last.refused = true;
                 Refresh::Refused(why)
             }
         }
@@ -123,7 +123,7 @@ impl<T> Watched<T> {
     /// Whether the files as last read were refused: the server goes on
     /// with what it read before, until they change to something it can use.
     fn refused(&self) -> bool {
-        self.read.lock().unwrap_or_else(|p| p.into_inner()).1
+        self.read.lock().unwrap_or_else(|p| p.into_inner()).refused
     }
 
     /// The files, as a log names them.
@@ -304,6 +304,14 @@ impl std::fmt::Debug for Credentials {
             .field("tls", &self.identity.is_some())
             .finish()
     }
+}
+
+/// What reading a credential's files gave last.
+struct LastRead {
+    /// Their bytes, or why they could not be read.
+    files: std::result::Result<Vec<Vec<u8>>, String>,
+    /// Whether the server refused them (it uses what it read before).
+    refused: bool,
 }
 
 /// What [`Credentials::refresh`] changed.
