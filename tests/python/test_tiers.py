@@ -183,14 +183,20 @@ def test_names_of_every_length_persist_and_come_back(tmp_path):
         stopped(server)
 
 
+def room_for_two(store) -> RunningServer:
+    """A server whose budget holds two of the `table(200_000, …)` datasets
+    and spills to `store` to take a third, without waiting for memory."""
+    return RunningServer("--memory-limit", "8MiB", "--admission-wait", "0",
+                         "--spill-url", str(store))
+
+
 def test_a_spill_store_that_fails_is_named_and_writes_go_on_once_it_has_room(tmp_path):
     """The spill store failing (a full disk; here its folder replaced by a
     file) refuses the write that needed room, naming the dataset, the
     store's error and what to do; nothing is lost, and once the store
     works again the same write spills and succeeds."""
     store = tmp_path / "store"
-    server = RunningServer("--memory-limit", "8MiB", "--admission-wait", "0",
-                           "--spill-url", str(store))
+    server = room_for_two(store)
     try:
         with flightdeck.connect(server.uri) as c:
             write(c, "a", table(200_000, 8))  # ~3.2 MB each
@@ -221,8 +227,7 @@ def test_a_dataset_the_store_fails_to_take_is_passed_over_for_the_next(tmp_path)
     names it. (Before, the write was refused, though the store would have
     taken another dataset.)"""
     store = tmp_path / "store"
-    server = RunningServer("--memory-limit", "8MiB", "--admission-wait", "0",
-                           "--spill-url", str(store))
+    server = room_for_two(store)
     try:
         with flightdeck.connect(server.uri) as c:
             write(c, "a", table(200_000, 8))  # ~3.2 MB each
