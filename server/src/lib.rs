@@ -304,8 +304,13 @@ fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWar
     match warning {
         Some(credentials::ExpiryWarning::Soon { days }) => tracing::warn!(
             expires = %expiry.text,
-            "the certificate (--tls-cert) expires in {days} day(s): install a renewed certificate \
-             and key at the same paths; the server reads them again on SIGHUP and every {every}s"
+            "the certificate (--tls-cert) expires {}: install a renewed certificate and key at the \
+             same paths; the server reads them again on SIGHUP and every {every}s",
+            match days {
+                0 => "within a day".to_string(),
+                1 => "in 1 day".to_string(),
+                n => format!("in {n} days"),
+            }
         ),
         Some(credentials::ExpiryWarning::Expired) => tracing::error!(
             expires = %expiry.text,
