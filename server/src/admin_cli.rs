@@ -946,11 +946,7 @@ fn tls_text(expires: u64, now: std::time::SystemTime) -> String {
         return "none".into();
     }
     let at = std::time::Duration::from_secs(expires);
-    let expiry = flightdeck_server::credentials::Expiry {
-        at,
-        text: x509_cert::der::DateTime::from_unix_duration(at)
-            .map_or_else(|_| format!("{expires} (Unix seconds)"), |d| d.to_string()),
-    };
+    let expiry = flightdeck_server::credentials::Expiry::at(at);
     match expiry.left(now) {
         Some(left) => format!("certificate expires {}, in {}", expiry.text, show_age(left)),
         None => format!(

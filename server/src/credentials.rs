@@ -193,10 +193,19 @@ pub struct Expiry {
 }
 
 impl Expiry {
-    /// The earliest `notAfter` of `certs`; an error names the file whose
-    /// certificate is not X.509.
+    /// The moment `at` (time since the Unix epoch), with its text.
+    pub fn at(at: Duration) -> Self {
+        let text = x509_cert::der::DateTime::from_unix_duration(at).map_or_else(
+            |_| format!("{} (Unix seconds)", at.as_secs()),
+            |d| d.to_string(),
+        );
+        Self { at, text }
+    }
+
+    /// The earliest `notAfter` of `certs` (at least one: [`certificates`]);
+    /// an error names the file whose certificate is not X.509.
     fn of(certs: &[CertificateDer<'_>], path: &Path, flag: &str) -> Result<Self> {
-        let mut earliest: Option<Self> = None;
+        let mut earliest = Duration::MAX;
         for der in certs {
             let cert = x509_cert::Certificate::from_der(der.as_ref()).map_err(|e| {
                 Error::invalid(format!(
@@ -205,17 +214,9 @@ impl Expiry {
                 ))
             })?;
             let not_after = cert.tbs_certificate().validity().not_after;
-            let at = not_after.to_unix_duration();
-            if earliest.as_ref().is_none_or(|e| at < e.at) {
-                earliest = Some(Self {
-                    at,
-                    text: not_after.to_string(),
-                });
-            }
+            earliest = earliest.min(not_after.to_unix_duration());
         }
-        earliest.ok_or_else(|| {
-            Error::invalid(format!("{flag} {} holds no certificate", path.display()))
-        })
+        Ok(Self::at(earliest))
     }
 
     /// How long from `now` until it expires; `None` once it has.
@@ -562,10 +563,8 @@ mod tests {
     fn a_certificate_is_warned_of_daily_from_two_weeks_before_it_expires() {
         let day = 24 * 3600;
         let at = Duration::from_secs(1_800_000_000);
-        let expiry = Expiry {
-            at,
-            text: "2027-01-15T08:00:00Z".into(),
-        };
+        let expiry = Expiry::at(at);
+        assert_eq!(expiry.text, "2027-01-15T08:00:00Z");
         let seen = |before: i64| {
             let now = SystemTime::UNIX_EPOCH + at;
             let now = match u64::try_from(before) {

@@ -521,7 +521,7 @@ impl State {
         let mut failed: Vec<(String, Error)> = Vec::new();
         let found = loop {
             let tried: Vec<String> = failed.iter().map(|(name, _)| name.clone()).collect();
-            let Some(victim) = self.catalog().spill_candidate_past(except, &tried) else {
+            let Some(victim) = self.catalog().spill_candidate(except, &tried) else {
                 break None;
             };
             if let Some(stored) = victim.stored.clone() {

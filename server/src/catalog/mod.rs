@@ -1060,17 +1060,11 @@ impl Catalog {
     }
 
     /// The resident sealed dataset read least recently (ties: by name),
-    /// other than `except`.
+    /// other than `except` and those in `tried` (whose spill just failed).
     ///
     /// A dataset with a column the store cannot hold is never one: it stays
     /// in memory until dropped ([`Catalog::unspillable_holders`]).
-    pub fn spill_candidate(&self, except: Option<&str>) -> Option<SpillCandidate> {
-        self.spill_candidate_past(except, &[])
-    }
-
-    /// [`Catalog::spill_candidate`] other than the datasets in `tried`
-    /// (those whose spill just failed).
-    pub fn spill_candidate_past(
+    pub fn spill_candidate(
         &self,
         except: Option<&str>,
         tried: &[String],

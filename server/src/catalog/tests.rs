@@ -290,11 +290,14 @@ fn least_recently_read_spills_first_and_comes_back() {
     // Open datasets are never candidates.
     c.commit("open", key(0, 0), schema(), attempt(key(0, 0), 1))
         .expect("commit");
-    let first = c.spill_candidate(None).expect("candidate");
+    let first = c.spill_candidate(None, &[]).expect("candidate");
     assert_eq!(first.name, "a", "sealed first, read never");
     c.touch("a");
-    assert_eq!(c.spill_candidate(None).expect("candidate").name, "b");
-    assert_eq!(c.spill_candidate(Some("b")).expect("candidate").name, "a");
+    assert_eq!(c.spill_candidate(None, &[]).expect("candidate").name, "b");
+    assert_eq!(
+        c.spill_candidate(Some("b"), &[]).expect("candidate").name,
+        "a"
+    );
 
     // Without a store copy the host copy cannot go.
     let gen_b = c.describe("b").expect("b").generation;
@@ -307,7 +310,7 @@ fn least_recently_read_spills_first_and_comes_back() {
     assert!(matches!(c.lookup("b"), Ok(SealedView::Stored { .. })));
     assert!(c.sealed("b").is_err());
     // Only "a" is left to spill.
-    assert_eq!(c.spill_candidate(None).expect("candidate").name, "a");
+    assert_eq!(c.spill_candidate(None, &[]).expect("candidate").name, "a");
 
     // A stale generation changes nothing.
     assert!(!c.set_stored("b", gen_b + 100, stored("x")));
@@ -746,8 +749,11 @@ fn a_dataset_the_store_cannot_hold_never_spills_and_is_refused_where_all_persist
     sealed_with(&mut c, "plain", 3);
     c.touch("plain");
     // Read less recently, but it cannot be written: the other one goes.
-    assert_eq!(c.spill_candidate(None).expect("candidate").name, "plain");
-    assert!(c.spill_candidate(Some("plain")).is_none());
+    assert_eq!(
+        c.spill_candidate(None, &[]).expect("candidate").name,
+        "plain"
+    );
+    assert!(c.spill_candidate(Some("plain"), &[]).is_none());
     let held = c.unspillable_holders();
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].0, "runs");
@@ -756,7 +762,9 @@ fn a_dataset_the_store_cannot_hold_never_spills_and_is_refused_where_all_persist
     let generation = c.describe("runs").expect("runs").generation;
     assert!(c.set_stored("runs", generation, stored("runs")));
     assert_eq!(
-        c.spill_candidate(Some("plain")).expect("candidate").name,
+        c.spill_candidate(Some("plain"), &[])
+            .expect("candidate")
+            .name,
         "runs"
     );
     assert!(c.unspillable_holders().is_empty());
