@@ -1,5 +1,6 @@
 //! GPU checks of the memory tiers: arena slabs are page-locked, and `place`
-//! puts exactly the arena's bytes on every listed device.
+//! puts exactly the arena's bytes on every listed device (a list column of
+//! one length as its values).
 //!
 //! The checks that need a CUDA driver and a device are ignored by default,
 //! so that `ok` always means checked: `scripts/gpu-check.sh run` runs them
@@ -7,8 +8,11 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Array, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
-use arrow::datatypes::{DataType, Field, Schema};
+use arrow::array::{
+    Array, AsArray, FixedSizeListArray, Float32Array, Int64Array, ListArray, RecordBatch,
+};
+use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
+use arrow::datatypes::{DataType, Field, Float32Type, Schema};
 use flightdeck_server::catalog::{AttemptKey, SealedData};
 use flightdeck_server::memory::Budget;
 use flightdeck_server::memory::arena::{Arena, HostMemory};
@@ -62,6 +66,63 @@ fn sealed_in(arena: &Arena, count: i64, rows: i64) -> SealedData {
         }],
         batches,
     )
+}
+
+/// `data` with its `fixed_size_list` column `name` as a list column
+/// (Spark's `array<float>`): row `r` of stored batch `b` holds the first
+/// `lengths(b, r)` of its values (repeated past its width), or is null
+/// where that is `None`.
+fn as_list(
+    data: &SealedData,
+    name: &str,
+    lengths: impl Fn(usize, usize) -> Option<usize>,
+) -> SealedData {
+    let idx = data.schema().index_of(name).expect("column");
+    let item = Arc::new(Field::new("item", DataType::Float32, true));
+    let mut fields: Vec<Field> = data
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    fields[idx] = Field::new(name, DataType::List(item.clone()), true);
+    let schema = Arc::new(Schema::new(fields));
+    let batches: Vec<RecordBatch> = data
+        .batches()
+        .iter()
+        .enumerate()
+        .map(|(b, batch)| {
+            let fixed = batch.column(idx).as_fixed_size_list();
+            let width = fixed.value_length() as usize;
+            let values = fixed.values().as_primitive::<Float32Type>();
+            let (mut offsets, mut kept, mut valid) = (vec![0i32], Vec::new(), Vec::new());
+            for r in 0..batch.num_rows() {
+                let n = lengths(b, r);
+                let own = (r + fixed.offset()) * width;
+                kept.extend((0..n.unwrap_or(0)).map(|i| values.value(own + i % width)));
+                offsets.push(kept.len() as i32);
+                valid.push(n.is_some());
+            }
+            let list = ListArray::new(
+                item.clone(),
+                OffsetBuffer::new(offsets.into()),
+                Arc::new(Float32Array::from(kept)),
+                Some(NullBuffer::from(valid)).filter(|n| n.null_count() > 0),
+            );
+            let mut columns = batch.columns().to_vec();
+            columns[idx] = Arc::new(list);
+            RecordBatch::try_new(schema.clone(), columns).expect("batch")
+        })
+        .collect();
+    SealedData::from_batches(schema, data.winners().to_vec(), batches)
+}
+
+/// The bytes of all `segments`, in order.
+fn joined(segments: &[Buffer]) -> Vec<u8> {
+    segments
+        .iter()
+        .flat_map(|s| s.as_slice().to_vec())
+        .collect()
 }
 
 #[test]
@@ -237,10 +298,73 @@ fn column_segments_are_the_column() {
     assert!(err.to_string().contains("no column 'nope'"), "{err}");
 }
 
+/// A list column whose rows all hold one number of values (Spark's
+/// `array<float>`) is placed as the `fixed_size_list` it is: the same
+/// values, width and rows, also from a sliced batch. Lists of differing
+/// lengths — within a batch or from one batch to the next — null rows and
+/// empty lists are refused, naming the rows.
+#[test]
+fn a_list_column_of_one_length_is_placed_as_its_values() {
+    // Pure: runs everywhere.
+    let arena = Arena::new(Budget::new(1 << 30), 8 << 20, HostMemory::Heap);
+    let data = sealed_in(&arena, 5, 10_000);
+    let fixed = column_segments(&data, "vec").expect("fixed-size list");
+    let listed = as_list(&data, "vec", |_, _| Some(3));
+    let list = column_segments(&listed, "vec").expect("a list of one length");
+    assert_eq!(
+        (&list.element, list.width, list.rows),
+        (&fixed.element, fixed.width, fixed.rows)
+    );
+    assert_eq!(joined(&list.segments), joined(&fixed.segments));
+    let sliced = SealedData::from_batches(
+        listed.schema().clone(),
+        vec![],
+        vec![listed.batches()[1].slice(10, 5)],
+    );
+    let want: Vec<u8> = (30_030..30_045)
+        .flat_map(|v| (v as f32 * 0.5).to_le_bytes())
+        .collect();
+    let seg = column_segments(&sliced, "vec").expect("segments");
+    assert_eq!((seg.width, seg.rows), (3, 5));
+    assert_eq!(joined(&seg.segments), want);
+
+    let refused = |lengths: &dyn Fn(usize, usize) -> Option<usize>| {
+        column_segments(&as_list(&data, "vec", lengths), "vec")
+            .expect_err("refused")
+            .to_string()
+    };
+    let uneven = "column 'vec' is a list whose rows hold different numbers of values";
+    let ragged = refused(&|b, r| Some(if b == 2 && r == 7 { 2 } else { 3 }));
+    assert!(
+        ragged.contains(&format!("{uneven} (row 20000 holds 3, row 20007 holds 2)")),
+        "{ragged}"
+    );
+    let shifting = refused(&|b, _| Some(if b < 3 { 3 } else { 2 }));
+    assert!(
+        shifting.contains(&format!(
+            "{uneven} (rows before row 30000 hold 3, row 30000 holds 2)"
+        )),
+        "{shifting}"
+    );
+    let null = refused(&|b, r| ((b, r) != (1, 4)).then_some(3));
+    assert!(null.contains("column 'vec' has nulls"), "{null}");
+    let all_null = refused(&|b, _| (b != 4).then_some(3));
+    assert!(
+        all_null.contains("column 'vec' has nulls (rows 40000 to 49999)"),
+        "{all_null}"
+    );
+    let empty = refused(&|_, _| Some(0));
+    assert!(
+        empty.contains("column 'vec' holds empty lists (row 0)"),
+        "{empty}"
+    );
+}
+
 /// The CUDA backend trains like the CPU backend: after 100 steps of an MLP
 /// with AdamW the parameters agree within 1e-3 (relative), with features
-/// uploaded from host memory and taken from the device tier; prints the
-/// throughput and the share of step time spent gathering.
+/// uploaded from host memory and taken from the device tier (placed from a
+/// `fixed_size_list` column and from a list column of one length); prints
+/// the throughput and the share of step time spent gathering.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh run"]
 fn cuda_training_equals_cpu_training() {
@@ -308,14 +432,30 @@ fn cuda_training_equals_cpu_training() {
         keep_checkpoints: flightdeck_server::train::DEFAULT_KEEP_CHECKPOINTS,
         filter: String::new(),
     };
-    // With `placed`, the feature column comes from the device tier.
-    let run = |devices: Devices, placed: bool| {
-        let mut job = Job::prepare(spec(devices.clone()), &data, None).expect("valid job");
+    // The same features as a list column (Spark's `array<float>`).
+    let listed = as_list(&data, "vec", |_, _| Some(3));
+    // With `placed`, the feature column comes from the device tier: placed
+    // as the job sees it (f32, its width, every row), which is what a GPU
+    // rank takes from there instead of host memory.
+    let run = |data: &SealedData, devices: Devices, placed: bool| {
+        let mut job = Job::prepare(spec(devices.clone()), data, None).expect("valid job");
         if let (true, Devices::Gpu(ordinals)) = (placed, &devices) {
             job.placed = ordinals
                 .iter()
-                .map(|&d| Arc::new(host.place(&data, &["vec".to_string()], d).expect("place")))
+                .map(|&d| Arc::new(host.place(data, &["vec".to_string()], d).expect("place")))
                 .collect();
+            for p in &job.placed {
+                let c = &p.columns[0];
+                assert_eq!(
+                    (c.name.as_str(), &c.element, c.width, c.rows),
+                    (
+                        "vec",
+                        &DataType::Float32,
+                        job.data.columns[0].1,
+                        job.data.rows()
+                    )
+                );
+            }
         }
         let last = Mutex::new(Vec::<Progress>::new());
         let progress = |p: &Progress| last.lock().expect("lock").push(p.clone());
@@ -328,16 +468,20 @@ fn cuda_training_equals_cpu_training() {
         let out = job.run(None, &hooks).expect("job runs");
         (out, last.into_inner().expect("lock"))
     };
-    let (cpu, _) = run(Devices::Cpu(1), false);
+    let (cpu, _) = run(&data, Devices::Cpu(1), false);
     let mut gpus = vec![vec![0u32]];
     if host.device_count() >= 2 {
         gpus.push(vec![0, 1]);
     }
-    for (ordinals, placed) in gpus
-        .into_iter()
-        .flat_map(|o| [(o.clone(), false), (o, true)])
-    {
-        let (gpu_out, reports) = run(Devices::Gpu(ordinals.clone()), placed);
+    let runs = gpus.into_iter().flat_map(|o| {
+        [
+            (o.clone(), false, &data, "from host"),
+            (o.clone(), true, &data, "placed"),
+            (o, true, &listed, "placed from a list column"),
+        ]
+    });
+    for (ordinals, placed, data, features) in runs {
+        let (gpu_out, reports) = run(data, Devices::Gpu(ordinals.clone()), placed);
         let diff = cpu
             .params
             .iter()
@@ -353,14 +497,13 @@ fn cuda_training_equals_cpu_training() {
         let stall =
             steady.iter().map(|p| p.data_stall_fraction).sum::<f64>() / steady.len().max(1) as f64;
         println!(
-            "GPUs {ordinals:?} (features {}): max relative difference to CPU {diff:.2e}, \
-             {sps:.0} samples/s, {:.1}% of step time gathering",
-            if placed { "placed" } else { "from host" },
+            "GPUs {ordinals:?} (features {features}): max relative difference to CPU \
+             {diff:.2e}, {sps:.0} samples/s, {:.1}% of step time gathering",
             stall * 100.0
         );
         assert!(
             diff <= 1e-3,
-            "CUDA differs from CPU by {diff} on {ordinals:?} (placed: {placed})"
+            "CUDA differs from CPU by {diff} on {ordinals:?} (features {features})"
         );
     }
 }

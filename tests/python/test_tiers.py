@@ -335,6 +335,35 @@ def test_place_train_and_evict_on_a_gpu(flightdeck_server):
         assert epoch(c, "g", "global") == before
 
 
+def test_a_spark_array_column_is_placed_and_trained_from_a_gpu(flightdeck_server):
+    """Where the server sees a CUDA device (`scripts/gpu-check.sh run`): a
+    list column whose rows all hold one number of values (what Spark writes
+    for `array<float>`) is placed as its values — also by a `place` that
+    names no columns — and a job on GPU 0 takes its features from that copy
+    (the server's log says so) instead of host memory."""
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        if not c.stats().cuda_devices:
+            pytest.skip("no CUDA device here: scripts/gpu-check.sh run checks place on a GPU")
+        rows, dim = 100_000, 8
+        rng = np.random.default_rng(4)
+        values = pa.array(rng.standard_normal(rows * dim).astype(np.float32))
+        offsets = pa.array(np.arange(0, rows * dim + 1, dim, dtype=np.int32))
+        t = pa.table(
+            {
+                "features": pa.ListArray.from_arrays(offsets, values),
+                "label": pa.array(rng.integers(0, 3, rows).astype(np.int64)),
+            }
+        )
+        write(c, "s", t)
+        info = c.place("s")
+        placed = [(p.device, sorted(p.columns), p.bytes) for p in info.placements]
+        assert placed == [(0, ["features", "label"], rows * (dim * 4 + 8))]
+        reports = list(c.train("s", ["features"], "label", classes=3, batch_size=1024, gpus=[0]))
+        assert reports[-1].done and np.isfinite(reports[-1].loss), reports[-1]
+        uploads = [line for line in flightdeck_server.stderr_lines if "uploads its rows" in line]
+        assert len(uploads) == 1 and "device tier" in uploads[0], uploads
+
+
 def test_a_reader_rides_out_a_restart_of_its_server(tmp_path):
     """Killed mid-epoch and started again with `--persist` on its port, the
     server's readers (`reconnect_seconds`) take their reads up where they

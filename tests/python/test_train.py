@@ -2,7 +2,8 @@
 command line: a sealed dataset written with the Python client, a softmax
 regression that separates three classes, progress that streams, a bad job
 refused with INVALID_ARGUMENT, a checkpoint written and resumed, a job that trains on the rows a filter
-selects (the labelled rows of a partly labelled dataset among them), and `flightdeck train --regression` stopped and continued with
+selects (the labelled rows of a partly labelled dataset among them), Spark's
+`array<float>` features (also of a derived part of a dataset), and `flightdeck train --regression` stopped and continued with
 `--resume-from`."""
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def test_an_array_column_as_spark_writes_it_trains(flightdeck_server):
                 r"feature column 'features' is a list whose rows hold different numbers of "
                 r"values \(row 1000 holds 2, row 1500 holds 3\)")):
             list(c.train("ragged", ["features"], "label", **job))
+
+
+def test_an_array_column_of_a_derived_part_trains_on_its_own_rows(flightdeck_server):
+    """A dataset derived with `LIMIT … OFFSET …` holds slices of the source's
+    stored batches: its `array<float>` features are its own rows' (they were
+    the first rows' of each batch), so it trains exactly as the same rows
+    written as a dataset of their own."""
+    t = three_classes(4000, 5)
+    points = t.column("features").combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    t = t.set_column(0, "features", pa.array(list(points), pa.list_(pa.float32())))
+    with flightdeck.connect(flightdeck_server.uri) as c:
+        c.put_partition("all", 0, t)
+        c.seal("all", partitions=1)
+        c.derive("part", "SELECT * FROM \"all\" LIMIT 1000 OFFSET 1500")
+        c.put_partition("written", 0, t.slice(1500, 1000))
+        c.seal("written", partitions=1)
+        job = dict(classes=3, lr=0.05, batch_size=100, seed=4, shuffle="none")
+        part = list(c.train("part", ["features"], "label", **job))
+        written = list(c.train("written", ["features"], "label", **job))
+        assert [r.loss for r in part] == [r.loss for r in written]
+        assert part[-1].accuracy == written[-1].accuracy
 
 
 def test_the_train_command(sealed):

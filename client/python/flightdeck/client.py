@@ -605,7 +605,9 @@ class Client:
         devices: Sequence[int] = (),
     ) -> wire.Message:
         """Copies numeric columns of a sealed dataset to GPUs (`columns` empty:
-        every numeric column; `devices` empty: device 0). A server without a
+        every numeric column — numbers, fixed-size lists of them, and lists
+        whose rows all hold one number of them, as Spark's `array<float>`;
+        `devices` empty: device 0). A server without a
         CUDA driver raises :class:`FailedPrecondition`."""
         body = wire.PlaceColumns(dataset=dataset, columns=list(columns), devices=list(devices))
         return self._action("place", body, wire.DatasetInfo)

@@ -8,14 +8,16 @@
 //! `FailedPrecondition`.
 //!
 //! Which bytes go to the device is decided by [`column_segments`], which is
-//! pure and tested without a GPU; this module only copies them.
+//! pure and tested without a GPU; this module only copies them. A list
+//! column whose rows all hold one number of values (Spark's `array<float>`)
+//! is placed, like a `fixed_size_list`, as its values ([`one_length`]).
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayData, ArrayRef, AsArray};
-use arrow::buffer::{Buffer, NullBuffer};
-use arrow::datatypes::DataType;
+use arrow::array::{Array, ArrayData, ArrayRef, AsArray, GenericListArray, OffsetSizeTrait};
+use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
+use arrow::datatypes::{DataType, FieldRef};
 use cudarc::driver::{CudaContext, CudaSlice, sys};
 
 use crate::catalog::SealedData;
@@ -234,8 +236,8 @@ pub fn numeric_shape(dt: &DataType) -> Option<(DataType, usize)> {
 fn not_numeric(column: &str, data_type: &DataType) -> Error {
     Error::invalid(format!(
         "{column} has type {data_type}; only numeric columns and fixed_size_list columns of \
-         numbers can be placed on a device or trained on (training also takes a list of numbers \
-         whose rows all hold one number of values, such as Spark's array<float>)"
+         numbers can be placed on a device or trained on (and lists of numbers whose rows all \
+         hold one number of values, such as Spark's array<float>)"
     ))
 }
 
@@ -289,9 +291,11 @@ pub fn numeric_values_with_nulls(
     Ok((child, width, nulls))
 }
 
-/// The bytes of column `name` of `data`: a primitive numeric column, or a
-/// `fixed_size_list` of one, with no nulls. Anything else is refused with a
-/// message naming the column and its type.
+/// The bytes of column `name` of `data`, as a GPU holds it: a primitive
+/// numeric column, a `fixed_size_list` of one, or a list of one whose rows
+/// all hold one number of values (every stored batch the same number), with
+/// no nulls. Anything else is refused with a message naming the column and
+/// its type, or the rows that differ.
 pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> {
     let schema = data.schema();
     let idx = schema.index_of(name).map_err(|_| {
@@ -300,7 +304,127 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
             crate::catalog::describe_fields(schema)
         ))
     })?;
-    segments_at(data, idx)
+    let (DataType::List(item) | DataType::LargeList(item)) = schema.field(idx).data_type() else {
+        return segments_at(data, idx);
+    };
+    let column = format!("column '{name}'");
+    let element = item.data_type();
+    if !(element.is_numeric() && element.is_primitive()) {
+        return Err(not_numeric(&column, schema.field(idx).data_type()));
+    }
+    let mut segments = Vec::with_capacity(data.batches().len());
+    let (mut rows, mut width) = (0u64, None);
+    for batch in data.batches().iter().filter(|b| b.num_rows() > 0) {
+        let fixed = one_length(batch.column(idx), &column, rows)?;
+        // Still a list: every row of the batch is null.
+        let DataType::FixedSizeList(_, n) = fixed.data_type() else {
+            return Err(Error::invalid(format!(
+                "{column} has nulls (rows {rows} to {}); fill or drop them before placing or \
+                 training",
+                rows + batch.num_rows() as u64 - 1
+            )));
+        };
+        let n = *n as usize;
+        if let Some(w) = width.filter(|&w| w != n) {
+            return Err(uneven(
+                &column,
+                format!("rows before row {rows} hold {w}, row {rows} holds {n}"),
+            ));
+        }
+        width = Some(n);
+        segments.push(value_bytes(&fixed, &column)?);
+        rows += batch.num_rows() as u64;
+    }
+    let Some(width) = width else {
+        return Err(Error::invalid(format!(
+            "{column} has no rows to take the length of its lists from"
+        )));
+    };
+    Ok(ColumnSegments {
+        element: element.clone(),
+        width,
+        rows,
+        segments,
+    })
+}
+
+/// A list column (Spark's `array<float>`) of numbers as the
+/// `fixed_size_list` it is when every row holds the same number of values;
+/// a row holding another number is refused, naming it (rows are numbered
+/// from `first_row`), as are empty lists. Null rows stay null; a column of
+/// another type is returned as it is.
+pub fn one_length(col: &ArrayRef, column: &str, first_row: u64) -> Result<ArrayRef> {
+    match col.data_type() {
+        DataType::List(item) if item.data_type().is_numeric() => {
+            list_one_length(col.as_list::<i32>(), item, column, first_row)
+        }
+        DataType::LargeList(item) if item.data_type().is_numeric() => {
+            list_one_length(col.as_list::<i64>(), item, column, first_row)
+        }
+        _ => Ok(col.clone()),
+    }
+}
+
+fn list_one_length<O: OffsetSizeTrait>(
+    list: &GenericListArray<O>,
+    item: &FieldRef,
+    column: &str,
+    first_row: u64,
+) -> Result<ArrayRef> {
+    let mut lengths = list
+        .offsets()
+        .windows(2)
+        .enumerate()
+        .filter(|(i, _)| list.is_valid(*i))
+        .map(|(i, w)| (first_row + i as u64, (w[1] - w[0]).as_usize()));
+    let Some((first, width)) = lengths.next() else {
+        return Ok(Arc::new(list.clone())); // every row null: refused as nulls
+    };
+    if let Some((row, other)) = lengths.find(|&(_, n)| n != width) {
+        return Err(uneven(
+            column,
+            format!("row {first} holds {width}, row {row} holds {other}"),
+        ));
+    }
+    if width == 0 {
+        return Err(Error::invalid(format!(
+            "{column} holds empty lists (row {first}); there is nothing in it to place or train on"
+        )));
+    }
+    let size = i32::try_from(width)
+        .map_err(|_| Error::invalid(format!("{column} holds lists of {width} values")))?;
+    // arrow's cast takes a list whose rows all hold `size` values to start
+    // at its values' first, which a slice's (offsets not from 0) does not:
+    // the rows are given to it as a list of their own values, offsets from 0.
+    let offsets = list.offsets();
+    let (start, end) = (offsets[0].as_usize(), offsets[offsets.len() - 1].as_usize());
+    let from_zero = OffsetBuffer::new(offsets.iter().map(|&o| o - offsets[0]).collect());
+    let rows = GenericListArray::<O>::try_new(
+        item.clone(),
+        from_zero,
+        list.values().slice(start, end - start),
+        list.nulls().cloned(),
+    )
+    .map_err(|e| Error::invalid(format!("{column}: {e}")))?;
+    let options = arrow::compute::CastOptions {
+        safe: false,
+        ..Default::default()
+    };
+    arrow::compute::cast_with_options(
+        &rows,
+        &DataType::FixedSizeList(item.clone(), size),
+        &options,
+    )
+    .map_err(|e| Error::invalid(format!("{column}: {e}")))
+}
+
+/// The refusal of list `column` (e.g. "feature column 'x'") whose rows
+/// hold different numbers of values, as `rows` says.
+pub fn uneven(column: &str, rows: String) -> Error {
+    Error::invalid(format!(
+        "{column} is a list whose rows hold different numbers of values ({rows}); a GPU copy \
+         and training take lists of one length (pad or cut them to one length first)"
+    ))
 }
 
 /// The bytes of a numeric column's values (all of its rows, none else);

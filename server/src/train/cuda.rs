@@ -520,6 +520,15 @@ impl Cuda {
         let mut y = self.zeros_or_empty(n as usize * lw);
         let placed = self.placed.clone();
         let columns = placed.as_deref().and_then(|p| placed_features(p, data));
+        tracing::info!(
+            gpu = self.stream.context().ordinal(),
+            features = if columns.is_some() {
+                "device tier"
+            } else {
+                "host memory"
+            },
+            "GPU rank uploads its rows"
+        );
         if let Some(columns) = &columns {
             let (rows, dim_i) = (n as i32, dim as i32);
             let mut offset = 0i32;

@@ -5,14 +5,14 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, AsArray, Float32Array, GenericListArray, OffsetSizeTrait};
+use arrow::array::{ArrayRef, AsArray, Float32Array};
 use arrow::buffer::NullBuffer;
 use arrow::compute::cast;
-use arrow::datatypes::{DataType, FieldRef, Float32Type};
+use arrow::datatypes::{DataType, Float32Type};
 
 use crate::catalog::{SealedData, describe_fields};
 use crate::error::{Error, Result};
-use crate::memory::device::numeric_values_with_nulls;
+use crate::memory::device::{numeric_values_with_nulls, one_length, uneven};
 use crate::query::Selection;
 
 /// What the label column holds.
@@ -54,15 +54,7 @@ fn as_f32(
     nulls: &mut Vec<NullRows>,
 ) -> Result<(Float32Array, usize)> {
     let column = format!("{what} column '{name}'");
-    let col = match col.data_type() {
-        DataType::List(item) if item.data_type().is_numeric() => {
-            one_length(col.as_list::<i32>(), item, &column, first_row)?
-        }
-        DataType::LargeList(item) if item.data_type().is_numeric() => {
-            one_length(col.as_list::<i64>(), item, &column, first_row)?
-        }
-        _ => col.clone(),
-    };
+    let col = one_length(col, &column, first_row)?;
     let (values, width, null_rows) = numeric_values_with_nulls(&col, &column)?;
     let f =
         cast(&values, &DataType::Float32).map_err(|e| Error::invalid(format!("{column}: {e}")))?;
@@ -75,55 +67,6 @@ fn as_f32(
         });
     }
     Ok((f.as_primitive::<Float32Type>().clone(), width))
-}
-
-/// A list column (Spark's `array<float>`) of `item`s as the
-/// `fixed_size_list` it is when every row holds the same number of values;
-/// a row holding another number is refused, naming it (rows are numbered
-/// from `first_row`). Null rows stay null.
-fn one_length<O: OffsetSizeTrait>(
-    list: &GenericListArray<O>,
-    item: &FieldRef,
-    column: &str,
-    first_row: u64,
-) -> Result<ArrayRef> {
-    let mut lengths = list
-        .offsets()
-        .windows(2)
-        .enumerate()
-        .filter(|(i, _)| list.is_valid(*i))
-        .map(|(i, w)| (first_row + i as u64, (w[1] - w[0]).as_usize()));
-    let Some((first, width)) = lengths.next() else {
-        return Ok(Arc::new(list.clone())); // every row null: refused as nulls
-    };
-    if let Some((row, other)) = lengths.find(|&(_, n)| n != width) {
-        return Err(uneven(
-            column,
-            format!("row {first} holds {width}, row {row} holds {other}"),
-        ));
-    }
-    if width == 0 {
-        return Err(Error::invalid(format!(
-            "{column} holds empty lists (row {first}); there is nothing to train on in it"
-        )));
-    }
-    let size = i32::try_from(width)
-        .map_err(|_| Error::invalid(format!("{column} holds lists of {width} values")))?;
-    let options = arrow::compute::CastOptions {
-        safe: false,
-        ..Default::default()
-    };
-    arrow::compute::cast_with_options(list, &DataType::FixedSizeList(item.clone(), size), &options)
-        .map_err(|e| Error::invalid(format!("{column}: {e}")))
-}
-
-/// The refusal of list `column` (e.g. "feature column 'x'") whose rows
-/// hold different numbers of values, as `rows` says.
-fn uneven(column: &str, rows: String) -> Error {
-    Error::invalid(format!(
-        "{column} is a list whose rows hold different numbers of values ({rows}); training \
-         takes lists of one length (pad or cut them to one length first)"
-    ))
 }
 
 /// The null rows of one feature or label column in one stored batch.

@@ -994,3 +994,27 @@ fn a_list_of_one_length_trains_as_its_fixed_size_list() {
     let empty = with_vec_as_list(&fixed, |_, _| 0);
     assert!(refused(&empty).contains("feature column 'vec' holds empty lists (row 0)"));
 }
+
+/// Stored batches that are slices of larger ones (a derived dataset's, say),
+/// whose list offsets do not start at 0, train on their own rows' values:
+/// as the `fixed_size_list` sliced alike, with a null row or without.
+#[test]
+fn a_sliced_list_of_one_length_trains_on_its_own_rows() {
+    let sliced = |data: &SealedData| {
+        let batches = data
+            .batches()
+            .iter()
+            .map(|b| b.slice(b.num_rows() / 4, b.num_rows() / 2))
+            .collect();
+        one_partition(data.schema().clone(), batches)
+    };
+    let fixed = dataset(300);
+    let outcome = |data: &SealedData| {
+        let job = Job::prepare(spec(2), &sliced(data), None).expect("valid job");
+        run(&job, None).params
+    };
+    assert_eq!(
+        outcome(&fixed),
+        outcome(&with_vec_as_list(&fixed, |_, _| 2))
+    );
+}
