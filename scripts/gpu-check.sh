@@ -7,8 +7,8 @@
 #                                # (pinned arena, place, evict's memory, CUDA training vs CPU),
 #                                # the tier tests on pinned memory, the h2d bench, the PyTorch
 #                                # tests (pinned hand-over; place, train, evict through the
-#                                # server) and the reader bench on the GPU, with its own torch;
-#                                # then the CPU read benches on its cores (gather split on/off)
+#                                # server) with its own torch; the CPU read benches on its
+#                                # cores (gather split on/off); last the reader bench on the GPU
 #   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
 #                                # (run by scripts/test.sh)
 #
@@ -69,15 +69,12 @@ run() {
         --json "$out/h2d.json"
     # PyTorch on the GPU, with the machine's own torch and the server binary
     # built here: pinned batches handed over with non_blocking copies
-    # (test_torch.py), place / train / evict through the server
-    # (test_tiers.py), and the reader and embedded trainer against PyTorch
-    # on an in-memory device tensor.
+    # (test_torch.py), and place / train / evict through the server
+    # (test_tiers.py).
     if python3 -c "import pyarrow.flight, pytest, torch" 2>/dev/null; then
         export PYTHONPATH="$PWD/client/python:${PYTHONPATH:-}" FLIGHTDECK_BIN="$bins/flightdeck"
         step python-gpu python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py \
             tests/python/test_tiers.py::test_place_train_and_evict_on_a_gpu
-        step reader-gpu python3 bench/reader_throughput.py --device cuda --bin "$bins/flightdeck" \
-            --rows 1000000 --dim 32 --reps 5 --threads 4
     else
         echo "NOT RUN: this machine's python3 lacks pyarrow, pytest or torch" > "$out/python-gpu.txt"
         status=1
@@ -96,6 +93,12 @@ run() {
         step "get-$threads" "$bins/flightdeck-bench" --phases get,limit --shuffle none,global \
             --rows 2000000 --baseline "" --reps 3 "${split[@]}" --json "$out/get-$threads.json"
     done
+    # The reader and embedded trainer against PyTorch on an in-memory device
+    # tensor: last, as the longest step, so a run cut short still has the rest.
+    if [ -n "${FLIGHTDECK_BIN:-}" ]; then
+        step reader-gpu python3 bench/reader_throughput.py --device cuda --bin "$bins/flightdeck" \
+            --rows 1000000 --dim 32 --reps 5 --threads 4
+    fi
     # The figures: parity, samples/s and gather share, device memory around
     # evictions, H2D bandwidth, the tests' tallies and the reader table.
     grep -h -E "^GPUs|cuMemGetInfo|^test result|passed|failed|error" "$out"/gpu-tests.txt "$out"/tier-tests.txt || true
