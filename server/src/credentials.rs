@@ -170,9 +170,13 @@ fn certificates(pem: &[u8], path: &Path, flag: &str) -> Result<Vec<CertificateDe
 /// a day.
 pub const WARN_BEFORE: Duration = Duration::from_secs(14 * 24 * 3600);
 
-/// What the log says about the expiry of the certificate in use.
+/// What the log says about the validity of the certificate in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ExpiryWarning {
+    /// Its `notBefore` is still ahead (a clock behind the issuer's, or a
+    /// certificate issued for later): clients that check it refuse new
+    /// connections until then.
+    NotYetValid,
     /// It expires within [`WARN_BEFORE`], in this many whole days (0: within
     /// a day).
     Soon {
@@ -183,29 +187,48 @@ pub enum ExpiryWarning {
     Expired,
 }
 
-/// When a certificate chain stops being valid: its earliest `notAfter`.
+/// When a certificate chain stops being valid: its earliest `notAfter`;
+/// and when it starts to be: its latest `notBefore`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expiry {
     /// The moment, as time since the Unix epoch.
     pub at: Duration,
     /// The moment as the certificate states it (`2027-03-01T00:00:00Z`).
     pub text: String,
+    /// The moment it starts to be valid, as time since the Unix epoch.
+    pub from: Duration,
+}
+
+/// A moment (time since the Unix epoch) as a certificate states it
+/// (`2027-03-01T00:00:00Z`).
+fn moment_text(at: Duration) -> String {
+    x509_cert::der::DateTime::from_unix_duration(at).map_or_else(
+        |_| format!("{} (Unix seconds)", at.as_secs()),
+        |d| d.to_string(),
+    )
 }
 
 impl Expiry {
-    /// The moment `at` (time since the Unix epoch), with its text.
+    /// The moment `at` (time since the Unix epoch), with its text; valid
+    /// from the epoch on.
     pub fn at(at: Duration) -> Self {
-        let text = x509_cert::der::DateTime::from_unix_duration(at).map_or_else(
-            |_| format!("{} (Unix seconds)", at.as_secs()),
-            |d| d.to_string(),
-        );
-        Self { at, text }
+        Self {
+            at,
+            text: moment_text(at),
+            from: Duration::ZERO,
+        }
     }
 
-    /// The earliest `notAfter` of `certs` (at least one: [`certificates`]);
-    /// an error names the file whose certificate is not X.509.
+    /// The start of its validity as the certificate states it.
+    pub fn from_text(&self) -> String {
+        moment_text(self.from)
+    }
+
+    /// The earliest `notAfter` and latest `notBefore` of `certs` (at least
+    /// one: [`certificates`]); an error names the file whose certificate
+    /// is not X.509.
     fn of(certs: &[CertificateDer<'_>], path: &Path, flag: &str) -> Result<Self> {
-        let mut earliest = Duration::MAX;
+        let (mut earliest, mut latest) = (Duration::MAX, Duration::ZERO);
         for der in certs {
             let cert = x509_cert::Certificate::from_der(der.as_ref()).map_err(|e| {
                 Error::invalid(format!(
@@ -213,10 +236,14 @@ impl Expiry {
                     path.display()
                 ))
             })?;
-            let not_after = cert.tbs_certificate().validity().not_after;
-            earliest = earliest.min(not_after.to_unix_duration());
+            let validity = cert.tbs_certificate().validity();
+            earliest = earliest.min(validity.not_after.to_unix_duration());
+            latest = latest.max(validity.not_before.to_unix_duration());
         }
-        Ok(Self::at(earliest))
+        Ok(Self {
+            from: latest,
+            ..Self::at(earliest)
+        })
     }
 
     /// How long from `now` until it expires; `None` once it has.
@@ -227,10 +254,16 @@ impl Expiry {
         self.at.checked_sub(now).filter(|left| !left.is_zero())
     }
 
-    /// What to warn of at `now`: `None` while more than [`WARN_BEFORE`]
-    /// is left. The warning changes once a day, so a log that says each
-    /// new one warns daily.
+    /// What to warn of at `now`: `None` from its `notBefore` on while more
+    /// than [`WARN_BEFORE`] is left. The warning changes once a day, so a
+    /// log that says each new one warns daily.
     pub fn warning(&self, now: SystemTime) -> Option<ExpiryWarning> {
+        let since_epoch = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        if since_epoch < self.from {
+            return Some(ExpiryWarning::NotYetValid);
+        }
         match self.left(now) {
             None => Some(ExpiryWarning::Expired),
             Some(left) if left <= WARN_BEFORE => Some(ExpiryWarning::Soon {
@@ -590,6 +623,24 @@ mod tests {
             .map(|hours: i64| seen(hours * 3600 - 3600).1)
             .collect();
         assert_eq!(said.len(), 15 + 1 + 1, "{said:?}");
+    }
+
+    #[test]
+    fn a_certificate_not_valid_yet_is_warned_of_until_it_is() {
+        let from = Duration::from_secs(1_800_000_000);
+        let expiry = Expiry {
+            from,
+            ..Expiry::at(from + Duration::from_secs(90 * 24 * 3600))
+        };
+        assert_eq!(expiry.from_text(), "2027-01-15T08:00:00Z");
+        let at = |secs: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
+        assert_eq!(
+            expiry.warning(at(1_800_000_000 - 1)),
+            Some(ExpiryWarning::NotYetValid)
+        );
+        assert_eq!(expiry.warning(at(1_800_000_000)), None);
+        // A moment alone (stats' expiry) is valid from the epoch on.
+        assert_eq!(Expiry::at(from).warning(at(1)), None);
     }
 
     #[test]

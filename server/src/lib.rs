@@ -289,9 +289,9 @@ async fn refresh_credentials(
     }
 }
 
-/// Warns that the certificate in use expires soon (once a day, from
-/// [`credentials::WARN_BEFORE`] before) or has expired (once), when that
-/// differs from what was said last (`said`).
+/// Warns that the certificate in use is not valid yet, expires soon (once a
+/// day, from [`credentials::WARN_BEFORE`] before) or has expired (once),
+/// when that differs from what was said last (`said`).
 fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWarning>) {
     let Some(expiry) = state.credentials.certificate_expiry() else {
         return;
@@ -312,6 +312,12 @@ fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWar
                 n => format!("in {n} days"),
             }
         ),
+        Some(credentials::ExpiryWarning::NotYetValid) => tracing::warn!(
+            valid_from = %expiry.from_text(),
+            "the certificate (--tls-cert) is not valid yet (its notBefore is ahead): clients that \
+             check it refuse new connections until then; check this node's clock against the \
+             issuer's, or install a certificate valid now (read again on SIGHUP and every {every}s)"
+        ),
         Some(credentials::ExpiryWarning::Expired) => tracing::error!(
             expires = %expiry.text,
             "the certificate (--tls-cert) has expired: clients that check it refuse new \
@@ -319,6 +325,13 @@ fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWar
              SIGHUP and every {every}s)"
         ),
         None => {}
+    }
+    let valid = matches!(
+        warning,
+        None | Some(credentials::ExpiryWarning::Soon { .. })
+    );
+    if valid && *said == Some(credentials::ExpiryWarning::NotYetValid) {
+        info!(expires = %expiry.text, "the certificate (--tls-cert) is valid now");
     }
     *said = warning;
 }

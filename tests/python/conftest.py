@@ -323,22 +323,28 @@ def make_test_certs(folder: Path) -> dict[str, Path]:
     return {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "key.pem"}
 
 
-def sign_expired(folder: Path) -> Path:
+def sign_dated(folder: Path, name: str, start: str, end: str) -> Path:
     """A certificate for the key and request `make_test_certs` left in
-    `folder`, self-signed and valid only on 1 January 2020 (expired), made
-    with `openssl ca` (the only openssl 3.0 command that takes dates):
-    `folder / "expired.pem"`."""
+    `folder`, self-signed and valid from `start` to `end` (`YYYYMMDDhhmmssZ`),
+    made with `openssl ca` (the only openssl 3.0 command that takes dates):
+    `folder / name`."""
     (folder / "index.txt").write_text("")
     (folder / "serial").write_text("01\n")
-    (folder / "expired.cnf").write_text(
+    (folder / "dated.cnf").write_text(
         "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nnew_certs_dir = .\n"
         "serial = serial\ndefault_md = sha256\npolicy = p\n[p]\ncommonName = supplied\n"
     )
     subprocess.run(
-        ["openssl", "ca", "-batch", "-config", "expired.cnf", "-selfsign", "-keyfile", "key.pem",
-         "-in", "server.csr", "-startdate", "20200101000000Z", "-enddate", "20200102000000Z",
-         "-extfile", "server.ext", "-notext", "-out", "expired.pem"],
+        ["openssl", "ca", "-batch", "-config", "dated.cnf", "-selfsign", "-keyfile", "key.pem",
+         "-in", "server.csr", "-startdate", start, "-enddate", end,
+         "-extfile", "server.ext", "-notext", "-out", name],
         cwd=folder, check=True, capture_output=True,
     )
-    return folder / "expired.pem"
+    return folder / name
+
+
+def sign_expired(folder: Path) -> Path:
+    """`sign_dated`'s certificate valid only on 1 January 2020 (expired):
+    `folder / "expired.pem"`."""
+    return sign_dated(folder, "expired.pem", "20200101000000Z", "20200102000000Z")
 

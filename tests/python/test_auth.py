@@ -20,7 +20,7 @@ import pytest
 
 import flightdeck
 from conftest import (
-    RunningServer, eventually, make_test_certs, scaled, server_binary, sign_expired,
+    RunningServer, eventually, make_test_certs, scaled, server_binary, sign_dated, sign_expired,
 )
 
 
@@ -253,6 +253,31 @@ def test_an_expired_certificate_is_refused_and_one_expiring_soon_is_warned_of(tm
                                 tls_root_certs=certs["ca"].read_bytes()) as c:
             assert c.stats().location == f"grpc+tls://{server.addr}", "the old certificate serves"
         assert gauge in scrape()
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_certificate_not_valid_yet_is_served_and_warned_of_until_one_is(tmp_path):
+    """A certificate whose notBefore is still ahead (this node's clock behind
+    its issuer's, or one issued for later) is served — refusing it would keep
+    the server down past the moment it becomes valid — but warned of, saying
+    from when and what to check, and the server says when the certificate in
+    use is valid again."""
+    certs = make_test_certs(tmp_path)
+    later = sign_dated(tmp_path, "later.pem", "20400101000000Z", "20400201000000Z")
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(later), "--tls-key", str(certs["key"]),
+    )
+    try:
+        line = eventually("the warning", lambda: next(
+            (line for line in server.stderr_lines if "is not valid yet" in line), None))
+        assert "valid_from=2040-01-01T00:00:00Z" in line, line
+        assert "check this node's clock against the issuer's" in line, line
+        later.write_bytes(certs["cert"].read_bytes())
+        line = read_again(server)
+        assert "certificate=true" in line, line
+        assert any("the certificate (--tls-cert) is valid now" in line
+                   for line in server.stderr_lines), "".join(server.stderr_lines)
     finally:
         assert server.stop() == 0
 
