@@ -197,6 +197,9 @@ pub struct Expiry {
     pub text: String,
     /// The moment it starts to be valid, as time since the Unix epoch.
     pub from: Duration,
+    /// The subject of the certificate that expires first (`CN=…`; empty
+    /// when not read from a certificate).
+    pub subject: String,
 }
 
 /// A moment (time since the Unix epoch) as a certificate states it
@@ -216,6 +219,7 @@ impl Expiry {
             at,
             text: moment_text(at),
             from: Duration::ZERO,
+            subject: String::new(),
         }
     }
 
@@ -224,11 +228,11 @@ impl Expiry {
         moment_text(self.from)
     }
 
-    /// The earliest `notAfter` and latest `notBefore` of `certs` (at least
-    /// one: [`certificates`]); an error names the file whose certificate
-    /// is not X.509.
+    /// The earliest `notAfter` (with its certificate's subject) and latest
+    /// `notBefore` of `certs` (at least one: [`certificates`]); an error
+    /// names the file whose certificate is not X.509.
     fn of(certs: &[CertificateDer<'_>], path: &Path, flag: &str) -> Result<Self> {
-        let (mut earliest, mut latest) = (Duration::MAX, Duration::ZERO);
+        let (mut earliest, mut latest, mut subject) = (Duration::MAX, Duration::ZERO, None);
         for der in certs {
             let cert = x509_cert::Certificate::from_der(der.as_ref()).map_err(|e| {
                 Error::invalid(format!(
@@ -237,11 +241,16 @@ impl Expiry {
                 ))
             })?;
             let validity = cert.tbs_certificate().validity();
-            earliest = earliest.min(validity.not_after.to_unix_duration());
+            let not_after = validity.not_after.to_unix_duration();
+            if not_after < earliest {
+                earliest = not_after;
+                subject = Some(cert.tbs_certificate().subject().to_string());
+            }
             latest = latest.max(validity.not_before.to_unix_duration());
         }
         Ok(Self {
             from: latest,
+            subject: subject.unwrap_or_default(),
             ..Self::at(earliest)
         })
     }
@@ -318,17 +327,31 @@ fn parse_identity(read: &[Vec<u8>], files: &[File]) -> Result<Identity> {
     })
 }
 
-fn parse_roots(read: &[Vec<u8>], files: &[File]) -> Result<Vec<u8>> {
+/// The roots other members are checked against, and — when they come from
+/// `--tls-ca` (not from the server's own certificate, which is watched as
+/// such) — when the first of them expires.
+struct Roots {
+    pem: Arc<Vec<u8>>,
+    expiry: Option<Expiry>,
+}
+
+fn parse_roots(read: &[Vec<u8>], files: &[File]) -> Result<Roots> {
     let (path, flag) = &files[0];
-    certificates(&read[0], path, flag)?;
-    Ok(read[0].clone())
+    let certs = certificates(&read[0], path, flag)?;
+    let expiry = (*flag == "--tls-ca")
+        .then(|| Expiry::of(&certs, path, flag))
+        .transpose()?;
+    Ok(Roots {
+        pem: Arc::new(read[0].clone()),
+        expiry,
+    })
 }
 
 /// The server's credentials, as last read from their files.
 pub struct Credentials {
     tokens: Option<Watched<Tokens>>,
     identity: Option<Arc<Watched<Identity>>>,
-    roots: Option<Watched<Vec<u8>>>,
+    roots: Option<Watched<Roots>>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -441,10 +464,16 @@ impl Credentials {
         self.identity.as_ref().map(|w| w.get().expiry.clone())
     }
 
+    /// When the first authority of `--tls-ca` stops (or starts) being valid
+    /// (`None` without `--tls-ca`).
+    pub fn authority_expiry(&self) -> Option<Expiry> {
+        self.roots.as_ref().and_then(|w| w.get().expiry.clone())
+    }
+
     /// The PEM roots other members served over TLS are checked against
     /// (the same `Arc` until they are read again changed).
     pub fn peer_roots(&self) -> Option<Arc<Vec<u8>>> {
-        self.roots.as_ref().map(Watched::get)
+        self.roots.as_ref().map(|w| w.get().pem.clone())
     }
 
     /// What accepts TLS on the server's TCP listener — always with the

@@ -233,10 +233,7 @@ fn tls_incoming(
 
 /// Reads the credential files again every [`credentials::CHECK_EVERY`] and
 /// on `SIGHUP`, for as long as the server runs.
-async fn refresh_credentials(
-    state: std::sync::Arc<state::State>,
-    mut warned: Option<credentials::ExpiryWarning>,
-) {
+async fn refresh_credentials(state: std::sync::Arc<state::State>, mut warned: Said) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangup = signal(SignalKind::hangup())
         .map_err(|e| tracing::warn!("cannot listen for SIGHUP: {e}"))
@@ -289,51 +286,98 @@ async fn refresh_credentials(
     }
 }
 
-/// Warns that the certificate in use is not valid yet, expires soon (once a
-/// day, from [`credentials::WARN_BEFORE`] before) or has expired (once),
-/// when that differs from what was said last (`said`).
-fn warn_of_expiry(state: &state::State, said: &mut Option<credentials::ExpiryWarning>) {
-    let Some(expiry) = state.credentials.certificate_expiry() else {
-        return;
-    };
-    let warning = expiry.warning(std::time::SystemTime::now());
-    if warning == *said {
-        return;
+/// What the log last said of the validity of the certificate in use and of
+/// the members' authorities (`--tls-ca`).
+#[derive(Debug, Default)]
+struct Said {
+    certificate: Option<credentials::ExpiryWarning>,
+    authorities: Option<credentials::ExpiryWarning>,
+}
+
+/// "in 3 days", "in 1 day", "within a day".
+fn days_left(days: u64) -> String {
+    match days {
+        0 => "within a day".to_string(),
+        1 => "in 1 day".to_string(),
+        n => format!("in {n} days"),
     }
+}
+
+/// Warns that the certificate in use, or the first authority of
+/// `--tls-ca`, is not valid yet, expires soon (once a day, from
+/// [`credentials::WARN_BEFORE`] before) or has expired (once), when that
+/// differs from what was said last; and says when one is valid again.
+fn warn_of_expiry(state: &state::State, said: &mut Said) {
+    use credentials::ExpiryWarning::{Expired, NotYetValid, Soon};
+    let now = std::time::SystemTime::now();
     let every = credentials::CHECK_EVERY.as_secs();
-    match warning {
-        Some(credentials::ExpiryWarning::Soon { days }) => tracing::warn!(
-            expires = %expiry.text,
-            "the certificate (--tls-cert) expires {}: install a renewed certificate and key at the \
-             same paths; the server reads them again on SIGHUP and every {every}s",
-            match days {
-                0 => "within a day".to_string(),
-                1 => "in 1 day".to_string(),
-                n => format!("in {n} days"),
-            }
-        ),
-        Some(credentials::ExpiryWarning::NotYetValid) => tracing::warn!(
-            valid_from = %expiry.from_text(),
-            "the certificate (--tls-cert) is not valid yet (its notBefore is ahead): clients that \
-             check it refuse new connections until then; check this node's clock against the \
-             issuer's, or install a certificate valid now (read again on SIGHUP and every {every}s)"
-        ),
-        Some(credentials::ExpiryWarning::Expired) => tracing::error!(
-            expires = %expiry.text,
-            "the certificate (--tls-cert) has expired: clients that check it refuse new \
-             connections; install a renewed certificate and key at the same paths (read again on \
-             SIGHUP and every {every}s)"
-        ),
-        None => {}
+    let changed = |expiry: &credentials::Expiry, said: &mut Option<_>| {
+        let warning = expiry.warning(now);
+        let valid_again = matches!(warning, None | Some(Soon { .. })) && *said == Some(NotYetValid);
+        (warning != std::mem::replace(said, warning)).then_some((warning, valid_again))
+    };
+    if let Some(expiry) = state.credentials.certificate_expiry()
+        && let Some((warning, valid_again)) = changed(&expiry, &mut said.certificate)
+    {
+        match warning {
+            Some(Soon { days }) => tracing::warn!(
+                expires = %expiry.text,
+                "the certificate (--tls-cert) expires {}: install a renewed certificate and key at \
+                 the same paths; the server reads them again on SIGHUP and every {every}s",
+                days_left(days)
+            ),
+            Some(NotYetValid) => tracing::warn!(
+                valid_from = %expiry.from_text(),
+                "the certificate (--tls-cert) is not valid yet (its notBefore is ahead): clients \
+                 that check it refuse new connections until then; check this node's clock against \
+                 the issuer's, or install a certificate valid now (read again on SIGHUP and every \
+                 {every}s)"
+            ),
+            Some(Expired) => tracing::error!(
+                expires = %expiry.text,
+                "the certificate (--tls-cert) has expired: clients that check it refuse new \
+                 connections; install a renewed certificate and key at the same paths (read again \
+                 on SIGHUP and every {every}s)"
+            ),
+            None => {}
+        }
+        if valid_again {
+            info!(expires = %expiry.text, "the certificate (--tls-cert) is valid now");
+        }
     }
-    let valid = matches!(
-        warning,
-        None | Some(credentials::ExpiryWarning::Soon { .. })
-    );
-    if valid && *said == Some(credentials::ExpiryWarning::NotYetValid) {
-        info!(expires = %expiry.text, "the certificate (--tls-cert) is valid now");
+    if let Some(expiry) = state.credentials.authority_expiry()
+        && let Some((warning, valid_again)) = changed(&expiry, &mut said.authorities)
+    {
+        let authority = &expiry.subject;
+        match warning {
+            Some(Soon { days }) => tracing::warn!(
+                %authority,
+                expires = %expiry.text,
+                "an authority of --tls-ca expires {}: this server's calls to the members whose \
+                 certificates it signed fail from then on; add its successor to the file beside it \
+                 and re-issue their certificates (read again on SIGHUP and every {every}s)",
+                days_left(days)
+            ),
+            Some(NotYetValid) => tracing::warn!(
+                %authority,
+                valid_from = %expiry.from_text(),
+                "an authority of --tls-ca is not valid yet (its notBefore is ahead): this server's \
+                 calls to the members whose certificates it signed fail until then; check this \
+                 node's clock against the issuer's"
+            ),
+            Some(Expired) => tracing::warn!(
+                %authority,
+                expires = %expiry.text,
+                "an authority of --tls-ca has expired: this server's calls to the members whose \
+                 certificates it signed fail; re-issue their certificates from a valid authority, \
+                 and drop it from the file once no member's certificate needs it"
+            ),
+            None => {}
+        }
+        if valid_again {
+            info!(%authority, "the authorities of --tls-ca are valid now");
+        }
     }
-    *said = warning;
 }
 
 /// Tends the spill store for as long as the server runs
@@ -498,11 +542,11 @@ pub async fn serve_with(
             (served.boxed(), None)
         }
     };
-    let mut warned = None;
+    let mut warned = Said::default();
     if let Some(expiry) = state.credentials.certificate_expiry() {
         info!(expires = %expiry.text, "serving TLS with --tls-cert");
-        warn_of_expiry(&state, &mut warned);
     }
+    warn_of_expiry(&state, &mut warned);
     let _refreshing = Background(tokio::spawn(refresh_credentials(state.clone(), warned)));
     let tending = Background(tokio::spawn(tend_store(state.clone())));
     info!(

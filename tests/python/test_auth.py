@@ -282,6 +282,38 @@ def test_a_certificate_not_valid_yet_is_served_and_warned_of_until_one_is(tmp_pa
         assert server.stop() == 0
 
 
+def test_the_members_authorities_are_warned_of_as_they_expire(tmp_path):
+    """The authorities a server checks other members' certificates against
+    (--tls-ca) are watched as its own certificate is: one that expires within
+    14 days is warned of, naming it, and so is a file that changes to hold an
+    expired one beside it (a rotation half done); the server serves on."""
+    certs = make_test_certs(tmp_path)
+    expired = sign_expired(tmp_path)
+    authorities = tmp_path / "authorities.pem"
+    authorities.write_bytes(certs["ca"].read_bytes())
+    server = RunningServer(
+        "--memory-limit", "256MiB", "--tls-cert", str(certs["cert"]),
+        "--tls-key", str(certs["key"]), "--tls-ca", str(authorities),
+    )
+    try:
+        # make_test_certs' authority is valid for 2 days.
+        line = eventually("the warning", lambda: next(
+            (line for line in server.stderr_lines if "an authority of --tls-ca" in line), None))
+        assert "expires in 1 day: this server's calls to the members" in line, line
+        assert "authority=CN=flightdeck test CA" in line, line
+        authorities.write_bytes(certs["ca"].read_bytes() + expired.read_bytes())
+        assert "member_roots=true" in read_again(server)
+        line = eventually("the expiry", lambda: next(
+            (line for line in server.stderr_lines if "an authority of --tls-ca has expired" in line),
+            None))
+        assert "authority=CN=localhost" in line and "expires=2020-01-02T00:00:00Z" in line, line
+        with flightdeck.connect(f"grpc+tls://{server.addr}",
+                                tls_root_certs=certs["ca"].read_bytes()) as c:
+            assert c.list_datasets() == []
+    finally:
+        assert server.stop() == 0
+
+
 def test_the_token_file_is_read_again_without_a_signal(tmp_path):
     """Where nothing sends SIGHUP (a Kubernetes secret updated in place), the
     server reads its credential files again on its own, every 10 s."""
