@@ -13,8 +13,9 @@
 #                                # (run by scripts/test.sh)
 #
 # `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
-# fails the checks instead of passing them vacuously. Output goes to $OUT
-# (or target/gpu-check/out).
+# fails the checks instead of passing them vacuously. Output goes to
+# target/gpu-check/out and, with $OUT set, to one archive of it there,
+# $OUT/gpu-check.tar.gz (packed again after every step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=target/gpu-check
@@ -39,9 +40,14 @@ build() {
 }
 
 run() {
-    out="${OUT:-$dir/out}"
+    out=$dir/out
+    rm -rf "$out"
     mkdir -p "$out"
+    # With $OUT set, the outputs also go there as one archive, packed again
+    # after every step, so a run cut short leaves what it had.
+    pack() { [ -z "${OUT:-}" ] || tar -czf "$OUT/gpu-check.tar.gz" -C "$out" .; }
     bins=$(mktemp -d)
+    trap 'rm -rf "$bins"' EXIT
     # Python's tarfile needs no xz binary on the GPU machine.
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$dir/bins.tar.xz" "$bins"
     # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages.
@@ -62,7 +68,11 @@ run() {
     export FLIGHTDECK_GPU_TESTS=1
     status=0
     # Each step is bounded, so one that hangs still leaves the others' output.
-    step() { local name=$1; shift; timeout 300 "$@" > "$out/$name.txt" 2>&1 || { echo "FAILED: $name" >&2; status=1; }; }
+    step() {
+        local name=$1; shift
+        timeout 300 "$@" > "$out/$name.txt" 2>&1 || { echo "FAILED: $name" >&2; status=1; }
+        pack
+    }
     step gpu-tests "$bins/gpu-tests" --include-ignored --test-threads 1 --nocapture
     step tier-tests "$bins/tier-tests" --test-threads 1
     step h2d "$bins/flightdeck-bench" --phases h2d --rows 1000 --baseline "" --reps 5 --in-process \
