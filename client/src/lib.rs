@@ -783,7 +783,9 @@ impl Client {
     }
 
     /// Copies numeric columns of a sealed dataset to GPUs (`columns` empty =
-    /// every numeric column, `devices` empty = device 0). A server without a
+    /// every numeric column: numbers, fixed-size lists of them, and lists
+    /// whose rows all hold one number of them, as Spark's `array<float>`;
+    /// `devices` empty = device 0). A server without a
     /// CUDA driver answers `FailedPrecondition`.
     pub async fn place(
         &mut self,

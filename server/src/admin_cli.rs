@@ -183,8 +183,10 @@ pub struct PlaceArgs {
     output: Output,
     /// The sealed dataset.
     dataset: String,
-    /// Columns to copy (numeric or fixed_size_list of numbers, no nulls),
-    /// comma-separated; every such column when not given.
+    /// Columns to copy (numeric, fixed_size_list of numbers, or a list of
+    /// numbers whose rows all hold one number of values — Spark's
+    /// `array<float>` — no nulls), comma-separated; every such column when
+    /// not given.
     #[arg(long, value_delimiter = ',')]
     columns: Vec<String>,
     /// GPUs to copy them to (ordinals or cuda:N), comma-separated; device
