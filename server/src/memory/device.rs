@@ -236,8 +236,9 @@ pub fn numeric_shape(dt: &DataType) -> Option<(DataType, usize)> {
 fn not_numeric(column: &str, data_type: &DataType) -> Error {
     Error::invalid(format!(
         "{column} has type {data_type}; only numeric columns and fixed_size_list columns of \
-         numbers can be placed on a device or trained on (and lists of numbers whose rows all \
-         hold one number of values, such as Spark's array<float>)"
+         numbers can be placed on a device or trained on (training also takes a list of numbers \
+         whose rows all hold one number of values, such as Spark's array<float>, and so does a \
+         GPU copy)"
     ))
 }
 
@@ -388,7 +389,8 @@ fn list_one_length<O: OffsetSizeTrait>(
     }
     if width == 0 {
         return Err(Error::invalid(format!(
-            "{column} holds empty lists (row {first}); there is nothing in it to place or train on"
+            "{column} holds empty lists (row {first}); there is nothing to train on in it (or to \
+             place)"
         )));
     }
     let size = i32::try_from(width)
@@ -422,8 +424,8 @@ fn list_one_length<O: OffsetSizeTrait>(
 /// hold different numbers of values, as `rows` says.
 pub fn uneven(column: &str, rows: String) -> Error {
     Error::invalid(format!(
-        "{column} is a list whose rows hold different numbers of values ({rows}); a GPU copy \
-         and training take lists of one length (pad or cut them to one length first)"
+        "{column} is a list whose rows hold different numbers of values ({rows}); training \
+         takes lists of one length, as does a GPU copy (pad or cut them to one length first)"
     ))
 }
 
