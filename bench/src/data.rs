@@ -1,11 +1,15 @@
 //! The synthetic dataset: `rows` rows of float32 features (as separate
-//! columns or one `fixed_size_list<float32>[D]` column) and an int64 label,
-//! cut into partitions of record batches. Values come from a seeded
+//! columns, one `fixed_size_list<float32>[D]` column, or one `list<float32>`
+//! column of D values a row, as Spark writes `array<float>`) and an int64
+//! label, cut into partitions of record batches. Values come from a seeded
 //! xorshift generator, so a run is repeatable.
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, FixedSizeListArray, Float32Array, Int64Array, RecordBatch};
+use arrow::array::{
+    ArrayRef, FixedSizeListArray, Float32Array, Int64Array, ListArray, RecordBatch,
+};
+use arrow::buffer::OffsetBuffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 /// Shape of the generated data.
@@ -17,6 +21,9 @@ pub struct Shape {
     pub features: usize,
     /// Features as one fixed-size-list column instead of separate columns.
     pub vector: bool,
+    /// Features as one list column of `features` values a row (Spark's
+    /// `array<float>`) instead of separate columns.
+    pub list: bool,
     /// Partitions (one `DoPut` each).
     pub partitions: usize,
     /// Rows per record batch within a partition.
@@ -39,7 +46,13 @@ impl Shape {
     /// The schema of every batch.
     pub fn schema(&self) -> SchemaRef {
         let mut fields = vec![Field::new("label", DataType::Int64, false)];
-        if self.vector {
+        if self.list {
+            fields.push(Field::new(
+                "features",
+                DataType::List(Arc::new(Field::new("element", DataType::Float32, true))),
+                true,
+            ));
+        } else if self.vector {
             fields.push(Field::new(
                 "features",
                 DataType::FixedSizeList(
@@ -90,7 +103,15 @@ impl Shape {
         let labels: ArrayRef =
             Arc::new(Int64Array::from_iter_values(rows.map(|r| (r % 10) as i64)));
         let mut columns = vec![labels];
-        if self.vector {
+        if self.list {
+            let values = Float32Array::from_iter_values((0..n * self.features).map(|_| next()));
+            columns.push(Arc::new(ListArray::new(
+                Arc::new(Field::new("element", DataType::Float32, true)),
+                OffsetBuffer::from_lengths(std::iter::repeat_n(self.features, n)),
+                Arc::new(values),
+                None,
+            )));
+        } else if self.vector {
             let values = Float32Array::from_iter_values((0..n * self.features).map(|_| next()));
             columns.push(Arc::new(FixedSizeListArray::new(
                 Arc::new(Field::new("item", DataType::Float32, false)),
@@ -119,6 +140,7 @@ mod tests {
             rows: 1003,
             features: 3,
             vector: false,
+            list: false,
             partitions: 7,
             batch_rows: 50,
             seed: 1,
@@ -134,5 +156,21 @@ mod tests {
             ..shape
         };
         assert_eq!(v.partition(0)[0].num_columns(), 2);
+        let l = Shape {
+            list: true,
+            ..shape
+        };
+        let batch = &l.partition(0)[0];
+        assert_eq!(batch.schema(), l.schema());
+        // The same values a row as the fixed-size list's.
+        let (fixed, list) = (v.partition(0)[0].column(1).clone(), batch.column(1).clone());
+        let flat = |a: &ArrayRef| {
+            arrow::compute::cast(
+                a,
+                &DataType::List(Arc::new(Field::new("element", DataType::Float32, true))),
+            )
+            .expect("cast")
+        };
+        assert_eq!(&flat(&fixed), &list);
     }
 }

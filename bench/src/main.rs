@@ -38,8 +38,12 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     features: usize,
     /// Features as one `fixed_size_list<float32>[features]` column.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "list")]
     vector: bool,
+    /// Features as one `list<float32>` column of `features` values a row
+    /// (as Spark writes `array<float>`).
+    #[arg(long)]
+    list: bool,
     /// Partitions (DoPut streams).
     #[arg(long, default_value_t = 16, value_parser = at_least_one::<usize>())]
     partitions: usize,
@@ -136,8 +140,8 @@ where
 /// before, which is the selection's one-off cost.
 async fn filter_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxError> {
     let (ranks, batch_rows) = (run.args.ranks, run.args.batch_rows);
-    if run.args.vector || run.shape.features == 0 {
-        return Err("the filter phase needs scalar features (f0): drop --vector".into());
+    if run.args.vector || run.args.list || run.shape.features == 0 {
+        return Err("the filter phase needs scalar features (f0): drop --vector and --list".into());
     }
     progress("filter: writing the dataset");
     phases::drop_dataset(uri, "filtered").await?;
@@ -325,6 +329,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         rows: args.rows,
         features: args.features,
         vector: args.vector,
+        list: args.list,
         partitions: args.partitions.max(1),
         batch_rows: args.batch_rows.max(1) as usize,
         seed: args.seed,
@@ -629,7 +634,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "dataset: {} rows x {} features{}, {:.3} GB payload, {} partitions, {} writers, {} ranks, {} rows/batch, {} reps (medians)",
         run.shape.rows,
         run.shape.features,
-        if run.shape.vector { " (vector)" } else { "" },
+        match (run.shape.vector, run.shape.list) {
+            (true, _) => " (vector)",
+            (_, true) => " (list)",
+            _ => "",
+        },
         payload as f64 / 1e9,
         run.shape.partitions,
         run.args.writers,
@@ -704,6 +713,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             "rows": run.shape.rows,
             "features": run.shape.features,
             "vector": run.args.vector,
+            "list": run.args.list,
             "payload_bytes": payload,
             "results": run.results.iter().map(Measured::to_json).collect::<Vec<_>>(),
             "ratios": ratios,
