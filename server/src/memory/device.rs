@@ -305,48 +305,7 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
             crate::catalog::describe_fields(schema)
         ))
     })?;
-    let (DataType::List(item) | DataType::LargeList(item)) = schema.field(idx).data_type() else {
-        return segments_at(data, idx);
-    };
-    let column = format!("column '{name}'");
-    let element = item.data_type();
-    if !(element.is_numeric() && element.is_primitive()) {
-        return Err(not_numeric(&column, schema.field(idx).data_type()));
-    }
-    let mut segments = Vec::with_capacity(data.batches().len());
-    let (mut rows, mut width) = (0u64, None);
-    for batch in data.batches().iter().filter(|b| b.num_rows() > 0) {
-        let fixed = one_length(batch.column(idx), &column, rows)?;
-        // Still a list: every row of the batch is null.
-        let DataType::FixedSizeList(_, n) = fixed.data_type() else {
-            return Err(Error::invalid(format!(
-                "{column} has nulls (rows {rows} to {}); fill or drop them before placing or \
-                 training",
-                rows + batch.num_rows() as u64 - 1
-            )));
-        };
-        let n = *n as usize;
-        if let Some(w) = width.filter(|&w| w != n) {
-            return Err(uneven(
-                &column,
-                format!("rows before row {rows} hold {w}, row {rows} holds {n}"),
-            ));
-        }
-        width = Some(n);
-        segments.push(value_bytes(&fixed, &column)?);
-        rows += batch.num_rows() as u64;
-    }
-    let Some(width) = width else {
-        return Err(Error::invalid(format!(
-            "{column} has no rows to take the length of its lists from"
-        )));
-    };
-    Ok(ColumnSegments {
-        element: element.clone(),
-        width,
-        rows,
-        segments,
-    })
+    segments_at(data, idx, true)
 }
 
 /// A list column (Spark's `array<float>`) of numbers as the
@@ -399,15 +358,19 @@ fn list_one_length<O: OffsetSizeTrait>(
     // at its values' first, which a slice's (offsets not from 0) does not:
     // the rows are given to it as a list of their own values, offsets from 0.
     let offsets = list.offsets();
-    let (start, end) = (offsets[0].as_usize(), offsets[offsets.len() - 1].as_usize());
-    let from_zero = OffsetBuffer::new(offsets.iter().map(|&o| o - offsets[0]).collect());
-    let rows = GenericListArray::<O>::try_new(
-        item.clone(),
-        from_zero,
-        list.values().slice(start, end - start),
-        list.nulls().cloned(),
-    )
-    .map_err(|e| Error::invalid(format!("{column}: {e}")))?;
+    let rows = if offsets[0].as_usize() == 0 {
+        list.clone()
+    } else {
+        let (start, end) = (offsets[0].as_usize(), offsets[offsets.len() - 1].as_usize());
+        let from_zero = OffsetBuffer::new(offsets.iter().map(|&o| o - offsets[0]).collect());
+        GenericListArray::<O>::try_new(
+            item.clone(),
+            from_zero,
+            list.values().slice(start, end - start),
+            list.nulls().cloned(),
+        )
+        .map_err(|e| Error::invalid(format!("{column}: {e}")))?
+    };
     let options = arrow::compute::CastOptions {
         safe: false,
         ..Default::default()
@@ -429,29 +392,73 @@ pub fn uneven(column: &str, rows: String) -> Error {
     ))
 }
 
-/// The bytes of a numeric column's values (all of its rows, none else);
-/// refuses other types and nulls. `column` names it in errors.
+/// The bytes of a numeric column's values (all of its rows, none else; a
+/// list's when its rows all hold one number of values); refuses other
+/// types and nulls. `column` names it in errors.
 pub fn value_bytes(col: &ArrayRef, column: &str) -> Result<Buffer> {
-    let (values, _) = numeric_values(col, column)?;
+    let (values, _) = numeric_values(&one_length(col, column, 0)?, column)?;
     let values: ArrayData = values.to_data();
     let elem_bytes = values.data_type().primitive_width().unwrap_or(1);
     let start = values.offset() * elem_bytes;
     Ok(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
 }
 
-/// [`column_segments`] of the column at `idx` of the schema.
-pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
+/// [`column_segments`] of the column at `idx` of the schema; with `lists`
+/// false, a list column is refused as not numeric (a cluster's members
+/// decide the byte gather together, and one member's lists may hold
+/// another number of values than another's).
+pub fn segments_at(data: &SealedData, idx: usize, lists: bool) -> Result<ColumnSegments> {
     let schema = data.schema();
     let column = format!("column '{}'", schema.field(idx).name());
     let data_type = schema.field(idx).data_type();
-    let (element, width) =
-        numeric_shape(data_type).ok_or_else(|| not_numeric(&column, data_type))?;
+    let (element, mut width) = match data_type {
+        DataType::List(item) | DataType::LargeList(item)
+            if lists && item.data_type().is_numeric() && item.data_type().is_primitive() =>
+        {
+            (item.data_type().clone(), None)
+        }
+        t => {
+            let (element, width) = numeric_shape(t).ok_or_else(|| not_numeric(&column, t))?;
+            (element, Some(width))
+        }
+    };
+    let is_list = width.is_none();
     let mut segments = Vec::with_capacity(data.batches().len());
     let mut rows = 0u64;
     for batch in data.batches() {
-        segments.push(value_bytes(batch.column(idx), &column)?);
+        if is_list && batch.num_rows() == 0 {
+            segments.push(Buffer::from_vec(Vec::<u8>::new()));
+            continue;
+        }
+        if is_list {
+            let fixed = one_length(batch.column(idx), &column, rows)?;
+            // Still a list: every row of the batch is null.
+            let DataType::FixedSizeList(_, n) = fixed.data_type() else {
+                return Err(Error::invalid(format!(
+                    "{column} has nulls (rows {rows} to {}); fill or drop them before placing or \
+                     training",
+                    rows + batch.num_rows() as u64 - 1
+                )));
+            };
+            let n = *n as usize;
+            if let Some(w) = width.filter(|&w| w != n) {
+                return Err(uneven(
+                    &column,
+                    format!("rows before row {rows} hold {w}, row {rows} holds {n}"),
+                ));
+            }
+            width = Some(n);
+            segments.push(value_bytes(&fixed, &column)?);
+        } else {
+            segments.push(value_bytes(batch.column(idx), &column)?);
+        }
         rows += batch.num_rows() as u64;
     }
+    let Some(width) = width else {
+        return Err(Error::invalid(format!(
+            "{column} has no rows to take the length of its lists from"
+        )));
+    };
     Ok(ColumnSegments {
         element,
         width,

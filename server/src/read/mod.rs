@@ -193,6 +193,9 @@ pub struct Gather {
     /// The stride a packed copy built here groups its records by: the
     /// plan's world size (see [`packed`]).
     stride: usize,
+    /// Whether lists of one length are gathered as bytes (and packed): on a
+    /// server of its own, not on a cluster's member ([`Self::fixed_columns`]).
+    lists: bool,
     /// The rows a filter selected: read row `i` is stored row
     /// `selection.row(i)`; `None` = every row.
     selection: Option<Arc<Selection>>,
@@ -335,6 +338,7 @@ impl Gather {
             packing: None,
             packed: OnceLock::new(),
             stride: 1,
+            lists: fixed.is_none(),
             selection: None,
             derive: None,
             split: None,
@@ -421,10 +425,12 @@ impl Gather {
     }
 
     /// Whether each column of the dataset's schema is gathered as bytes
-    /// here (fixed-width values without nulls in every stored batch).
+    /// here by a cluster's member (fixed-width values without nulls in
+    /// every stored batch; not lists, which may hold another number of
+    /// values on another member).
     pub fn fixed_columns(data: &SealedData) -> Vec<bool> {
         (0..data.schema().fields().len())
-            .map(|i| segments_at(data, i).is_ok())
+            .map(|i| segments_at(data, i, false).is_ok())
             .collect()
     }
 
@@ -485,7 +491,7 @@ impl Gather {
                     &self.data,
                     arena,
                     &self.dataset,
-                    self.stride,
+                    (self.stride, self.lists),
                     metrics,
                 )?;
                 let outputs: Vec<(usize, Slot)> = self
@@ -874,7 +880,8 @@ impl Column {
                     .collect(),
             )
         };
-        match (segments_at(data, index), fixed) {
+        // A cluster's members decide together (`fixed`), lists aside.
+        match (segments_at(data, index, fixed.is_none()), fixed) {
             (Ok(segments), None | Some(true)) => Ok(Self::Fixed(FixedColumn {
                 data_type: data.schema().field(index).data_type().clone(),
                 row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
@@ -955,10 +962,37 @@ impl FixedColumn {
             vec![],
         )
         .map_err(internal)?;
+        let width = self.segments.width;
         let data = match &self.data_type {
             DataType::FixedSizeList(..) => {
                 ArrayData::try_new(self.data_type.clone(), rows, None, 0, vec![], vec![values])
                     .map_err(internal)?
+            }
+            // A list whose rows all hold `width` values.
+            DataType::List(_) | DataType::LargeList(_) => {
+                let offsets = (0..=rows).map(|r| r * width);
+                let offsets = if matches!(self.data_type, DataType::List(_)) {
+                    let too_many = || {
+                        Error::invalid(format!(
+                            "a batch of {rows} rows of {width} values each is more than a list \
+                             column holds in one batch ({} values): ask for smaller batches",
+                            i32::MAX
+                        ))
+                    };
+                    i32::try_from(rows * width).map_err(|_| too_many())?;
+                    Buffer::from_iter(offsets.map(|o| o as i32))
+                } else {
+                    Buffer::from_iter(offsets.map(|o| o as i64))
+                };
+                ArrayData::try_new(
+                    self.data_type.clone(),
+                    rows,
+                    None,
+                    0,
+                    vec![offsets],
+                    vec![values],
+                )
+                .map_err(internal)?
             }
             _ => values,
         };
@@ -1322,8 +1356,9 @@ mod tests {
     use crate::order::Shuffle;
     use arrow::array::{
         AsArray, FixedSizeBinaryArray, FixedSizeListArray, Float32Array, Float64Array, Int16Array,
-        Int64Array, StringArray,
+        Int64Array, ListArray, StringArray,
     };
+    use arrow::buffer::{NullBuffer, OffsetBuffer};
     use arrow::compute::interleave_record_batch;
     use arrow::datatypes::Field;
 
@@ -1339,7 +1374,7 @@ mod tests {
 
     /// Batch `i` of `rows` rows starting at `start`: every kind of column the
     /// gather distinguishes (1, 2, 4, 8, 12, 16 and 20 bytes per row,
-    /// nulls, strings, nine `float32` columns side by side).
+    /// nulls, strings, nine `float32` columns side by side, lists).
     fn batch(start: usize, rows: usize) -> RecordBatch {
         let r = start..start + rows;
         let f = |k: usize| {
@@ -1375,7 +1410,21 @@ mod tests {
             )),
         ];
         // Nine float32 columns side by side: eight untiled at a time and one
-        // on its own.
+        // on its own; then lists (Spark's `array<float>`): of one length
+        // (gathered as bytes), ragged, and with null rows (both not).
+        let lists = |lengths: &dyn Fn(usize) -> usize, nulls: Option<NullBuffer>| -> ArrayRef {
+            let lengths: Vec<usize> = r.clone().map(lengths).collect();
+            let values = lengths
+                .iter()
+                .zip(r.clone())
+                .flat_map(|(&n, v)| (0..n).map(move |j| (v * 10 + j) as f32 + 0.125));
+            Arc::new(ListArray::new(
+                Arc::new(Field::new("element", DataType::Float32, true)),
+                OffsetBuffer::from_lengths(lengths.iter().copied()),
+                Arc::new(Float32Array::from_iter_values(values)),
+                nulls,
+            ))
+        };
         let columns: Vec<ArrayRef> = columns
             .into_iter()
             .chain((1..10).map(|k| -> ArrayRef {
@@ -1383,6 +1432,14 @@ mod tests {
                     r.clone().map(move |v| (v * k) as f32 - 0.25),
                 ))
             }))
+            .chain([
+                lists(&|_| 2, None),
+                lists(&|v| v % 3, None),
+                lists(
+                    &|v| if v % 5 == 0 { 0 } else { 2 },
+                    Some(r.clone().map(|v| v % 5 != 0).collect()),
+                ),
+            ])
             .collect();
         let fields: Vec<Field> = columns
             .iter()
@@ -1427,9 +1484,16 @@ mod tests {
             ("c6", false),
             ("c7", false),
             ("c8", true),
+            ("c19", true),
+            ("c20", false),
+            ("c21", false),
         ] {
             assert_eq!(shape(name), fixed, "{name}");
         }
+        // A cluster's members gather lists column by column: one member's
+        // may hold another number of values a row than another's.
+        let by_members = Gather::fixed_columns(&data);
+        assert!(by_members[0] && by_members[3] && !by_members[19]);
         for shuffle in [
             Shuffle::None,
             Shuffle::Global,
@@ -1788,9 +1852,9 @@ mod tests {
     fn rows_from_members_as_records_gather_the_same_as_their_columns() {
         let local = vec![batch(0, 700), batch(700, 500)];
         let held = vec![batch(5000, 300), batch(6000, 40)];
-        // Every packed column (all but c2, c6 and c7), out of schema order:
-        // through a tile.
-        let mut columns: Vec<String> = (0..19)
+        // Every packed column (all but c2, c6, c7, c20 and c21), out of
+        // schema order: through a tile.
+        let mut columns: Vec<String> = (0..20)
             .filter(|i| ![2, 6, 7].contains(i))
             .map(|i| format!("c{i}"))
             .collect();
@@ -1956,7 +2020,7 @@ mod tests {
         let batches = vec![batch(0, 700), batch(700, 500)];
         let data = SealedData::from_batches(batches[0].schema(), vec![], batches);
         let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
-        let packed = Packed::build(&data, &arena, "d", 3)
+        let packed = Packed::build(&data, &arena, "d", (3, true))
             .expect("fits")
             .expect("packed");
         let record = packed.record();

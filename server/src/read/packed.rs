@@ -20,7 +20,8 @@
 //! is packed again at its next scattered read.
 //!
 //! Which columns are packed is the gather's choice of byte-copied columns
-//! (fixed-width values without nulls); the gather copies records into a
+//! (fixed-width values without nulls; on a server of its own, lists whose
+//! rows all hold one number of values too); the gather copies records into a
 //! small tile that stays in cache and transposes the tile back into columns,
 //! so the arrays it produces are the ones the columnar gather produces.
 //! The build is that transpose the other way: a block of records small
@@ -82,8 +83,10 @@ pub struct Packed {
 
 impl Packed {
     /// Packs every column of `data` that has fixed-width values and no
-    /// nulls; `None` when fewer than two columns qualify (one column is
-    /// already contiguous per row) or there are no rows. Each batch's
+    /// nulls (with `lists`, also lists whose rows all hold one number of
+    /// values: not for a cluster's member, whose gathers take them column
+    /// by column); `None` when fewer than two columns qualify (one column
+    /// is already contiguous per row) or there are no rows. Each batch's
     /// records are grouped by row residue modulo `stride` (see the module
     /// overview; 0 is taken as 1). Memory comes from `arena`; a full budget
     /// is a `ResourceExhausted` error and nothing is kept. Large copies
@@ -92,9 +95,9 @@ impl Packed {
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        stride: usize,
+        (stride, lists): (usize, bool),
     ) -> Result<Option<Self>> {
-        Self::build_on(data, arena, dataset, stride, None)
+        Self::build_on(data, arena, dataset, (stride, lists), None)
     }
 
     /// [`Self::build`] on `threads` threads (`None`: as many as its size
@@ -103,7 +106,7 @@ impl Packed {
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        stride: usize,
+        (stride, lists): (usize, bool),
         threads: Option<usize>,
     ) -> Result<Option<Self>> {
         let stride = stride.max(1);
@@ -111,7 +114,7 @@ impl Packed {
         let mut segments = Vec::new();
         let mut record = 0usize;
         for i in 0..data.schema().fields().len() {
-            match segments_at(data, i) {
+            match segments_at(data, i, lists) {
                 Ok(s) => {
                     let width = s.element.primitive_width().unwrap_or(1) * s.width;
                     slots.push(Some(Slot {
@@ -509,15 +512,15 @@ impl PackedCache {
     /// read then gathers column by column, as before). Concurrent callers
     /// wait for one build.
     ///
-    /// `stride` groups a new copy's records (see [`Packed::build`]); a
-    /// copy already held keeps its own. A build that keeps its copy is
-    /// logged and its time observed in `metrics`.
+    /// `(stride, lists)` shape a new copy (see [`Packed::build`]); a copy
+    /// already held keeps its own. A build that keeps its copy is logged
+    /// and its time observed in `metrics`.
     pub fn get_or_build(
         &self,
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        stride: usize,
+        shape: (usize, bool),
         metrics: &Metrics,
     ) -> Option<Arc<Packed>> {
         let mut slot = self.copy.lock().unwrap_or_else(|p| p.into_inner());
@@ -525,7 +528,7 @@ impl PackedCache {
             return Some(packed.clone());
         }
         let start = std::time::Instant::now();
-        match Packed::build(data, arena, dataset, stride) {
+        match Packed::build(data, arena, dataset, shape) {
             Ok(Some(packed)) => {
                 // Once per dataset (again after a spill, a restart or the
                 // copy given up for memory): its scattered reads waited.
@@ -625,7 +628,7 @@ mod tests {
             SealedData::from_batches(schema.clone(), vec![], vec![batch(0, 7), batch(7, 100)]);
         let arena = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
         for stride in [0, 1, 3, 8, 200] {
-            let packed = Packed::build(&data, &arena, "d", stride)
+            let packed = Packed::build(&data, &arena, "d", (stride, true))
                 .expect("fits")
                 .expect("packed");
             assert_eq!(packed.stride(), stride.max(1));
@@ -683,7 +686,7 @@ mod tests {
         // One thread, and the batches split between threads (asked for
         // three, four batches make two ranges of two).
         for (stride, threads) in [(1, 1), (3, 1), (8, 1), (1, 3), (8, 3)] {
-            let packed = Packed::build_on(&data, &arena, "d", stride, Some(threads))
+            let packed = Packed::build_on(&data, &arena, "d", (stride, true), Some(threads))
                 .expect("fits")
                 .expect("packed");
             assert_eq!(packed.record(), 78);
@@ -726,11 +729,11 @@ mod tests {
         // 1.6 MB of records into a 1 MiB budget: refused before the first
         // batch's records are copied (the budget never held any).
         let small = Arena::new(Budget::new(1 << 20), 1 << 16, HostMemory::Heap);
-        let err = Packed::build(&data, &small, "d", 1).expect_err("does not fit");
+        let err = Packed::build(&data, &small, "d", (1, true)).expect_err("does not fit");
         assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
         assert_eq!(small.budget().peak(), 0);
         let roomy = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
-        let packed = Packed::build(&data, &roomy, "d", 1)
+        let packed = Packed::build(&data, &roomy, "d", (1, true))
             .expect("fits")
             .expect("packed");
         assert_eq!(packed.bytes(), 16 * (rows as u64) * batches as u64);
