@@ -102,11 +102,12 @@ def render(run: dict, name: str) -> str:
     memory = f", {memory / 2**30:.0f} GiB" if memory else ""
     commit = (run.get("commit") or "unknown")[:12]
     shape = f"{run['rows']:,} rows × "
-    shape += (
-        f"(int64 label + fixed_size_list<float32>[{run['features']}])"
-        if run.get("vector")
-        else f"(int64 label + {run['features']} float32 columns)"
-    )
+    if run.get("vector"):
+        shape += f"(int64 label + fixed_size_list<float32>[{run['features']}])"
+    elif run.get("list"):
+        shape += f"(int64 label + list<float32> of {run['features']} values a row)"
+    else:
+        shape += f"(int64 label + {run['features']} float32 columns)"
     lines = [
         f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, "
         f"{machine.get('cores', '?')} cores ({cpu}{memory}); {shape}.",
