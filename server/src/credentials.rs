@@ -202,6 +202,12 @@ pub struct Expiry {
     pub subject: String,
 }
 
+/// `now` as time since the Unix epoch (0 before it).
+fn since_epoch(now: SystemTime) -> Duration {
+    now.duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
 /// A moment (time since the Unix epoch) as a certificate states it
 /// (`2027-03-01T00:00:00Z`).
 fn moment_text(at: Duration) -> String {
@@ -257,20 +263,16 @@ impl Expiry {
 
     /// How long from `now` until it expires; `None` once it has.
     pub fn left(&self, now: SystemTime) -> Option<Duration> {
-        let now = now
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        self.at.checked_sub(now).filter(|left| !left.is_zero())
+        self.at
+            .checked_sub(since_epoch(now))
+            .filter(|left| !left.is_zero())
     }
 
     /// What to warn of at `now`: `None` from its `notBefore` on while more
     /// than [`WARN_BEFORE`] is left. The warning changes once a day, so a
     /// log that says each new one warns daily.
     pub fn warning(&self, now: SystemTime) -> Option<ExpiryWarning> {
-        let since_epoch = now
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        if since_epoch < self.from {
+        if since_epoch(now) < self.from {
             return Some(ExpiryWarning::NotYetValid);
         }
         match self.left(now) {

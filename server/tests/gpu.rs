@@ -257,27 +257,17 @@ fn column_segments_are_the_column() {
     let arena = Arena::new(Budget::new(1 << 30), 8 << 20, HostMemory::Heap);
     let data = sealed_in(&arena, 5, 10_000);
     let ids = column_segments(&data, "id").expect("numeric");
-    let bytes: Vec<u8> = ids
-        .segments
-        .iter()
-        .flat_map(|s| s.as_slice().to_vec())
-        .collect();
     let expected: Vec<u8> = (0..50_000i64).flat_map(|v| v.to_le_bytes()).collect();
-    assert_eq!(bytes, expected);
+    assert_eq!(joined(&ids.segments), expected);
     let vec = column_segments(&data, "vec").expect("fixed-size list");
     assert_eq!(
         (vec.width, vec.rows, vec.element.clone()),
         (3, 50_000, DataType::Float32)
     );
-    let floats: Vec<u8> = vec
-        .segments
-        .iter()
-        .flat_map(|s| s.as_slice().to_vec())
-        .collect();
     let expected: Vec<u8> = (0..150_000)
         .flat_map(|v| (v as f32 * 0.5).to_le_bytes())
         .collect();
-    assert_eq!(floats, expected);
+    assert_eq!(joined(&vec.segments), expected);
     // A sliced batch still gives exactly its rows.
     let sliced = SealedData::from_batches(
         data.schema().clone(),
@@ -285,15 +275,10 @@ fn column_segments_are_the_column() {
         vec![data.batches()[1].slice(10, 5)],
     );
     let seg = column_segments(&sliced, "vec").expect("segments");
-    let got: Vec<u8> = seg
-        .segments
-        .iter()
-        .flat_map(|s| s.as_slice().to_vec())
-        .collect();
     let want: Vec<u8> = (30_030..30_045)
         .flat_map(|v| (v as f32 * 0.5).to_le_bytes())
         .collect();
-    assert_eq!(got, want);
+    assert_eq!(joined(&seg.segments), want);
     let err = column_segments(&data, "nope").expect_err("unknown");
     assert!(err.to_string().contains("no column 'nope'"), "{err}");
 }
