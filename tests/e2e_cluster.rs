@@ -14,6 +14,9 @@
 //! - A rank's stream split among workers (`split_count`) carries, split by
 //!   split, exactly the whole stream's batches, over both localities; a
 //!   peer streams batches of one row of many columns.
+//! - Spark's `array<float>` (a list of one length on every member) is
+//!   packed on every member beside the fixed-width columns, and a list of
+//!   another length on one member is not; both read as one server.
 //! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
 //!   `stats`, `place`, `evict` and `drop` see and drop the cluster dataset
 //!   whole, and are refused without the right token.
@@ -23,8 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::{
-    ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int8Array, Int64Array, RecordBatch,
+    ArrayRef, AsArray, FixedSizeListArray, Float32Array, Int8Array, Int64Array, ListArray,
+    RecordBatch,
 };
+use arrow::buffer::OffsetBuffer;
 use arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use flightdeck_client::{
     Client, Code, DatasetState, Locality, MemberPartitions, PartitionAttempt, ReadPlan,
@@ -828,6 +833,167 @@ async fn a_peer_streams_batches_of_one_row_of_many_columns() {
     assert!(ranks.iter().all(|r| r.len() == 7_500), "a row a batch");
     let ids: HashSet<i64> = ranks.into_iter().flatten().flatten().collect();
     assert_eq!(ids.len(), 30_000, "every row once");
+}
+
+/// A batch as Spark writes an `array<float>` feature column: rows `ids`,
+/// each an id, a label and a list of `width` floats.
+fn spark_rows(ids: std::ops::Range<i64>, width: i32) -> RecordBatch {
+    let values = Float32Array::from_iter_values(
+        ids.clone()
+            .flat_map(|id| (0..i64::from(width)).map(move |j| (id * 100 + j) as f32 + 0.5)),
+    );
+    let item = Arc::new(Field::new("element", DataType::Float32, true));
+    let features = ListArray::new(
+        item.clone(),
+        OffsetBuffer::from_lengths(ids.clone().map(|_| width as usize)),
+        Arc::new(values),
+        None,
+    );
+    let schema = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("label", DataType::Float32, false),
+        Field::new("features", DataType::List(item), true),
+    ]);
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values(ids.clone())),
+        Arc::new(Float32Array::from_iter_values(
+            ids.map(|id| (id % 10) as f32),
+        )),
+        Arc::new(features),
+    ];
+    RecordBatch::try_new(Arc::new(schema), columns).expect("batch")
+}
+
+/// The partition of [`sizes`] that row `id` is in.
+fn partition_of(id: i64) -> usize {
+    layout(&sizes())
+        .iter()
+        .position(|ids| ids.contains(&id))
+        .expect("a row of the dataset")
+}
+
+/// Writes the 12 partitions of [`sizes`] as [`spark_rows`] to `members`
+/// (by [`owner`]; member `m`'s lists hold `widths[m]` values a row) and to
+/// `single`, and seals both.
+async fn write_spark_rows(
+    members: &[MemberProcess],
+    single: &mut Client,
+    ds: &str,
+    widths: [i32; 3],
+) {
+    let mut seal: HashMap<String, Vec<PartitionAttempt>> = HashMap::new();
+    for (p, ids) in layout(&sizes()).into_iter().enumerate() {
+        let batches: Vec<RecordBatch> = ids
+            .clone()
+            .step_by(50)
+            .map(|start| spark_rows(start..(start + 50).min(ids.end), widths[owner(p)]))
+            .collect();
+        let schema = batches[0].schema();
+        let mut c = members[owner(p)].client().await;
+        for client in [&mut c, &mut *single] {
+            let batches = batches.clone().into_iter().map(Ok);
+            timed(
+                "put",
+                client.put_partition(ds, p as u32, 0, schema.clone(), stream::iter(batches)),
+            )
+            .await
+            .expect("put");
+        }
+        seal.entry(members[owner(p)].location())
+            .or_default()
+            .push(PartitionAttempt {
+                partition: p as u32,
+                attempt: 0,
+            });
+    }
+    let seal = seal
+        .into_iter()
+        .map(|(location, partitions)| MemberPartitions {
+            location,
+            partitions,
+        })
+        .collect();
+    let mut c = members[0].client().await;
+    timed("seal", c.seal_cluster(ds, 12, seal))
+        .await
+        .expect("seal");
+    timed("single seal", single.seal_cluster(ds, 12, Vec::new()))
+        .await
+        .expect("single seal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn spark_array_columns_are_packed_on_members_that_agree_and_read_as_one_server() {
+    let members = start_members(&[]);
+    let single_server = TestServer::start().await;
+    let mut single = single_server.client().await;
+    let mut c = members[1].client().await;
+    let held: Vec<u64> = (0..3)
+        .map(|m| {
+            (0..12)
+                .filter(|&p| owner(p) == m)
+                .map(|p| sizes()[p] as u64)
+                .sum()
+        })
+        .collect();
+    // Lists of 16 values on every member: packed beside id and label (76
+    // bytes a record). Lists of 16 on two members and 8 on the third: read
+    // column by column, only id and label packed (12 bytes a record).
+    for (ds, widths, record) in [("spark", [16, 16, 16], 76), ("mixed", [16, 16, 8], 12)] {
+        write_spark_rows(&members, &mut single, ds, widths).await;
+        let before = stats(&members).await;
+        // Shuffled and strided reads: the first epoch column by column,
+        // later ones from the packed copy, every one the bytes of a server
+        // holding every partition.
+        for epoch in 0..3 {
+            for (w, shuffle) in [
+                (4, Shuffle::Global),
+                (6, Shuffle::None),
+                (6, Shuffle::Block),
+            ] {
+                let p = plan(ds, w, shuffle, epoch);
+                let cluster = ranks_bytes(&mut c, p.clone()).await;
+                let one = ranks_bytes(&mut single, p).await;
+                assert!(
+                    cluster == one,
+                    "{ds}: W={w} {shuffle:?} epoch {epoch}: bytes differ"
+                );
+            }
+            // NODE (3 nodes × 2 ranks), which no one server reads alike:
+            // every row once, each with its own features.
+            let node = ReadPlan {
+                locality: Locality::Node.into(),
+                ranks_per_node: 2,
+                ..plan(ds, 6, Shuffle::Global, epoch)
+            };
+            let node = c.plan(node).await.expect("node plan");
+            let mut seen = HashSet::new();
+            for batch in read_all(&mut c, &node).await.iter().flatten() {
+                let ids = batch.column(0).as_primitive::<Int64Type>();
+                let features = batch.column(2).as_list::<i32>();
+                for (r, id) in ids.values().iter().enumerate() {
+                    let width = widths[owner(partition_of(*id))];
+                    let got = features.value(r);
+                    let want = spark_rows(*id..*id + 1, width);
+                    assert_eq!(
+                        &got,
+                        want.column(2).as_list::<i32>().values(),
+                        "{ds}: NODE epoch {epoch}, row {id}"
+                    );
+                    assert!(seen.insert(*id), "{ds}: row {id} twice");
+                }
+            }
+            assert_eq!(seen.len() as u64, held.iter().sum::<u64>());
+        }
+        let after = stats(&members).await;
+        for (m, rows) in held.iter().enumerate() {
+            let packed = after[m].packed_bytes - before[m].packed_bytes;
+            assert!(
+                packed >= rows * record && packed < rows * (record + 32),
+                "{ds}: member {m} packed {packed} bytes for {rows} rows of {record} bytes"
+            );
+        }
+    }
 }
 
 /// Floats in a row of [`wide`]: 4 KiB a row.

@@ -535,8 +535,13 @@ pub fn prepare_body(
     }
 }
 
-/// The reply of `member_prepare`: this member's part and its fixed columns.
-pub fn member_prepared(s: &DatasetSummary, fixed: Vec<bool>) -> Result<pb::MemberPrepared> {
+/// The reply of `member_prepare`: this member's part, and per column
+/// whether it is gathered as bytes here and the values a row of such a
+/// list (see [`crate::read::Gather::byte_columns`]).
+pub fn member_prepared(
+    s: &DatasetSummary,
+    (fixed, list_widths): (Vec<bool>, Vec<u32>),
+) -> Result<pb::MemberPrepared> {
     Ok(pb::MemberPrepared {
         generation: s.generation,
         schema: schema_to_ipc(&s.schema)?,
@@ -544,6 +549,7 @@ pub fn member_prepared(s: &DatasetSummary, fixed: Vec<bool>) -> Result<pb::Membe
         fixed_columns: fixed,
         replaces: Vec::new(),
         writes: Vec::new(),
+        list_widths,
     })
 }
 

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arrow::array::RecordBatch;
 use arrow::buffer::Buffer;
-use arrow::datatypes::Schema;
+use arrow::datatypes::{DataType, Schema};
 use futures::TryStreamExt;
 use tracing::{info, warn};
 
@@ -932,7 +932,7 @@ impl State {
         let summary = self.sealed(summary, freed).await?;
         let (_, data) = self.resident(&entry).await?;
         let mut reply =
-            convert::member_prepared(&summary, crate::read::Gather::fixed_columns(&data))?;
+            convert::member_prepared(&summary, crate::read::Gather::byte_columns(&data))?;
         reply.replaces = replaces;
         Ok(reply)
     }
@@ -1040,12 +1040,17 @@ impl State {
             parts.push((location.as_str(), p?));
         }
         let schema = one_schema(name, &parts)?;
-        let mut fixed = parts[0].1.fixed_columns.clone();
-        for (_, p) in &parts[1..] {
-            for (f, o) in fixed.iter_mut().zip(&p.fixed_columns) {
-                *f &= *o;
-            }
-        }
+        let lists: Vec<bool> = schema
+            .fields()
+            .iter()
+            .map(|f| matches!(f.data_type(), DataType::List(_) | DataType::LargeList(_)))
+            .collect();
+        let fixed = crate::cluster::byte_columns(
+            parts
+                .iter()
+                .map(|(_, p)| (p.fixed_columns.as_slice(), p.list_widths.as_slice())),
+            &lists,
+        );
         let members: Vec<Member> = parts
             .iter()
             .map(|(location, p)| convert::member_from_prepared(location, p))

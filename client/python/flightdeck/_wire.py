@@ -353,6 +353,7 @@ MemberPrepared = _message(
     Field("fixed_columns", 4, "bool", repeated=True),
     Field("replaces", 5, "string", repeated=True),
     Field("writes", 6, "string", repeated=True),
+    Field("list_widths", 7, "uint32", repeated=True),
 )
 ClusterMember = _message(
     "ClusterMember",

@@ -126,11 +126,49 @@ pub struct Layout {
     pub id: u64,
     /// Members ordered by location.
     pub members: Vec<Member>,
-    /// Per column: fixed-width values without nulls on every member (such
-    /// columns are gathered as bytes, the same choice a single server makes).
+    /// Per column: fixed-width values without nulls on every member, or a
+    /// list whose rows hold one number of values, the same on every member
+    /// (such columns are gathered as bytes and packed, the same choice a
+    /// single server makes; see [`byte_columns`]).
     pub fixed: Vec<bool>,
     /// Partitions in partition order.
     parts: Vec<Part>,
+}
+
+/// Which columns of a dataset sealed across members are gathered as bytes
+/// (a layout's `fixed`), from what each member says of its part: per
+/// column, whether its values are fixed-width without nulls there (lists
+/// aside), and for a list whose rows there all hold one number of values,
+/// that number (0 otherwise). `lists` says per column whether it is a
+/// list. A column is gathered as bytes where every member says fixed; a
+/// list where every member's rows hold the same number of values — a
+/// rank's batch joins rows of several members, and lists of two lengths,
+/// or a member that names no number (ragged, null rows, or a build from
+/// before lists were packed on members), are merged by `interleave`.
+pub fn byte_columns<'a>(
+    members: impl IntoIterator<Item = (&'a [bool], &'a [u32])>,
+    lists: &[bool],
+) -> Vec<bool> {
+    let at = |values: &[u32], i: usize| values.get(i).copied().unwrap_or(0);
+    let mut members = members.into_iter().peekable();
+    let Some(&(_, first)) = members.peek() else {
+        return vec![false; lists.len()];
+    };
+    let mut columns: Vec<bool> = lists
+        .iter()
+        .enumerate()
+        .map(|(i, &list)| !list || at(first, i) > 0)
+        .collect();
+    for (fixed, widths) in members {
+        for (i, (c, &list)) in columns.iter_mut().zip(lists).enumerate() {
+            *c &= if list {
+                at(widths, i) == at(first, i)
+            } else {
+                fixed.get(i).copied().unwrap_or(false)
+            };
+        }
+    }
+    columns
 }
 
 /// FNV-1a continued from `h`, a stable hash (the same on every build):

@@ -62,6 +62,35 @@ fn ids_follow_content_not_member_order() {
 }
 
 #[test]
+fn lists_are_gathered_as_bytes_only_where_every_member_holds_one_length() {
+    // Columns: an int64, a nullable one, a list of 64 floats everywhere, a
+    // list of 64 on two members and 32 on the third, a list ragged on one
+    // member (no number), a list of 8 that one member (an older build)
+    // does not report. Members say lists are not fixed (older
+    // coordinators then read them column by column).
+    let lists = [false, false, true, true, true, true];
+    let fixed = [true, false, false, false, false, false];
+    let a: (&[bool], &[u32]) = (&fixed, &[0, 0, 64, 64, 4, 8]);
+    let b: (&[bool], &[u32]) = (&fixed, &[0, 0, 64, 64, 4, 8]);
+    let c: (&[bool], &[u32]) = (&[true, true, false, false], &[0, 0, 64, 32, 0]);
+    assert_eq!(
+        byte_columns([a, b, c], &lists),
+        [true, false, true, false, false, false]
+    );
+    // One member decides alone; a list it names no number for stays out.
+    assert_eq!(
+        byte_columns([a], &lists),
+        [true, false, true, true, true, true]
+    );
+    let no_width: (&[bool], &[u32]) = (&fixed, &[]);
+    assert_eq!(
+        byte_columns([no_width], &lists),
+        [true, false, false, false, false, false]
+    );
+    assert_eq!(byte_columns([], &lists), [false; 6]);
+}
+
+#[test]
 fn nodes_follow_torchrun() {
     let nodes = Nodes::new(6, 2, vec![], 3).expect("valid");
     assert_eq!(nodes.count(), 3);

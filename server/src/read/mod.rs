@@ -193,9 +193,11 @@ pub struct Gather {
     /// The stride a packed copy built here groups its records by: the
     /// plan's world size (see [`packed`]).
     stride: usize,
-    /// Whether lists of one length are gathered as bytes (and packed): on a
-    /// server of its own, not on a cluster's member ([`Self::fixed_columns`]).
-    lists: bool,
+    /// The columns a packed copy built here holds: on a cluster's member,
+    /// its layout's byte-gathered columns (so every member's records are
+    /// laid out alike); `None` on a server of its own: every column that
+    /// can be.
+    packs: Option<Vec<bool>>,
     /// The rows a filter selected: read row `i` is stored row
     /// `selection.row(i)`; `None` = every row.
     selection: Option<Arc<Selection>>,
@@ -338,7 +340,7 @@ impl Gather {
             packing: None,
             packed: OnceLock::new(),
             stride: 1,
-            lists: fixed.is_none(),
+            packs: fixed.map(<[bool]>::to_vec),
             selection: None,
             derive: None,
             split: None,
@@ -424,14 +426,28 @@ impl Gather {
         &self.data
     }
 
-    /// Whether each column of the dataset's schema is gathered as bytes
-    /// here by a cluster's member (fixed-width values without nulls in
-    /// every stored batch; not lists, which may hold another number of
-    /// values on another member).
-    pub fn fixed_columns(data: &SealedData) -> Vec<bool> {
+    /// What a cluster's member says of its part for the seal to decide
+    /// which columns it gathers as bytes ([`crate::cluster::byte_columns`]):
+    /// per column of the dataset's schema, whether its values are
+    /// fixed-width without nulls in every stored batch here (lists aside:
+    /// a coordinator of an older build takes this alone), and for a list
+    /// whose rows here all hold one number of values, without nulls, that
+    /// number (0 for any other column): another member's lists may hold
+    /// another.
+    pub fn byte_columns(data: &SealedData) -> (Vec<bool>, Vec<u32>) {
         (0..data.schema().fields().len())
-            .map(|i| segments_at(data, i, false).is_ok())
-            .collect()
+            .map(|i| {
+                let list = matches!(
+                    data.schema().field(i).data_type(),
+                    DataType::List(_) | DataType::LargeList(_)
+                );
+                match segments_at(data, i, true) {
+                    Ok(s) if list => (false, u32::try_from(s.width).unwrap_or(0)),
+                    Ok(_) => (true, 0),
+                    Err(_) => (false, 0),
+                }
+            })
+            .unzip()
     }
 
     /// One batch of the picked rows, derived columns applied. A pick's
@@ -491,7 +507,7 @@ impl Gather {
                     &self.data,
                     arena,
                     &self.dataset,
-                    (self.stride, self.lists),
+                    (self.stride, self.packs.as_deref()),
                     metrics,
                 )?;
                 let outputs: Vec<(usize, Slot)> = self
@@ -880,8 +896,8 @@ impl Column {
                     .collect(),
             )
         };
-        // A cluster's members decide together (`fixed`), lists aside.
-        match (segments_at(data, index, fixed.is_none()), fixed) {
+        // A cluster's members decide together (`fixed`).
+        match (segments_at(data, index, true), fixed) {
             (Ok(segments), None | Some(true)) => Ok(Self::Fixed(FixedColumn {
                 data_type: data.schema().field(index).data_type().clone(),
                 row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
@@ -1004,6 +1020,10 @@ impl FixedColumn {
 /// to hold `row_bytes` bytes for each of its rows (so that no row the merge
 /// picks can fall outside them).
 fn fetched_values(batch: &RecordBatch, j: usize, row_bytes: usize) -> Result<Buffer> {
+    if batch.num_rows() == 0 {
+        // No rows to take a list's length from: nothing any pick reads.
+        return Ok(Buffer::from_vec(Vec::<u8>::new()));
+    }
     let values = value_bytes(batch.column(j), "a column fetched from a peer")?;
     if values.len() != batch.num_rows() * row_bytes {
         return Err(Error::Internal(format!(
@@ -1490,10 +1510,15 @@ mod tests {
         ] {
             assert_eq!(shape(name), fixed, "{name}");
         }
-        // A cluster's members gather lists column by column: one member's
-        // may hold another number of values a row than another's.
-        let by_members = Gather::fixed_columns(&data);
-        assert!(by_members[0] && by_members[3] && !by_members[19]);
+        // A cluster's member says the same of its part for the seal, lists
+        // aside, and the values a row of its list of one length (another
+        // member's lists may hold another number).
+        let (fixed, widths) = Gather::byte_columns(&data);
+        assert!(fixed[0] && fixed[3] && !fixed[2] && !fixed[19] && !fixed[20] && !fixed[21]);
+        assert_eq!(
+            (widths[19], widths[20], widths[21], widths[0]),
+            (2, 0, 0, 0)
+        );
         for shuffle in [
             Shuffle::None,
             Shuffle::Global,
@@ -1860,7 +1885,10 @@ mod tests {
             .collect();
         columns.reverse();
         columns.swap(0, 7);
-        records_gather_as_columns(local.clone(), held.clone(), columns);
+        records_gather_as_columns(local.clone(), held.clone(), columns.clone(), false);
+        // The same as a cluster's two members: a list of one length (c19)
+        // is gathered as bytes and packed there too.
+        records_gather_as_columns(local.clone(), held.clone(), columns, true);
         // A dataset of four wide columns: straight from each record.
         let wide = |b: &RecordBatch| {
             let i = [0, 5, 4, 3].map(|i| b.schema().index_of(&format!("c{i}")).expect("c"));
@@ -1871,6 +1899,7 @@ mod tests {
             local.iter().map(wide).collect(),
             held.iter().map(wide).collect(),
             columns,
+            false,
         );
     }
 
@@ -1881,6 +1910,7 @@ mod tests {
         local: Vec<RecordBatch>,
         held: Vec<RecordBatch>,
         columns: Vec<String>,
+        cluster: bool,
     ) {
         let sealed = |batches: &Vec<RecordBatch>| {
             Arc::new(SealedData::from_batches(
@@ -1890,6 +1920,16 @@ mod tests {
             ))
         };
         let (data, member) = (sealed(&local), sealed(&held));
+        // As members of a cluster: the columns the seal decides both gather
+        // as bytes; else each decides alone.
+        let layout = cluster.then(|| {
+            let (a, b) = (Gather::byte_columns(&data), Gather::byte_columns(&member));
+            let lists: Vec<bool> = (data.schema().fields().iter())
+                .map(|f| matches!(f.data_type(), DataType::List(_)))
+                .collect();
+            crate::cluster::byte_columns([(&a.0[..], &a.1[..]), (&b.0[..], &b.1[..])], &lists)
+        });
+        let fixed = layout.as_deref();
         let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
         let (indices, _) = project(data.schema(), &columns, "d").expect("projection");
         // The member's picks of its rows, two messages' worth.
@@ -1907,7 +1947,7 @@ mod tests {
         let sent: Vec<Vec<(usize, usize)>> = (0..2)
             .map(|_| (0..200).map(|_| pick(&[300, 40])).collect())
             .collect();
-        let peer = Gather::new(member.clone(), &columns, "d", None)
+        let peer = Gather::new(member.clone(), &columns, "d", fixed)
             .expect("gather")
             .packing(arena.clone(), Arc::default());
         assert!(peer.records_schema().is_some());
@@ -1917,7 +1957,7 @@ mod tests {
             .collect::<Result<_>>()
             .expect("records");
         // The same records gathered in parts on three threads.
-        let parts = Gather::new(member.clone(), &columns, "d", None)
+        let parts = Gather::new(member.clone(), &columns, "d", fixed)
             .expect("gather")
             .packing(arena.clone(), Arc::default())
             .split(3);
@@ -1990,7 +2030,7 @@ mod tests {
             (&columns_sent, "columns"),
         ] {
             for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
-                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+                let mut gather = Gather::new(data.clone(), &columns, "d", fixed).expect("gather");
                 if packing {
                     gather = gather.packing(arena.clone(), Arc::default());
                 }
@@ -2009,7 +2049,7 @@ mod tests {
             }
         }
         // Records only when the gathered columns are the whole record.
-        let part = Gather::new(member, &columns[..columns.len() - 1], "d", None)
+        let part = Gather::new(member, &columns[..columns.len() - 1], "d", fixed)
             .expect("gather")
             .packing(arena, Arc::default());
         assert!(part.records_schema().is_none());
@@ -2020,7 +2060,7 @@ mod tests {
         let batches = vec![batch(0, 700), batch(700, 500)];
         let data = SealedData::from_batches(batches[0].schema(), vec![], batches);
         let arena = Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap);
-        let packed = Packed::build(&data, &arena, "d", (3, true))
+        let packed = Packed::build(&data, &arena, "d", (3, None))
             .expect("fits")
             .expect("packed");
         let record = packed.record();

@@ -20,8 +20,9 @@
 //! is packed again at its next scattered read.
 //!
 //! Which columns are packed is the gather's choice of byte-copied columns
-//! (fixed-width values without nulls; on a server of its own, lists whose
-//! rows all hold one number of values too); the gather copies records into a
+//! (fixed-width values without nulls, and lists whose rows all hold one
+//! number of values; on a cluster's member, those its layout gathers as
+//! bytes on every member); the gather copies records into a
 //! small tile that stays in cache and transposes the tile back into columns,
 //! so the arrays it produces are the ones the columnar gather produces.
 //! The build is that transpose the other way: a block of records small
@@ -83,10 +84,12 @@ pub struct Packed {
 
 impl Packed {
     /// Packs every column of `data` that has fixed-width values and no
-    /// nulls (with `lists`, also lists whose rows all hold one number of
-    /// values: not for a cluster's member, whose gathers take them column
-    /// by column); `None` when fewer than two columns qualify (one column
-    /// is already contiguous per row) or there are no rows. Each batch's
+    /// nulls, lists whose rows all hold one number of values among them
+    /// (with `only`, per column of the schema, just those it says: a
+    /// cluster's member packs its layout's byte-gathered columns, so that
+    /// every member lays its records out alike); `None` when fewer than
+    /// two columns qualify (one column is already contiguous per row) or
+    /// there are no rows. Each batch's
     /// records are grouped by row residue modulo `stride` (see the module
     /// overview; 0 is taken as 1). Memory comes from `arena`; a full budget
     /// is a `ResourceExhausted` error and nothing is kept. Large copies
@@ -95,9 +98,9 @@ impl Packed {
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        (stride, lists): (usize, bool),
+        (stride, only): (usize, Option<&[bool]>),
     ) -> Result<Option<Self>> {
-        Self::build_on(data, arena, dataset, (stride, lists), None)
+        Self::build_on(data, arena, dataset, (stride, only), None)
     }
 
     /// [`Self::build`] on `threads` threads (`None`: as many as its size
@@ -106,7 +109,7 @@ impl Packed {
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        (stride, lists): (usize, bool),
+        (stride, only): (usize, Option<&[bool]>),
         threads: Option<usize>,
     ) -> Result<Option<Self>> {
         let stride = stride.max(1);
@@ -114,7 +117,11 @@ impl Packed {
         let mut segments = Vec::new();
         let mut record = 0usize;
         for i in 0..data.schema().fields().len() {
-            match segments_at(data, i, lists) {
+            if only.is_some_and(|o| !o.get(i).copied().unwrap_or(false)) {
+                slots.push(None);
+                continue;
+            }
+            match segments_at(data, i, true) {
                 Ok(s) => {
                     let width = s.element.primitive_width().unwrap_or(1) * s.width;
                     slots.push(Some(Slot {
@@ -512,7 +519,7 @@ impl PackedCache {
     /// read then gathers column by column, as before). Concurrent callers
     /// wait for one build.
     ///
-    /// `(stride, lists)` shape a new copy (see [`Packed::build`]); a copy
+    /// `(stride, only)` shape a new copy (see [`Packed::build`]); a copy
     /// already held keeps its own. A build that keeps its copy is logged
     /// and its time observed in `metrics`.
     pub fn get_or_build(
@@ -520,7 +527,7 @@ impl PackedCache {
         data: &SealedData,
         arena: &Arena,
         dataset: &str,
-        shape: (usize, bool),
+        shape: (usize, Option<&[bool]>),
         metrics: &Metrics,
     ) -> Option<Arc<Packed>> {
         let mut slot = self.copy.lock().unwrap_or_else(|p| p.into_inner());
@@ -628,7 +635,7 @@ mod tests {
             SealedData::from_batches(schema.clone(), vec![], vec![batch(0, 7), batch(7, 100)]);
         let arena = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
         for stride in [0, 1, 3, 8, 200] {
-            let packed = Packed::build(&data, &arena, "d", (stride, true))
+            let packed = Packed::build(&data, &arena, "d", (stride, None))
                 .expect("fits")
                 .expect("packed");
             assert_eq!(packed.stride(), stride.max(1));
@@ -686,7 +693,7 @@ mod tests {
         // One thread, and the batches split between threads (asked for
         // three, four batches make two ranges of two).
         for (stride, threads) in [(1, 1), (3, 1), (8, 1), (1, 3), (8, 3)] {
-            let packed = Packed::build_on(&data, &arena, "d", (stride, true), Some(threads))
+            let packed = Packed::build_on(&data, &arena, "d", (stride, None), Some(threads))
                 .expect("fits")
                 .expect("packed");
             assert_eq!(packed.record(), 78);
@@ -729,11 +736,11 @@ mod tests {
         // 1.6 MB of records into a 1 MiB budget: refused before the first
         // batch's records are copied (the budget never held any).
         let small = Arena::new(Budget::new(1 << 20), 1 << 16, HostMemory::Heap);
-        let err = Packed::build(&data, &small, "d", (1, true)).expect_err("does not fit");
+        let err = Packed::build(&data, &small, "d", (1, None)).expect_err("does not fit");
         assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
         assert_eq!(small.budget().peak(), 0);
         let roomy = Arena::new(Budget::new(8 << 20), 1 << 16, HostMemory::Heap);
-        let packed = Packed::build(&data, &roomy, "d", (1, true))
+        let packed = Packed::build(&data, &roomy, "d", (1, None))
             .expect("fits")
             .expect("packed");
         assert_eq!(packed.bytes(), 16 * (rows as u64) * batches as u64);
