@@ -16,7 +16,8 @@
 //!   peer streams batches of one row of many columns.
 //! - Spark's `array<float>` (a list of one length on every member) is
 //!   packed on every member beside the fixed-width columns, and a list of
-//!   another length on one member is not; both read as one server.
+//!   another length on one member is not; both read as one server, and
+//!   over `NODE` every row once with its own features.
 //! - Members with tokens: an operator's `flightdeck datasets`, `describe`,
 //!   `stats`, `place`, `evict` and `drop` see and drop the cluster dataset
 //!   whole, and are refused without the right token.

@@ -2,7 +2,8 @@
 the server's Flight port (tables listed, a schema, an aggregate, a filter,
 results as Arrow, a prepared statement with `$1` and with `?` parameters), a cluster
 dataset queried through one member, tokens, queries charged to the memory
-budget, and action `derive` keeping a hash split as two datasets."""
+budget, and action `derive` keeping a hash split as two datasets, and a
+small part of a dataset holding what its rows take."""
 
 from __future__ import annotations
 
@@ -118,6 +119,27 @@ def test_derive_keeps_a_hash_split_as_two_datasets(server):
     with pytest.raises(flightdeck.NotFound):
         client.derive("y", "SELECT * FROM source", source="missing")
     assert "x" not in client.list_datasets()
+
+
+def test_a_derived_part_holds_what_its_rows_take(server):
+    """`LIMIT … OFFSET …` keeps slices of the source's stored batches, whose
+    strings and lists point into the whole batch's values: the derived
+    dataset holds its own rows' (it held the whole batch's, 382 KB for 10
+    rows of a Spark-shaped table)."""
+    client = flightdeck.connect(server.uri)
+    rows = 20_000
+    source = pa.table({
+        "id": pa.array(range(rows), pa.int64()),
+        "name": pa.array([f"row-{i}" for i in range(rows)]),
+        "features": pa.array([[float(i), i + 0.5, i + 0.25] for i in range(rows)],
+                             pa.list_(pa.float32())),
+    })
+    client.put_partition("spark_rows", 0, source)
+    whole = client.seal("spark_rows", partitions=1)
+    part = client.derive("ten", 'SELECT * FROM "spark_rows" LIMIT 10 OFFSET 1500')
+    assert part.rows == 10
+    assert read_all(client, "ten").equals(source.slice(1500, 10))
+    assert part.bytes < 8192, (part.bytes, whole.bytes)
 
 
 def test_sql_over_a_cluster_dataset_sees_every_member(server):

@@ -8,7 +8,9 @@
 //! columns, and those of restores and peers) are copied after decoding
 //! ([`Arena::copy_batch`]): one bump allocation per batch, every buffer of
 //! the batch 64-byte aligned inside it, and the batch rebuilt over slices of
-//! that allocation. Either way the cache stays plain Arrow. A slab is charged to the
+//! that allocation (a column that is a small slice of larger buffers, as a
+//! query's `LIMIT` leaves it, is copied as its rows alone). Either way the
+//! cache stays plain Arrow. A slab is charged to the
 //! [`Budget`] when it is allocated from the system, so the budget counts real
 //! memory, and an allocation that needs a slab the budget cannot give fails
 //! *before* anything is copied.
@@ -32,8 +34,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use arrow::array::{ArrayData, RecordBatch, make_array};
+use arrow::array::{ArrayData, MutableArrayData, RecordBatch, make_array};
 use arrow::buffer::{BooleanBuffer, Buffer, NullBuffer};
+use arrow::datatypes::DataType;
 
 use super::Budget;
 use super::device::CudaHost;
@@ -655,7 +658,11 @@ impl Arena {
         reservation: Option<&mut Reservation>,
         what: &dyn Fn() -> String,
     ) -> Result<(RecordBatch, u64)> {
-        let data: Vec<ArrayData> = batch.columns().iter().map(|c| c.to_data()).collect();
+        let data: Vec<ArrayData> = batch
+            .columns()
+            .iter()
+            .map(|c| own_rows(c.to_data()))
+            .collect();
         let mut total = 0usize;
         for d in &data {
             visit_buffers(d, &mut |bytes| total += round_up(bytes.len()));
@@ -686,6 +693,77 @@ impl Arena {
             .map_err(|e| Error::Internal(format!("rebuilding a batch in the arena: {e}")))?;
         Ok((copied, allocated))
     }
+}
+
+/// Bytes a column's buffers may hold beyond twice what its rows take before
+/// [`own_rows`] copies its rows out.
+const SLACK_BYTES: usize = 16 << 10;
+
+/// `data`, or a copy of its rows alone where its buffers hold far more than
+/// its rows take: a query's `LIMIT … OFFSET …` slices a stored batch, and a
+/// slice of strings or lists keeps every value of the batch (a `derive` of
+/// 10 rows held 382 KB). The arena then holds, and the budget counts, what
+/// the rows take.
+fn own_rows(data: ArrayData) -> ArrayData {
+    let mut held = 0usize;
+    visit_buffers(&data, &mut |bytes| held += bytes.len());
+    match own_bytes(&data) {
+        Some(own) if held > own.saturating_mul(2).saturating_add(SLACK_BYTES) => {
+            let mut copy = MutableArrayData::new(vec![&data], false, data.len());
+            // Offsets that would overflow: copied whole, as before.
+            let copied = copy.try_extend(0, 0, data.len()).is_ok();
+            let copy = copy.freeze();
+            if copied { copy } else { data }
+        }
+        _ => data,
+    }
+}
+
+/// The bytes `data`'s rows take in buffers of their own (validity, offsets
+/// from the first row's, the values they point at); `None` where not worked
+/// out (nested types other than lists, views, dictionaries): such columns
+/// are copied as they are.
+fn own_bytes(data: &ArrayData) -> Option<usize> {
+    let len = data.len();
+    let nulls = data.nulls().map_or(0, |_| len.div_ceil(8));
+    let child = |start: usize, n: usize| {
+        let child = data.child_data().first()?;
+        (start.checked_add(n)? <= child.len()).then(|| own_bytes(&child.slice(start, n)))?
+    };
+    let span = |first: usize, last: usize| last.checked_sub(first);
+    let values = match data.data_type() {
+        DataType::Utf8 | DataType::Binary | DataType::List(_) => {
+            let offsets = data.buffer::<i32>(0);
+            let first = usize::try_from(*offsets.first()?).ok()?;
+            let n = span(first, usize::try_from(*offsets.get(len)?).ok()?)?;
+            let values = if matches!(data.data_type(), DataType::List(_)) {
+                child(first, n)?
+            } else {
+                n
+            };
+            (len + 1) * 4 + values
+        }
+        DataType::LargeUtf8 | DataType::LargeBinary | DataType::LargeList(_) => {
+            let offsets = data.buffer::<i64>(0);
+            let first = usize::try_from(*offsets.first()?).ok()?;
+            let n = span(first, usize::try_from(*offsets.get(len)?).ok()?)?;
+            let values = if matches!(data.data_type(), DataType::LargeList(_)) {
+                child(first, n)?
+            } else {
+                n
+            };
+            (len + 1) * 8 + values
+        }
+        DataType::FixedSizeList(_, size) => {
+            let size = usize::try_from(*size).ok()?;
+            child(data.offset().checked_mul(size)?, len.checked_mul(size)?)?
+        }
+        t if t.is_primitive() || matches!(t, DataType::Boolean | DataType::Null) => {
+            return data.get_slice_memory_size().ok();
+        }
+        _ => return None,
+    };
+    Some(nulls + values)
 }
 
 /// Calls `f` with the bytes of every buffer of `data`, children included, in
@@ -786,9 +864,11 @@ fn rebuild(data: &ArrayData, next: &mut dyn FnMut(usize) -> Buffer) -> ArrayData
 mod tests {
     use super::*;
     use arrow::array::{
-        Array, FixedSizeListArray, Float32Array, Int64Array, StringArray, new_null_array,
+        Array, ArrayRef, FixedSizeListArray, Float32Array, Int64Array, ListArray, StringArray,
+        new_null_array,
     };
-    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow::buffer::OffsetBuffer;
+    use arrow::datatypes::{DataType, Field, Float32Type, Schema};
 
     fn batch(rows: i64) -> RecordBatch {
         let values = Float32Array::from_iter_values((0..rows * 4).map(|v| v as f32));
@@ -981,6 +1061,63 @@ mod tests {
         let (copy, _) = arena.copy_batch(&empty, &|| "t".into()).expect("fits");
         assert_eq!(copy.num_rows(), 0);
         assert!(copy.column(1).is_empty());
+    }
+
+    #[test]
+    fn a_small_slice_of_a_large_batch_takes_what_its_rows_take() {
+        let arena = arena(64 << 20, 1 << 20);
+        // Strings, a fixed_size_list, nulls, and lists of floats (Spark's
+        // array<float>) and of strings.
+        let whole = batch(20_000);
+        let lists = |rows: usize| {
+            let floats = ListArray::from_iter_primitive::<Float32Type, _, _>(
+                (0..rows).map(|r| Some((0..r % 5).map(|v| Some(v as f32)))),
+            );
+            let names = StringArray::from_iter_values((0..rows * 3).map(|v| format!("n{v}")));
+            let strings = ListArray::new(
+                Arc::new(Field::new("item", DataType::Utf8, false)),
+                OffsetBuffer::from_lengths(std::iter::repeat_n(3, rows)),
+                Arc::new(names),
+                None,
+            );
+            (floats, strings)
+        };
+        let (floats, strings) = lists(20_000);
+        let mut fields = whole.schema().fields().to_vec();
+        fields.push(Arc::new(Field::new(
+            "floats",
+            floats.data_type().clone(),
+            true,
+        )));
+        fields.push(Arc::new(Field::new(
+            "strings",
+            strings.data_type().clone(),
+            true,
+        )));
+        let mut columns = whole.columns().to_vec();
+        columns.extend([Arc::new(floats) as ArrayRef, Arc::new(strings)]);
+        let whole = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).expect("batch");
+        let (_, all) = arena.copy_batch(&whole, &|| "t".into()).expect("fits");
+        // Ten rows as a query's LIMIT 10 OFFSET 1500 cuts them.
+        let part = whole.slice(1500, 10);
+        let (copy, bytes) = arena.copy_batch(&part, &|| "t".into()).expect("fits");
+        assert_eq!(copy, part);
+        for column in copy.columns() {
+            column.to_data().validate_full().expect("valid");
+        }
+        assert!(bytes < 8 << 10, "10 rows took {bytes} bytes of {all}");
+        // A batch that is its rows is copied as it is, byte for byte.
+        let (copy, again) = arena.copy_batch(&whole, &|| "t".into()).expect("fits");
+        assert_eq!((copy, again), (whole.clone(), all));
+        // A slice of most of a batch keeps its buffers (no second copy).
+        let most = whole.slice(1000, 15_000);
+        let (copy, _) = arena.copy_batch(&most, &|| "t".into()).expect("fits");
+        assert_eq!(copy, most);
+        let strings = copy.column(2).to_data();
+        assert_eq!(
+            strings.buffers()[1].len(),
+            whole.column(2).to_data().buffers()[1].len()
+        );
     }
 
     #[test]
