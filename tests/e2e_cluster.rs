@@ -52,6 +52,18 @@ fn owner(p: usize) -> usize {
     [0, 0, 0, 1, 1, 2][p % 6]
 }
 
+/// Rows each member holds, by [`owner`].
+fn member_rows() -> Vec<u64> {
+    (0..3)
+        .map(|m| {
+            (0..12)
+                .filter(|&p| owner(p) == m)
+                .map(|p| sizes()[p] as u64)
+                .sum()
+        })
+        .collect()
+}
+
 /// Partition 5 runs twice: attempt 0 on member 0 (a loser), attempt 1 (the
 /// winner) on its owner.
 const SPECULATIVE: u32 = 5;
@@ -164,14 +176,7 @@ async fn write_both(members: &[MemberProcess], single: &mut Client, ds: &str) {
         let l = info.layout.expect("a layout");
         assert_eq!(l.members.len(), 3);
         let mut rows: Vec<u64> = l.members.iter().map(|m| m.rows).collect();
-        let mut want: Vec<u64> = (0..3)
-            .map(|m| {
-                (0..12)
-                    .filter(|&p| owner(p) == m)
-                    .map(|p| sizes()[p] as u64)
-                    .sum()
-            })
-            .collect();
+        let mut want = member_rows();
         rows.sort_unstable();
         want.sort_unstable();
         assert_eq!(rows, want, "rows per member");
@@ -929,14 +934,7 @@ async fn spark_array_columns_are_packed_on_members_that_agree_and_read_as_one_se
     let single_server = TestServer::start().await;
     let mut single = single_server.client().await;
     let mut c = members[1].client().await;
-    let held: Vec<u64> = (0..3)
-        .map(|m| {
-            (0..12)
-                .filter(|&p| owner(p) == m)
-                .map(|p| sizes()[p] as u64)
-                .sum()
-        })
-        .collect();
+    let held = member_rows();
     // Lists of 16 values on every member: packed beside id and label (76
     // bytes a record). Lists of 16 on two members and 8 on the third: read
     // column by column, only id and label packed (12 bytes a record).

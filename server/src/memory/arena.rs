@@ -730,40 +730,35 @@ fn own_bytes(data: &ArrayData) -> Option<usize> {
         let child = data.child_data().first()?;
         (start.checked_add(n)? <= child.len()).then(|| own_bytes(&child.slice(start, n)))?
     };
-    let span = |first: usize, last: usize| last.checked_sub(first);
-    let values = match data.data_type() {
+    let (offset_bytes, (first, n)) = match data.data_type() {
         DataType::Utf8 | DataType::Binary | DataType::List(_) => {
-            let offsets = data.buffer::<i32>(0);
-            let first = usize::try_from(*offsets.first()?).ok()?;
-            let n = span(first, usize::try_from(*offsets.get(len)?).ok()?)?;
-            let values = if matches!(data.data_type(), DataType::List(_)) {
-                child(first, n)?
-            } else {
-                n
-            };
-            (len + 1) * 4 + values
+            (4, offset_span(data.buffer::<i32>(0), len)?)
         }
         DataType::LargeUtf8 | DataType::LargeBinary | DataType::LargeList(_) => {
-            let offsets = data.buffer::<i64>(0);
-            let first = usize::try_from(*offsets.first()?).ok()?;
-            let n = span(first, usize::try_from(*offsets.get(len)?).ok()?)?;
-            let values = if matches!(data.data_type(), DataType::LargeList(_)) {
-                child(first, n)?
-            } else {
-                n
-            };
-            (len + 1) * 8 + values
+            (8, offset_span(data.buffer::<i64>(0), len)?)
         }
         DataType::FixedSizeList(_, size) => {
             let size = usize::try_from(*size).ok()?;
-            child(data.offset().checked_mul(size)?, len.checked_mul(size)?)?
+            let values = child(data.offset().checked_mul(size)?, len.checked_mul(size)?)?;
+            return Some(nulls + values);
         }
         t if t.is_primitive() || matches!(t, DataType::Boolean | DataType::Null) => {
             return data.get_slice_memory_size().ok();
         }
         _ => return None,
     };
-    Some(nulls + values)
+    let values = match data.data_type() {
+        DataType::List(_) | DataType::LargeList(_) => child(first, n)?,
+        _ => n,
+    };
+    Some(nulls + (len + 1) * offset_bytes + values)
+}
+
+/// The first of `len` rows' `offsets` and how many values the rows span.
+fn offset_span<O: Copy + TryInto<usize>>(offsets: &[O], len: usize) -> Option<(usize, usize)> {
+    let first: usize = (*offsets.first()?).try_into().ok()?;
+    let last: usize = (*offsets.get(len)?).try_into().ok()?;
+    Some((first, last.checked_sub(first)?))
 }
 
 /// Calls `f` with the bytes of every buffer of `data`, children included, in
