@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arrow::array::RecordBatch;
 use arrow::buffer::Buffer;
-use arrow::datatypes::{DataType, Schema};
+use arrow::datatypes::Schema;
 use futures::TryStreamExt;
 use tracing::{info, warn};
 
@@ -1040,16 +1040,11 @@ impl State {
             parts.push((location.as_str(), p?));
         }
         let schema = one_schema(name, &parts)?;
-        let lists: Vec<bool> = schema
-            .fields()
-            .iter()
-            .map(|f| matches!(f.data_type(), DataType::List(_) | DataType::LargeList(_)))
-            .collect();
         let fixed = crate::cluster::byte_columns(
             parts
                 .iter()
                 .map(|(_, p)| (p.fixed_columns.as_slice(), p.list_widths.as_slice())),
-            &lists,
+            &crate::cluster::list_columns(&schema),
         );
         let members: Vec<Member> = parts
             .iter()

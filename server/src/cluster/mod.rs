@@ -27,6 +27,8 @@ pub mod peer;
 
 use std::sync::Arc;
 
+use arrow::datatypes::{DataType, Schema};
+
 use crate::catalog::PartitionSummary;
 use crate::error::{Error, Result};
 pub use crate::order::Locality;
@@ -140,7 +142,7 @@ pub struct Layout {
 /// column, whether its values are fixed-width without nulls there (lists
 /// aside), and for a list whose rows there all hold one number of values,
 /// that number (0 otherwise). `lists` says per column whether it is a
-/// list. A column is gathered as bytes where every member says fixed; a
+/// list ([`list_columns`]). A column is gathered as bytes where every member says fixed; a
 /// list where every member's rows hold the same number of values — a
 /// rank's batch joins rows of several members, and lists of two lengths,
 /// or a member that names no number (ragged, null rows, or a build from
@@ -169,6 +171,16 @@ pub fn byte_columns<'a>(
         }
     }
     columns
+}
+
+/// Per column of `schema`: whether it is a list (Spark's `array<…>`), the
+/// columns [`byte_columns`] takes a number of values a row for.
+pub fn list_columns(schema: &Schema) -> Vec<bool> {
+    schema
+        .fields()
+        .iter()
+        .map(|f| matches!(f.data_type(), DataType::List(_) | DataType::LargeList(_)))
+        .collect()
 }
 
 /// FNV-1a continued from `h`, a stable hash (the same on every build):

@@ -435,17 +435,13 @@ impl Gather {
     /// number (0 for any other column): another member's lists may hold
     /// another.
     pub fn byte_columns(data: &SealedData) -> (Vec<bool>, Vec<u32>) {
-        (0..data.schema().fields().len())
-            .map(|i| {
-                let list = matches!(
-                    data.schema().field(i).data_type(),
-                    DataType::List(_) | DataType::LargeList(_)
-                );
-                match segments_at(data, i, true) {
-                    Ok(s) if list => (false, u32::try_from(s.width).unwrap_or(0)),
-                    Ok(_) => (true, 0),
-                    Err(_) => (false, 0),
-                }
+        crate::cluster::list_columns(data.schema())
+            .into_iter()
+            .enumerate()
+            .map(|(i, list)| match segments_at(data, i, true) {
+                Ok(s) if list => (false, u32::try_from(s.width).unwrap_or(0)),
+                Ok(_) => (true, 0),
+                Err(_) => (false, 0),
             })
             .unzip()
     }
@@ -1924,9 +1920,7 @@ mod tests {
         // as bytes; else each decides alone.
         let layout = cluster.then(|| {
             let (a, b) = (Gather::byte_columns(&data), Gather::byte_columns(&member));
-            let lists: Vec<bool> = (data.schema().fields().iter())
-                .map(|f| matches!(f.data_type(), DataType::List(_)))
-                .collect();
+            let lists = crate::cluster::list_columns(data.schema());
             crate::cluster::byte_columns([(&a.0[..], &a.1[..]), (&b.0[..], &b.1[..])], &lists)
         });
         let fixed = layout.as_deref();

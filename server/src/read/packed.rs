@@ -89,11 +89,11 @@ impl Packed {
     /// cluster's member packs its layout's byte-gathered columns, so that
     /// every member lays its records out alike); `None` when fewer than
     /// two columns qualify (one column is already contiguous per row) or
-    /// there are no rows. Each batch's
-    /// records are grouped by row residue modulo `stride` (see the module
-    /// overview; 0 is taken as 1). Memory comes from `arena`; a full budget
-    /// is a `ResourceExhausted` error and nothing is kept. Large copies
-    /// are built by several threads, a range of stored batches each.
+    /// there are no rows. Each batch's records are grouped by row residue
+    /// modulo `stride` (see the module overview; 0 is taken as 1). Memory
+    /// comes from `arena`; a full budget is a `ResourceExhausted` error and
+    /// nothing is kept. Large copies are built by several threads, a range
+    /// of stored batches each.
     pub fn build(
         data: &SealedData,
         arena: &Arena,
