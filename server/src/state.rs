@@ -1040,12 +1040,11 @@ impl State {
             parts.push((location.as_str(), p?));
         }
         let schema = one_schema(name, &parts)?;
-        let fixed = crate::cluster::byte_columns(
-            parts
-                .iter()
-                .map(|(_, p)| (p.fixed_columns.as_slice(), p.list_widths.as_slice())),
-            &crate::cluster::list_columns(&schema),
-        );
+        let words: Vec<(&[bool], &[u32])> = parts
+            .iter()
+            .map(|(_, p)| (p.fixed_columns.as_slice(), p.list_widths.as_slice()))
+            .collect();
+        let fixed = crate::cluster::byte_columns(&words, &crate::cluster::list_columns(&schema));
         let members: Vec<Member> = parts
             .iter()
             .map(|(location, p)| convert::member_from_prepared(location, p))

@@ -142,35 +142,27 @@ pub struct Layout {
 /// column, whether its values are fixed-width without nulls there (lists
 /// aside), and for a list whose rows there all hold one number of values,
 /// that number (0 otherwise). `lists` says per column whether it is a
-/// list ([`list_columns`]). A column is gathered as bytes where every member says fixed; a
-/// list where every member's rows hold the same number of values — a
+/// list ([`list_columns`]). A column is gathered as bytes where every
+/// member says fixed; a list where every member's rows hold the same
+/// number of values — a
 /// rank's batch joins rows of several members, and lists of two lengths,
 /// or a member that names no number (ragged, null rows, or a build from
 /// before lists were packed on members), are merged by `interleave`.
-pub fn byte_columns<'a>(
-    members: impl IntoIterator<Item = (&'a [bool], &'a [u32])>,
-    lists: &[bool],
-) -> Vec<bool> {
-    let at = |values: &[u32], i: usize| values.get(i).copied().unwrap_or(0);
-    let mut members = members.into_iter().peekable();
-    let Some(&(_, first)) = members.peek() else {
-        return vec![false; lists.len()];
-    };
-    let mut columns: Vec<bool> = lists
+pub fn byte_columns(members: &[(&[bool], &[u32])], lists: &[bool]) -> Vec<bool> {
+    let fixed = |(fixed, _): &(&[bool], &[u32]), i: usize| fixed.get(i).copied().unwrap_or(false);
+    let width = |(_, widths): &(&[bool], &[u32]), i: usize| widths.get(i).copied().unwrap_or(0);
+    lists
         .iter()
         .enumerate()
-        .map(|(i, &list)| !list || at(first, i) > 0)
-        .collect();
-    for (fixed, widths) in members {
-        for (i, (c, &list)) in columns.iter_mut().zip(lists).enumerate() {
-            *c &= if list {
-                at(widths, i) == at(first, i)
-            } else {
-                fixed.get(i).copied().unwrap_or(false)
-            };
-        }
-    }
-    columns
+        .map(|(i, &list)| match members.first() {
+            None => false,
+            Some(first) if list => {
+                let w = width(first, i);
+                w > 0 && members.iter().all(|m| width(m, i) == w)
+            }
+            Some(_) => members.iter().all(|m| fixed(m, i)),
+        })
+        .collect()
 }
 
 /// Per column of `schema`: whether it is a list (Spark's `array<…>`), the

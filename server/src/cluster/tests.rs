@@ -74,20 +74,20 @@ fn lists_are_gathered_as_bytes_only_where_every_member_holds_one_length() {
     let b: (&[bool], &[u32]) = (&fixed, &[0, 0, 64, 64, 4, 8]);
     let c: (&[bool], &[u32]) = (&[true, true, false, false], &[0, 0, 64, 32, 0]);
     assert_eq!(
-        byte_columns([a, b, c], &lists),
+        byte_columns(&[a, b, c], &lists),
         [true, false, true, false, false, false]
     );
     // One member decides alone; a list it names no number for stays out.
     assert_eq!(
-        byte_columns([a], &lists),
+        byte_columns(&[a], &lists),
         [true, false, true, true, true, true]
     );
     let no_width: (&[bool], &[u32]) = (&fixed, &[]);
     assert_eq!(
-        byte_columns([no_width], &lists),
+        byte_columns(&[no_width], &lists),
         [true, false, false, false, false, false]
     );
-    assert_eq!(byte_columns([], &lists), [false; 6]);
+    assert_eq!(byte_columns(&[], &lists), [false; 6]);
 }
 
 #[test]

@@ -305,7 +305,7 @@ pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> 
             crate::catalog::describe_fields(schema)
         ))
     })?;
-    segments_at(data, idx, true)
+    segments_at(data, idx)
 }
 
 /// A list column (Spark's `array<float>`) of numbers as the
@@ -403,17 +403,14 @@ pub fn value_bytes(col: &ArrayRef, column: &str) -> Result<Buffer> {
     Ok(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
 }
 
-/// [`column_segments`] of the column at `idx` of the schema; with `lists`
-/// false, a list column is refused as not numeric (a cluster's members
-/// decide the byte gather together, and one member's lists may hold
-/// another number of values than another's).
-pub fn segments_at(data: &SealedData, idx: usize, lists: bool) -> Result<ColumnSegments> {
+/// [`column_segments`] of the column at `idx` of the schema.
+pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
     let schema = data.schema();
     let column = format!("column '{}'", schema.field(idx).name());
     let data_type = schema.field(idx).data_type();
     let (element, mut width) = match data_type {
         DataType::List(item) | DataType::LargeList(item)
-            if lists && item.data_type().is_numeric() && item.data_type().is_primitive() =>
+            if item.data_type().is_numeric() && item.data_type().is_primitive() =>
         {
             (item.data_type().clone(), None)
         }

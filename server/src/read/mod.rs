@@ -438,7 +438,7 @@ impl Gather {
         crate::cluster::list_columns(data.schema())
             .into_iter()
             .enumerate()
-            .map(|(i, list)| match segments_at(data, i, true) {
+            .map(|(i, list)| match segments_at(data, i) {
                 Ok(s) if list => (false, u32::try_from(s.width).unwrap_or(0)),
                 Ok(_) => (true, 0),
                 Err(_) => (false, 0),
@@ -893,7 +893,7 @@ impl Column {
             )
         };
         // A cluster's members decide together (`fixed`).
-        match (segments_at(data, index, true), fixed) {
+        match (segments_at(data, index), fixed) {
             (Ok(segments), None | Some(true)) => Ok(Self::Fixed(FixedColumn {
                 data_type: data.schema().field(index).data_type().clone(),
                 row_bytes: segments.element.primitive_width().unwrap_or(1) * segments.width,
@@ -1921,7 +1921,7 @@ mod tests {
         let layout = cluster.then(|| {
             let (a, b) = (Gather::byte_columns(&data), Gather::byte_columns(&member));
             let lists = crate::cluster::list_columns(data.schema());
-            crate::cluster::byte_columns([(&a.0[..], &a.1[..]), (&b.0[..], &b.1[..])], &lists)
+            crate::cluster::byte_columns(&[(&a.0[..], &a.1[..]), (&b.0[..], &b.1[..])], &lists)
         });
         let fixed = layout.as_deref();
         let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));

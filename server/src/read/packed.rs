@@ -121,7 +121,7 @@ impl Packed {
                 slots.push(None);
                 continue;
             }
-            match segments_at(data, i, true) {
+            match segments_at(data, i) {
                 Ok(s) => {
                     let width = s.element.primitive_width().unwrap_or(1) * s.width;
                     slots.push(Some(Slot {
