@@ -68,6 +68,11 @@ RATIOS = [
         ("cluster/global-global", "flightdeck"),
         ("cluster/single-none", "flightdeck"),
     ),
+    (
+        "gather, global shuffle / unshuffled (in process, one thread a batch)",
+        ("gather/global/threads-1", "flightdeck"),
+        ("gather/none/threads-1", "flightdeck"),
+    ),
 ] + [
     (
         f"gather on {t} threads a batch / on 1",

@@ -728,12 +728,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
 /// rows from its second epoch on, and the copy is built during that epoch.
 const WARM_UP: usize = 2;
 
-/// The `gather` phase: one epoch of every rank's shard of a global
-/// shuffle (`--ranks`, `--batch-rows`) gathered from packed rows in this
-/// process — no server, no socket — each batch split among 1, 2, 4, …
-/// threads up to the machine's cores (`gather/global/threads-N`): how far
-/// the scattered gather, the part a shuffled read adds to an unshuffled
-/// one, scales with the threads a stream is given.
+/// The `gather` phase: one epoch of every rank's shard in each of the
+/// `--shuffle` orders (`--ranks`, `--batch-rows`) gathered from packed rows
+/// in this process — no server, no socket — each batch split among 1, 2,
+/// 4, … threads up to the machine's cores (`gather/ORDER/threads-N`): what
+/// a read costs the server before it is sent, and how far the scattered
+/// gather, the part a shuffled read adds to an unshuffled one, scales with
+/// the threads a stream is given.
 fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
     use flightdeck_server::catalog::SealedData;
     use flightdeck_server::memory::Budget;
@@ -747,23 +748,41 @@ fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
     let budget = Budget::new(run.shape.payload_bytes() * 2 + (256 << 20));
     let arena = Arc::new(Arena::new(budget, 64 << 20, HostMemory::Heap));
     let (ranks, batch_rows) = (run.args.ranks.max(1), run.args.batch_rows.max(1));
-    let plan = ReadPlan {
-        epoch: 1,
-        seed: 7,
-        ..ReadPlan::new("gather", ranks, Order::Global, batch_rows)
-    };
+    let orders = run
+        .args
+        .shuffle
+        .iter()
+        .map(|name| {
+            let order = match name.as_str() {
+                "none" => Order::None,
+                "global" => Order::Global,
+                "block" => Order::Block {
+                    block_rows: flightdeck_server::config::DEFAULT_BLOCK_ROWS.into(),
+                },
+                other => return Err(format!("unknown shuffle '{other}'")),
+            };
+            Ok((name.clone(), order))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads: Vec<usize> = std::iter::successors(Some(1), |&t| Some(t * 2))
         .take_while(|&t| t <= cores.clamp(1, 8))
         .collect();
     let row_bytes = run.shape.row_bytes();
     progress(&format!(
-        "gather: {} ranks, {threads:?} threads a batch",
-        plan.world_size
+        "gather: {ranks} ranks, {threads:?} threads a batch"
     ));
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
-        for &t in &threads {
+        for ((name, order), &t) in orders
+            .iter()
+            .flat_map(|o| threads.iter().map(move |t| (o, t)))
+        {
+            let plan = ReadPlan {
+                epoch: 1,
+                seed: 7,
+                ..ReadPlan::new("gather", ranks, *order, batch_rows)
+            };
             let start = std::time::Instant::now();
             let mut rows = 0u64;
             for rank in 0..plan.world_size {
@@ -778,7 +797,7 @@ fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
                 elapsed: start.elapsed(),
                 latencies: vec![],
             };
-            let phase = format!("gather/global/threads-{t}{first}");
+            let phase = format!("gather/{name}/threads-{t}{first}");
             run.record(&phase, "flightdeck", rows, rows * row_bytes, sample);
         }
     }

@@ -70,6 +70,66 @@ fn every_phase_runs_and_reports() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// The in-process `gather` phase reads every rank's shard in each order it
+/// is given, on one thread a batch and more: every rank its equal share.
+#[test]
+fn the_gather_phase_reads_every_rank_s_share_in_each_order() {
+    let dir = std::env::temp_dir().join(format!("flightdeck-bench-gather-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let json = dir.join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
+        .args([
+            "--rows",
+            "5000",
+            "--features",
+            "4",
+            "--partitions",
+            "3",
+            "--ranks",
+            "3",
+            "--batch-rows",
+            "512",
+            "--reps",
+            "1",
+            "--phases",
+            "gather",
+            "--shuffle",
+            "none,global",
+            "--baseline",
+            "",
+            "--in-process",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run flightdeck-bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
+            .expect("valid json");
+    let results = doc["results"].as_array().expect("results");
+    for order in ["none", "global"] {
+        let phase = format!("gather/{order}/threads-1");
+        let result = results
+            .iter()
+            .find(|r| r["phase"] == phase.as_str())
+            .unwrap_or_else(|| panic!("no {phase}: {results:?}"));
+        // ceil(5000 / 3) * 3 rows: every rank its equal share.
+        assert_eq!(result["rows"], 5001, "{phase}");
+    }
+    assert!(
+        !results.iter().any(|r| r["phase"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("gather/block"))),
+        "an order not asked for was read"
+    );
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
 /// `h2d` needs a GPU: where the driver is missing it says so and fails,
 /// before starting anything (where there is one it measures); unknown
 /// phases are named.
