@@ -23,7 +23,7 @@ fn missing_text(count: u64, first: &[u32]) -> String {
 }
 
 /// Everything that can go wrong serving a request.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// The request is malformed: a bad command, ticket, column or argument.
     #[error("{0}")]

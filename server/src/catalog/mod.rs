@@ -29,6 +29,7 @@ use arrow::datatypes::{Schema, SchemaRef};
 
 use crate::cluster::Layout;
 use crate::error::{Error, Result};
+use crate::memory::device::SegmentsCache;
 use crate::memory::spill::{PersistedDataset, Stored, unstorable_column};
 use crate::query::SelectionCache;
 use crate::read::packed::PackedCache;
@@ -204,6 +205,8 @@ pub struct SealedData {
     packed: PackedCache,
     /// The rows read-plan filters selected, by filter.
     selections: SelectionCache,
+    /// Each column's values as byte runs, once worked out.
+    segments: SegmentsCache,
 }
 
 impl SealedData {
@@ -223,6 +226,7 @@ impl SealedData {
         let batches: Vec<RecordBatch> = all.into_iter().filter(|b| b.num_rows() > 0).collect();
         let rows = RowIndex::new(batches.iter().map(|b| b.num_rows() as u64));
         Self {
+            segments: SegmentsCache::new(schema.fields().len()),
             schema,
             winners,
             batches,
@@ -260,6 +264,12 @@ impl SealedData {
     /// The rows read-plan filters selected from this data.
     pub fn selections(&self) -> &SelectionCache {
         &self.selections
+    }
+
+    /// Each column's values as byte runs, once worked out (see
+    /// [`crate::memory::device::segments_at`]).
+    pub fn segments(&self) -> &SegmentsCache {
+        &self.segments
     }
 
     /// `(batch index, row within batch)` of global row `row` (below `rows()`).

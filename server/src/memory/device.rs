@@ -13,7 +13,7 @@
 //! is placed, like a `fixed_size_list`, as its values ([`one_length`]).
 #![allow(unsafe_code)]
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayData, ArrayRef, AsArray, GenericListArray, OffsetSizeTrait};
 use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
@@ -132,7 +132,7 @@ impl CudaHost {
             bytes += total as u64;
             placed.push(DeviceColumn {
                 name: name.clone(),
-                element: col.element,
+                element: col.element.clone(),
                 width: col.width,
                 rows: col.rows,
                 buffer: buf,
@@ -297,7 +297,7 @@ pub fn numeric_values_with_nulls(
 /// all hold one number of values (every stored batch the same number), with
 /// no nulls. Anything else is refused with a message naming the column and
 /// its type, or the rows that differ.
-pub fn column_segments(data: &SealedData, name: &str) -> Result<ColumnSegments> {
+pub fn column_segments(data: &SealedData, name: &str) -> Result<Arc<ColumnSegments>> {
     let schema = data.schema();
     let idx = schema.index_of(name).map_err(|_| {
         Error::invalid(format!(
@@ -403,8 +403,42 @@ pub fn value_bytes(col: &ArrayRef, column: &str) -> Result<Buffer> {
     Ok(values.buffers()[0].slice_with_length(start, values.len() * elem_bytes))
 }
 
-/// [`column_segments`] of the column at `idx` of the schema.
-pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
+/// [`column_segments`] of the column at `idx` of the schema, worked out at
+/// the first call for the column and kept with the data
+/// ([`SegmentsCache`]): every read stream, placement and packed copy of a
+/// dataset asks again, and the answer lasts as long as the data.
+pub fn segments_at(data: &SealedData, idx: usize) -> Result<Arc<ColumnSegments>> {
+    data.segments().get(data, idx)
+}
+
+/// Each column's [`ColumnSegments`] (or the reason it has none) of one
+/// sealed dataset, each worked out once. Working them out walks every
+/// stored batch of the column (and, for a list column, every row's
+/// length), which a read stream would otherwise pay for every column at
+/// its start.
+#[derive(Debug, Default)]
+pub struct SegmentsCache(Box<[OnceLock<Result<Arc<ColumnSegments>>>]>);
+
+impl SegmentsCache {
+    /// Room for the columns of a schema of `columns` fields, none worked
+    /// out yet.
+    pub fn new(columns: usize) -> Self {
+        Self((0..columns).map(|_| OnceLock::new()).collect())
+    }
+
+    /// Column `idx` of `data` (the data this cache belongs to).
+    fn get(&self, data: &SealedData, idx: usize) -> Result<Arc<ColumnSegments>> {
+        match self.0.get(idx) {
+            Some(cell) => cell
+                .get_or_init(|| work_out_segments(data, idx).map(Arc::new))
+                .clone(),
+            None => work_out_segments(data, idx).map(Arc::new),
+        }
+    }
+}
+
+/// [`segments_at`], not kept.
+fn work_out_segments(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
     let schema = data.schema();
     let column = format!("column '{}'", schema.field(idx).name());
     let data_type = schema.field(idx).data_type();
@@ -462,4 +496,66 @@ pub fn segments_at(data: &SealedData, idx: usize) -> Result<ColumnSegments> {
         rows,
         segments,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Float32Array, Int64Array, ListArray, RecordBatch, StringArray};
+    use arrow::datatypes::{Field, Schema};
+
+    /// Two batches of a number, a string and a list of two floats a row.
+    fn data() -> SealedData {
+        let item = Arc::new(Field::new("item", DataType::Float32, false));
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, false),
+            Field::new("features", DataType::List(item.clone()), false),
+        ]));
+        let batch = |start: i64| {
+            let values = Float32Array::from_iter_values((0..6).map(|v| (start * 2 + v) as f32));
+            let lists = ListArray::new(
+                item.clone(),
+                OffsetBuffer::from_lengths([2, 2, 2]),
+                Arc::new(values),
+                None,
+            );
+            let columns: Vec<ArrayRef> = vec![
+                Arc::new(Int64Array::from_iter_values(start..start + 3)),
+                Arc::new(StringArray::from_iter_values(["a", "b", "c"])),
+                Arc::new(lists),
+            ];
+            RecordBatch::try_new(schema.clone(), columns).expect("batch")
+        };
+        SealedData::from_batches(schema.clone(), vec![], [batch(0), batch(3)])
+    }
+
+    #[test]
+    fn a_column_s_segments_are_worked_out_once_and_kept_with_the_data() {
+        let data = data();
+        for idx in [0, 2] {
+            let first = segments_at(&data, idx).expect("a column of numbers");
+            let again = segments_at(&data, idx).expect("a column of numbers");
+            assert!(Arc::ptr_eq(&first, &again), "column {idx} worked out twice");
+            let fresh = work_out_segments(&data, idx).expect("a column of numbers");
+            assert_eq!(
+                (&first.element, first.width, first.rows, &first.segments),
+                (&fresh.element, fresh.width, fresh.rows, &fresh.segments)
+            );
+        }
+        let by_name = column_segments(&data, "features").expect("by its name");
+        assert!(Arc::ptr_eq(&by_name, &segments_at(&data, 2).expect("kept")));
+        assert_eq!(by_name.width, 2);
+        assert_eq!(by_name.rows, 6);
+        // A column without segments says why, the same each time.
+        let refused = |idx| segments_at(&data, idx).expect_err("strings").to_string();
+        assert_eq!(refused(1), refused(1));
+        assert_eq!(
+            refused(1),
+            work_out_segments(&data, 1)
+                .expect_err("strings")
+                .to_string()
+        );
+        assert!(refused(1).contains("column 'name'"), "{}", refused(1));
+    }
 }

@@ -659,9 +659,8 @@ impl Gather {
             let tile_picks = &rows[start..n.min(start + tile_rows)];
             if let Some(run) = packed_run(&p.packed, tile_picks, local) {
                 // Records back to back (an unshuffled read by as many
-                // ranks as the copy's stride): one forward copy.
-                tile[..run.len()].copy_from_slice(run);
-                p.untile(&tile, tile_picks.len(), outs);
+                // ranks as the copy's stride): untiled where they lie.
+                p.untile(run, tile_picks.len(), outs);
                 continue;
             }
             // The tile's picks and those a prefetch ahead of its last.
@@ -877,7 +876,7 @@ enum Column {
 struct FixedColumn {
     data_type: DataType,
     /// Per stored batch, its rows' bytes; element type and values per row.
-    segments: ColumnSegments,
+    segments: Arc<ColumnSegments>,
     /// Bytes per row.
     row_bytes: usize,
 }

@@ -129,7 +129,7 @@ impl Packed {
                         width,
                     }));
                     record += width;
-                    segments.push((record - width, width, s.segments));
+                    segments.push((record - width, width, s.segments.clone()));
                 }
                 Err(_) => slots.push(None),
             }
