@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use flightdeck_client::{Client, Shuffle};
+use futures::StreamExt;
 use serde_json::json;
 
 use data::Shape;
@@ -62,9 +63,11 @@ struct Args {
     /// Phases: put, get, e2e, limit, h2d (GPU only: host-to-device
     /// bandwidth from the arena vs pinned and pageable memory), cluster,
     /// filter (a global read of the rows a 50 % filter selects against
-    /// one of every row, and the first plan's selection cost), and gather
-    /// (every rank's shard of a global shuffle gathered in this process,
-    /// without a server or a socket, on 1, 2, 4, … threads a batch).
+    /// one of every row, and the first plan's selection cost), gather
+    /// (every rank's shard in each --shuffle order gathered in this
+    /// process, without a server or a socket, on 1, 2, 4, … threads a
+    /// batch), and small (200 reads of 16 rows one after another, each
+    /// planned: what a short read costs, by its p50 and p99).
     #[arg(long, value_delimiter = ',', default_value = "put,get,e2e,limit")]
     phases: Vec<String>,
     /// Bytes copied per h2d repetition.
@@ -132,6 +135,58 @@ where
     <T as TryFrom<u64>>::Error: std::error::Error + Send + Sync + 'static,
 {
     clap::builder::RangedU64ValueParser::<T>::new().range(1..)
+}
+
+/// Reads of the `small` phase a repetition.
+const SMALL_READS: u64 = 200;
+/// Rows each read of the `small` phase asks for.
+const SMALL_ROWS: u64 = 16;
+
+/// The `small` phase: what one short read costs however large its
+/// dataset — a plan and a stream of [`SMALL_ROWS`] rows of one rank's global
+/// shuffle, from a place spread over the epoch, [`SMALL_READS`] of them one
+/// after another (`small/global`; the table's p50 and p99 are each read's
+/// time, plan included). Spark's reads of a dataset (a stream per task),
+/// a DataLoader's workers and evaluation samples are such reads.
+async fn small_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxError> {
+    progress("small: writing the dataset");
+    phases::drop_dataset(uri, "small").await?;
+    phases::put(uri, "small", &run.shape, &run.parts, run.args.writers).await?;
+    let step = (run.shape.rows / SMALL_READS).max(1);
+    let mut client = Client::connect(uri).await?;
+    for rep in 0..WARM_UP + reps {
+        let first = if rep < WARM_UP { "/first" } else { "" };
+        let start = std::time::Instant::now();
+        let (mut latencies, mut rows) = (Vec::new(), 0u64);
+        for i in 0..SMALL_READS {
+            let read = std::time::Instant::now();
+            let plan = flightdeck_client::ReadPlan {
+                start_sample: (i * step) % run.shape.rows.max(1),
+                max_rows: SMALL_ROWS,
+                ..phases::read_plan("small", 1, Shuffle::Global, SMALL_ROWS as u32)
+            };
+            let planned = client.plan(plan).await?;
+            let shard = planned.shards.first().ok_or("a plan without a shard")?;
+            let mut batches = client.read_shard(shard).await?;
+            while let Some(batch) = batches.next().await {
+                rows += batch?.num_rows() as u64;
+            }
+            latencies.push(read.elapsed());
+        }
+        let sample = Sample {
+            elapsed: start.elapsed(),
+            latencies,
+        };
+        let bytes = rows * run.shape.row_bytes();
+        run.record(
+            &format!("small/global{first}"),
+            "flightdeck",
+            rows,
+            bytes,
+            sample,
+        );
+    }
+    Ok(())
 }
 
 /// The filter phase: one dataset, read globally shuffled by every rank
@@ -317,8 +372,8 @@ impl Run {
 }
 
 /// Phases the tool knows.
-const PHASES: [&str; 8] = [
-    "put", "get", "e2e", "limit", "h2d", "cluster", "filter", "gather",
+const PHASES: [&str; 9] = [
+    "put", "get", "e2e", "limit", "h2d", "cluster", "filter", "gather", "small",
 ];
 
 async fn run(args: Args) -> Result<(), BoxError> {
@@ -453,6 +508,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let do_cluster = has("cluster");
     let do_filter = has("filter");
     let do_gather = has("gather");
+    let do_small = has("small");
     let mut peak_rss_e2e = None;
 
     if has("h2d") {
@@ -578,6 +634,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     }
     if do_gather {
         gather_phase(&mut run, reps)?;
+    }
+    if do_small {
+        small_phase(&mut run, &fd_uri, reps).await?;
     }
     if std::io::stderr().is_terminal() {
         eprintln!();

@@ -71,9 +71,10 @@ fn every_phase_runs_and_reports() {
 }
 
 /// The in-process `gather` phase reads every rank's shard in each order it
-/// is given, on one thread a batch and more: every rank its equal share.
+/// is given, on one thread a batch and more: every rank its equal share;
+/// the `small` phase's short reads each bring their rows.
 #[test]
-fn the_gather_phase_reads_every_rank_s_share_in_each_order() {
+fn the_gather_and_small_phases_read_what_they_say() {
     let dir = std::env::temp_dir().join(format!("flightdeck-bench-gather-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let json = dir.join("out.json");
@@ -92,7 +93,7 @@ fn the_gather_phase_reads_every_rank_s_share_in_each_order() {
             "--reps",
             "1",
             "--phases",
-            "gather",
+            "gather,small",
             "--shuffle",
             "none,global",
             "--baseline",
@@ -127,6 +128,13 @@ fn the_gather_phase_reads_every_rank_s_share_in_each_order() {
             .is_some_and(|p| p.starts_with("gather/block"))),
         "an order not asked for was read"
     );
+    let small = results
+        .iter()
+        .find(|r| r["phase"] == "small/global")
+        .expect("the small phase");
+    // 200 reads of 16 rows each.
+    assert_eq!(small["rows"], 3200);
+    assert!(small["latency_p50_ms"].as_f64().is_some_and(|ms| ms > 0.0));
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
