@@ -89,3 +89,22 @@ def test_the_machine_line_names_the_cpus_family_model_and_vector_width():
     assert "2 cores (AMD EPYC, family 25 model 17, AVX-512, 24 GiB)" in tables.render(run, "r.json")
     run["machine"] = {"cores": 2, "cpu": "AMD EPYC"}
     assert "2 cores (AMD EPYC);" in tables.render(run, "r.json")
+
+
+def test_short_reads_are_given_by_each_reads_time():
+    # The small phase's figure is a read's latency; runs without it keep
+    # their tables as they were.
+    tables = load_tables()
+    small = {
+        "phase": "small/global", "target": "flightdeck", "runs_s": [0.2, 0.1],
+        "median_s": 0.1, "payload_bytes": 1000, "latency_p50_ms": 0.5, "latency_p99_ms": 1.25,
+    }
+    run = {
+        "command": "flightdeck-bench", "rows": 10, "features": 2, "commit": "abc",
+        "date": "d", "machine": {"cores": 2}, "results": [small],
+    }
+    text = tables.render(run, "r.json")
+    assert "| short reads | target | p50 ms | p99 ms |" in text
+    assert "| small/global | flightdeck | 0.50 | 1.25 |" in text
+    run["results"] = [dict(small, phase="get/none")]
+    assert "short reads" not in tables.render(run, "r.json")
