@@ -93,7 +93,7 @@ run() {
     # the scattered gather scales with threads (in-process), and the cluster
     # and get phases with the server's default gather split against one
     # thread a stream (--gather-threads 1).
-    step gather "$bins/flightdeck-bench" --phases gather --rows 2000000 --ranks 2 --baseline "" \
+    step gather "$bins/flightdeck-bench" --phases gather --shuffle none,global --rows 2000000 --ranks 2 --baseline "" \
         --reps 3 --json "$out/gather.json"
     for threads in default 1; do
         split=()
