@@ -3,9 +3,12 @@
 
 use std::process::Command;
 
-#[test]
-fn every_phase_runs_and_reports() {
-    let dir = std::env::temp_dir().join(format!("flightdeck-bench-smoke-{}", std::process::id()));
+/// Runs the tool on a small table (5 000 rows × 4 features in 3
+/// partitions, 3 ranks, batches of 512, one repetition, the server in
+/// process) with `args` after it, in a folder of its own: its standard
+/// output and its JSON.
+fn bench(name: &str, args: &[&str]) -> (String, serde_json::Value) {
+    let dir = std::env::temp_dir().join(format!("flightdeck-bench-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let json = dir.join("out.json");
     let out = Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
@@ -16,28 +19,44 @@ fn every_phase_runs_and_reports() {
             "4",
             "--partitions",
             "3",
-            "--writers",
-            "2",
             "--ranks",
             "3",
             "--batch-rows",
             "512",
             "--reps",
             "1",
-            "--baseline",
-            "parquet",
             "--in-process",
-            "--json",
         ])
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .output()
         .expect("run flightdeck-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let doc = serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
+        .expect("valid json");
+    std::fs::remove_dir_all(&dir).expect("clean up");
+    (stdout, doc)
+}
+
+/// The result of `phase` for `target` in a run's JSON.
+fn result<'a>(doc: &'a serde_json::Value, phase: &str, target: &str) -> &'a serde_json::Value {
+    doc["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .find(|r| r["phase"] == phase && r["target"] == target)
+        .unwrap_or_else(|| panic!("no {phase} {target}: {doc}"))
+}
+
+#[test]
+fn every_phase_runs_and_reports() {
+    let (stdout, doc) = bench("smoke", &["--writers", "2", "--baseline", "parquet"]);
     for phase in [
         "limit/tcp",
         "limit/memcpy",
@@ -49,25 +68,14 @@ fn every_phase_runs_and_reports() {
     ] {
         assert!(stdout.contains(phase), "table lacks {phase}:\n{stdout}");
     }
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
-            .expect("valid json");
-    let results = doc["results"].as_array().expect("results");
-    let get = |phase: &str, target: &str| {
-        results
-            .iter()
-            .find(|r| r["phase"] == phase && r["target"] == target)
-            .unwrap_or_else(|| panic!("no {phase} {target}"))
-    };
     // Every rank read its equal share: ceil(5000 / 3) * 3 rows.
-    assert_eq!(get("get/global", "flightdeck")["rows"], 5001);
-    assert_eq!(get("e2e", "parquet")["rows"], 5000);
+    assert_eq!(result(&doc, "get/global", "flightdeck")["rows"], 5001);
+    assert_eq!(result(&doc, "e2e", "parquet")["rows"], 5000);
     assert_eq!(
-        get("put", "flightdeck")["payload_bytes"],
+        result(&doc, "put", "flightdeck")["payload_bytes"],
         5000 * (4 * 4 + 8)
     );
     assert!(doc["ratios"]["e2e_vs_parquet"].as_f64().is_some());
-    std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
 /// The in-process `gather` phase reads every rank's shard in each order it
@@ -75,67 +83,24 @@ fn every_phase_runs_and_reports() {
 /// the `small` phase's short reads each bring their rows.
 #[test]
 fn the_gather_and_small_phases_read_what_they_say() {
-    let dir = std::env::temp_dir().join(format!("flightdeck-bench-gather-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let json = dir.join("out.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_flightdeck-bench"))
-        .args([
-            "--rows",
-            "5000",
-            "--features",
-            "4",
-            "--partitions",
-            "3",
-            "--ranks",
-            "3",
-            "--batch-rows",
-            "512",
-            "--reps",
-            "1",
-            "--phases",
-            "gather,small",
-            "--shuffle",
-            "none,global",
-            "--baseline",
-            "",
-            "--in-process",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .expect("run flightdeck-bench");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
-            .expect("valid json");
-    let results = doc["results"].as_array().expect("results");
+    let args = ["--phases", "gather,small", "--shuffle", "none,global"];
+    let (_, doc) = bench("gather", &[&args[..], &["--baseline", ""]].concat());
     for order in ["none", "global"] {
         let phase = format!("gather/{order}/threads-1");
-        let result = results
-            .iter()
-            .find(|r| r["phase"] == phase.as_str())
-            .unwrap_or_else(|| panic!("no {phase}: {results:?}"));
         // ceil(5000 / 3) * 3 rows: every rank its equal share.
-        assert_eq!(result["rows"], 5001, "{phase}");
+        assert_eq!(result(&doc, &phase, "flightdeck")["rows"], 5001, "{phase}");
     }
+    let phases = doc["results"].as_array().expect("results");
     assert!(
-        !results.iter().any(|r| r["phase"]
+        !phases.iter().any(|r| r["phase"]
             .as_str()
             .is_some_and(|p| p.starts_with("gather/block"))),
         "an order not asked for was read"
     );
-    let small = results
-        .iter()
-        .find(|r| r["phase"] == "small/global")
-        .expect("the small phase");
+    let small = result(&doc, "small/global", "flightdeck");
     // 200 reads of 16 rows each.
     assert_eq!(small["rows"], 3200);
     assert!(small["latency_p50_ms"].as_f64().is_some_and(|ms| ms > 0.0));
-    std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
 /// `h2d` needs a GPU: where the driver is missing it says so and fails,
