@@ -812,15 +812,14 @@ fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
         .shuffle
         .iter()
         .map(|name| {
-            let order = match name.as_str() {
-                "none" => Order::None,
-                "global" => Order::Global,
-                "block" => Order::Block {
+            let order = match shuffle_of(name)? {
+                Shuffle::None => Order::None,
+                Shuffle::Global => Order::Global,
+                Shuffle::Block => Order::Block {
                     block_rows: flightdeck_server::config::DEFAULT_BLOCK_ROWS.into(),
                 },
-                other => return Err(format!("unknown shuffle '{other}'")),
             };
-            Ok((name.clone(), order))
+            Ok::<_, BoxError>((name.clone(), order))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -833,31 +832,30 @@ fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
     ));
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
-        for ((name, order), &t) in orders
-            .iter()
-            .flat_map(|o| threads.iter().map(move |t| (o, t)))
-        {
-            let plan = ReadPlan {
-                epoch: 1,
-                seed: 7,
-                ..ReadPlan::new("gather", ranks, *order, batch_rows)
-            };
-            let start = std::time::Instant::now();
-            let mut rows = 0u64;
-            for rank in 0..plan.world_size {
-                let shard = Shard::new(data.clone(), &plan, rank)?
-                    .packing(arena.clone(), Arc::default())
-                    .split(t);
-                for batch in shard.batches() {
-                    rows += batch?.num_rows() as u64;
+        for (name, order) in &orders {
+            for &t in &threads {
+                let plan = ReadPlan {
+                    epoch: 1,
+                    seed: 7,
+                    ..ReadPlan::new("gather", ranks, *order, batch_rows)
+                };
+                let start = std::time::Instant::now();
+                let mut rows = 0u64;
+                for rank in 0..plan.world_size {
+                    let shard = Shard::new(data.clone(), &plan, rank)?
+                        .packing(arena.clone(), Arc::default())
+                        .split(t);
+                    for batch in shard.batches() {
+                        rows += batch?.num_rows() as u64;
+                    }
                 }
+                let sample = Sample {
+                    elapsed: start.elapsed(),
+                    latencies: vec![],
+                };
+                let phase = format!("gather/{name}/threads-{t}{first}");
+                run.record(&phase, "flightdeck", rows, rows * row_bytes, sample);
             }
-            let sample = Sample {
-                elapsed: start.elapsed(),
-                latencies: vec![],
-            };
-            let phase = format!("gather/{name}/threads-{t}{first}");
-            run.record(&phase, "flightdeck", rows, rows * row_bytes, sample);
         }
     }
     Ok(())

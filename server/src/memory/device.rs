@@ -416,7 +416,7 @@ pub fn segments_at(data: &SealedData, idx: usize) -> Result<Arc<ColumnSegments>>
 /// stored batch of the column (and, for a list column, every row's
 /// length), which a read stream would otherwise pay for every column at
 /// its start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SegmentsCache(Box<[OnceLock<Result<Arc<ColumnSegments>>>]>);
 
 impl SegmentsCache {
@@ -426,14 +426,12 @@ impl SegmentsCache {
         Self((0..columns).map(|_| OnceLock::new()).collect())
     }
 
-    /// Column `idx` of `data` (the data this cache belongs to).
+    /// Column `idx` of `data` (the data this cache belongs to, so `idx`
+    /// is a column of its schema, as `work_out_segments` needs too).
     fn get(&self, data: &SealedData, idx: usize) -> Result<Arc<ColumnSegments>> {
-        match self.0.get(idx) {
-            Some(cell) => cell
-                .get_or_init(|| work_out_segments(data, idx).map(Arc::new))
-                .clone(),
-            None => work_out_segments(data, idx).map(Arc::new),
-        }
+        self.0[idx]
+            .get_or_init(|| work_out_segments(data, idx).map(Arc::new))
+            .clone()
     }
 }
 

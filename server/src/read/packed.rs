@@ -50,7 +50,7 @@ use arrow::buffer::Buffer;
 use crate::catalog::SealedData;
 use crate::error::{Error, Result};
 use crate::memory::arena::Arena;
-use crate::memory::device::segments_at;
+use crate::memory::device::{ColumnSegments, segments_at};
 use crate::metrics::Metrics;
 
 use super::{Untile, untile_steps};
@@ -129,7 +129,7 @@ impl Packed {
                         width,
                     }));
                     record += width;
-                    segments.push((record - width, width, s.segments.clone()));
+                    segments.push((record - width, width, s));
                 }
                 Err(_) => slots.push(None),
             }
@@ -300,7 +300,7 @@ fn build_threads(batches: usize, bytes: u64) -> usize {
 /// width, values batch by batch)`, the steps that write them, the record's
 /// bytes and the stride.
 struct Pack<'a> {
-    columns: &'a [(usize, usize, Vec<Buffer>)],
+    columns: &'a [(usize, usize, Arc<ColumnSegments>)],
     steps: Vec<Untile>,
     record: usize,
     stride: usize,
@@ -347,7 +347,7 @@ impl Pack<'_> {
             let places = &places[first..end];
             let values = |i: usize| {
                 let (_, width, column) = &self.columns[i];
-                &column[b].as_slice()[first * width..end * width]
+                &column.segments[b].as_slice()[first * width..end * width]
             };
             for &step in &self.steps {
                 match step {
