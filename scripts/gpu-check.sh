@@ -11,6 +11,8 @@
 #                                # cores (gather split on/off); last the reader bench on the GPU
 #   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
 #                                # (run by scripts/test.sh)
+#   scripts/gpu-check.sh nccl    # anywhere, no GPU: NCCL opened by its versioned name
+#                                # (run by scripts/test.sh)
 #
 # `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
 # fails the checks instead of passing them vacuously. Output goes to
@@ -51,7 +53,9 @@ run() {
     # Python's tarfile needs no xz binary on the GPU machine.
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$dir/bins.tar.xz" "$bins"
     # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages.
-    # cudarc looks for unversioned names (libnccl.so): link them in a folder of our own.
+    # The server opens NCCL by its versioned name; cudarc looks for cuBLAS and
+    # NVRTC by unversioned names (CUDA 13's wheels ship .so.13 alone): link
+    # them in a folder of our own.
     if nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null); then
         links=$(mktemp -d)
         for lib in "$nv"/*/lib; do
@@ -154,9 +158,38 @@ kernels() {
     done
 }
 
+# No GPU needed: the server opens NCCL by the name NCCL's packages install
+# (libnccl.so.2), checked against the NCCL the test environment's PyTorch
+# brought (its nvidia-nccl wheel), from a folder holding libnccl.so.2 alone;
+# then, on a machine with no NCCL of its own, it must be refused.
+nccl() {
+    py=.venv/bin/python
+    [ -x "$py" ] || py=python3
+    lib=$("$py" -c "import os, nvidia.nccl; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null || true)
+    if [ -z "$lib" ] || [ ! -e "$lib/libnccl.so.2" ]; then
+        echo "NCCL check SKIPPED: no libnccl.so.2 in the Python environment (PyTorch's nvidia-nccl wheel)" >&2
+        return 0
+    fi
+    cargo build --quiet -p flightdeck-server --example nccl_check
+    only=$(mktemp -d)
+    ln -s "$lib/libnccl.so.2" "$only/libnccl.so.2"
+    status=0
+    LD_LIBRARY_PATH="$only" target/debug/examples/nccl_check || status=$?
+    rm -rf "$only"
+    [ "$status" -eq 0 ] || exit "$status"
+    if ! ldconfig -p 2>/dev/null | grep -q libnccl; then
+        if LD_LIBRARY_PATH="" target/debug/examples/nccl_check > /dev/null 2>&1; then
+            echo "nccl_check opened an NCCL on a machine that has none" >&2
+            exit 1
+        fi
+        echo "without NCCL: refused, as it must be"
+    fi
+}
+
 case "${1:-}" in
     build) build ;;
     run) run ;;
     kernels) kernels ;;
-    *) echo "usage: $0 build|run|kernels" >&2; exit 2 ;;
+    nccl) nccl ;;
+    *) echo "usage: $0 build|run|kernels|nccl" >&2; exit 2 ;;
 esac

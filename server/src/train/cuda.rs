@@ -11,8 +11,9 @@
 //! [`Backend`]): the first CUDA error is recorded, later operations become
 //! no-ops, and [`Backend::failure`] stops every rank at the next all-reduce.
 //!
-//! cudarc loads `libcuda`, `libcublas`, `libnvrtc` and `libnccl` at run
-//! time, so this builds with no CUDA toolkit; [`Setup::new`] probes for the
+//! cudarc loads `libcuda`, `libcublas` and `libnvrtc` at run time, and
+//! [`super::nccl`] NCCL (by the name its packages install), so this builds
+//! with no CUDA toolkit; [`Setup::new`] probes for the
 //! driver before any call.
 #![allow(unsafe_code)]
 
@@ -21,12 +22,12 @@ use std::sync::{Arc, Barrier};
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use super::backend::Backend;
 use super::data::TrainData;
+use super::nccl::{Comm, Id, Nccl, Reduce};
 use crate::error::{Error, Result};
 use crate::memory::device::{DeviceColumn, DevicePlacement, driver_present};
 
@@ -200,17 +201,7 @@ impl Setup {
         }
         // One GPU needs no communicator, and so no NCCL.
         let id = if ordinals.len() > 1 {
-            // SAFETY: only tries to open the library by its usual names.
-            if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-                return Err(Error::FailedPrecondition(format!(
-                    "training on {} GPUs needs NCCL, which this server cannot load as \
-                     libnccl.so: NCCL installs libnccl.so.2, so link libnccl.so to it in a \
-                     folder on LD_LIBRARY_PATH (docker/Dockerfile does so in the GPU image), or \
-                     train on one GPU",
-                    ordinals.len()
-                )));
-            }
-            Some(Id::new().map_err(|e| Error::Internal(format!("NCCL: {e:?}")))?)
+            Some(Nccl::get()?.unique_id()?)
         } else {
             None
         };
@@ -242,12 +233,26 @@ impl Setup {
         }
         let world = self.ordinals.len();
         if let (true, Some(id)) = (world > 1, self.id) {
-            let comm = Comm::from_rank(cuda.stream.clone(), rank as usize, world, id)
-                .map_err(|e| Error::Internal(format!("NCCL communicator: {e:?}")))?;
-            cuda.comm = Some(comm);
+            cuda.comm = Some(Nccl::get()?.join(id, rank as usize, world)?);
         }
         Ok(cuda)
     }
+}
+
+/// Enqueues an in-place all-reduce of `values` over the job's ranks on
+/// `stream`.
+fn all_reduce<T: super::nccl::Value>(
+    comm: &Comm,
+    stream: &Arc<CudaStream>,
+    values: &mut CudaSlice<T>,
+    reduce: Reduce,
+) -> Result<()> {
+    let count = values.len();
+    let (at, _recorded) = values.device_ptr_mut(stream);
+    // SAFETY: `values` holds `count` values on this rank's device and
+    // outlives the enqueued work (the rank's stream is synchronised before
+    // it reads them back or frees them); the stream is this rank's own.
+    unsafe { comm.all_reduce_in_place::<T>(at, count, reduce, stream.cu_stream().cast()) }
 }
 
 fn cuda(e: impl std::fmt::Debug) -> Error {
@@ -787,7 +792,7 @@ impl Backend for Cuda {
         // waiting in this collective to learn of it.
         match self.stream.clone_htod(values) {
             Ok(mut sums) => {
-                let r = comm.all_reduce_in_place(&mut sums, &ReduceOp::Sum);
+                let r = all_reduce(&comm, &self.stream, &mut sums, Reduce::Sum);
                 if self.record(r).is_some() {
                     let back = self.stream.clone_dtoh(&sums);
                     if let Some(back) = self.record(back) {
@@ -822,7 +827,7 @@ impl Backend for Cuda {
             at += b.len();
         }
         if self.error.is_none() && total > 0 {
-            let r = comm.all_reduce_in_place(&mut flat, &ReduceOp::Avg);
+            let r = all_reduce(&comm, &self.stream, &mut flat, Reduce::Avg);
             self.record(r);
         }
         let mut at = 0;

@@ -24,6 +24,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod model;
+pub mod nccl;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
