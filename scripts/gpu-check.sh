@@ -11,8 +11,8 @@
 #                                # cores (gather split on/off); last the reader bench on the GPU
 #   scripts/gpu-check.sh kernels # anywhere, no GPU: NVRTC and ptxas check every kernel
 #                                # (run by scripts/test.sh)
-#   scripts/gpu-check.sh nccl    # anywhere, no GPU: NCCL opened by its versioned name
-#                                # (run by scripts/test.sh)
+#   scripts/gpu-check.sh libs    # anywhere, no GPU: NVRTC, cuBLAS and NCCL opened by the
+#                                # names their packages install (run by scripts/test.sh)
 #
 # `run` sets FLIGHTDECK_GPU_TESTS=1, so a machine without a working driver
 # fails the checks instead of passing them vacuously. Output goes to
@@ -52,21 +52,14 @@ run() {
     trap 'rm -rf "$bins"' EXIT
     # Python's tarfile needs no xz binary on the GPU machine.
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$dir/bins.tar.xz" "$bins"
-    # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages.
-    # The server opens NCCL by its versioned name; cudarc looks for cuBLAS and
-    # NVRTC by unversioned names (CUDA 13's wheels ship .so.13 alone): link
-    # them in a folder of our own.
+    # NCCL, cuBLAS and NVRTC come from the Python env's nvidia-* packages,
+    # opened by the versioned names those install (no links: what a user's
+    # machine has).
     if nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null); then
-        links=$(mktemp -d)
         for lib in "$nv"/*/lib; do
             LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
-            for f in "$lib"/lib*.so.*; do
-                [ -e "$f" ] || continue
-                short="$(basename "$f")"; short="${short%%.so.*}.so"
-                [ -e "$links/$short" ] || ln -s "$f" "$links/$short"
-            done
         done
-        export LD_LIBRARY_PATH="$links:$LD_LIBRARY_PATH"
+        export LD_LIBRARY_PATH
     fi
     nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
     export FLIGHTDECK_GPU_TESTS=1
@@ -158,38 +151,52 @@ kernels() {
     done
 }
 
-# No GPU needed: the server opens NCCL by the name NCCL's packages install
-# (libnccl.so.2), checked against the NCCL the test environment's PyTorch
-# brought (its nvidia-nccl wheel), from a folder holding libnccl.so.2 alone;
-# then, on a machine with no NCCL of its own, it must be refused.
-nccl() {
+# No GPU needed: the server opens NVRTC, cuBLAS and NCCL by the names their
+# packages install (libnvrtc.so.13, libcublas.so.13, libnccl.so.2, ...),
+# checked against the CUDA libraries the test environment's PyTorch brought
+# (its nvidia-* wheels), from a folder holding their versioned files alone;
+# NVRTC then compiles the kernels into cubins for sm_80 and sm_90 (no
+# ptxas: it may be older than that NVRTC); and where a machine has none of a
+# library, opening it must be refused.
+libs() {
     py=.venv/bin/python
     [ -x "$py" ] || py=python3
-    lib=$("$py" -c "import os, nvidia.nccl; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null || true)
-    if [ -z "$lib" ] || [ ! -e "$lib/libnccl.so.2" ]; then
-        echo "NCCL check SKIPPED: no libnccl.so.2 in the Python environment (PyTorch's nvidia-nccl wheel)" >&2
+    nv=$("$py" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
+    only=$(mktemp -d)
+    for f in "$nv"/*/lib/lib*.so.*; do
+        [ -e "$f" ] && ln -sf "$f" "$only/"
+    done
+    asked=()
+    for lib in nvrtc cublas nccl; do
+        ls "$only"/lib"$lib".so.* > /dev/null 2>&1 && asked+=("$lib")
+    done
+    if [ ${#asked[@]} -eq 0 ]; then
+        echo "CUDA library check SKIPPED: no NVRTC, cuBLAS or NCCL in the Python environment (PyTorch's nvidia-* wheels)" >&2
+        rm -rf "$only"
         return 0
     fi
-    cargo build --quiet -p flightdeck-server --example nccl_check
-    only=$(mktemp -d)
-    ln -s "$lib/libnccl.so.2" "$only/libnccl.so.2"
+    cargo build --quiet -p flightdeck-server --example cuda_libs_check --example kernel_check
     status=0
-    LD_LIBRARY_PATH="$only" target/debug/examples/nccl_check || status=$?
+    LD_LIBRARY_PATH="$only" target/debug/examples/cuda_libs_check "${asked[@]}" || status=$?
+    if [ "$status" -eq 0 ] && [[ " ${asked[*]} " == *" nvrtc "* ]]; then
+        LD_LIBRARY_PATH="$only" target/debug/examples/kernel_check --arch sm_80,sm_90 || status=$?
+    fi
     rm -rf "$only"
     [ "$status" -eq 0 ] || exit "$status"
-    if ! ldconfig -p 2>/dev/null | grep -q libnccl; then
-        if LD_LIBRARY_PATH="" target/debug/examples/nccl_check > /dev/null 2>&1; then
-            echo "nccl_check opened an NCCL on a machine that has none" >&2
+    for lib in "${asked[@]}"; do
+        ldconfig -p 2>/dev/null | grep -q "lib$lib\.so" && continue
+        if LD_LIBRARY_PATH="" target/debug/examples/cuda_libs_check "$lib" > /dev/null 2>&1; then
+            echo "cuda_libs_check opened $lib on a machine that has none" >&2
             exit 1
         fi
-        echo "without NCCL: refused, as it must be"
-    fi
+        echo "$lib without the library: refused, as it must be"
+    done
 }
 
 case "${1:-}" in
     build) build ;;
     run) run ;;
     kernels) kernels ;;
-    nccl) nccl ;;
-    *) echo "usage: $0 build|run|kernels|nccl" >&2; exit 2 ;;
+    libs) libs ;;
+    *) echo "usage: $0 build|run|kernels|libs" >&2; exit 2 ;;
 esac

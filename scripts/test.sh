@@ -48,8 +48,8 @@ mvn -q -B -f tests/jdbc/pom.xml package
 echo "==> CUDA kernels: NVRTC and ptxas, no GPU needed"
 scripts/gpu-check.sh kernels
 
-echo "==> NCCL by the name its packages install, no GPU needed"
-scripts/gpu-check.sh nccl
+echo "==> NVRTC, cuBLAS and NCCL by the names their packages install, no GPU needed"
+scripts/gpu-check.sh libs
 
 echo "==> Python tests"
 FLIGHTDECK_BIN="$PWD/target/debug/flightdeck" .venv/bin/python -m pytest tests/python -q --timeout 600 -rs

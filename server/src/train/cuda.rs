@@ -12,7 +12,7 @@
 //! no-ops, and [`Backend::failure`] stops every rank at the next all-reduce.
 //!
 //! cudarc loads `libcuda`, `libcublas` and `libnvrtc` at run time, and
-//! [`super::nccl`] NCCL (by the name its packages install), so this builds
+//! [`super::cudalib`] NCCL (by the name its packages install), so this builds
 //! with no CUDA toolkit; [`Setup::new`] probes for the
 //! driver before any call.
 #![allow(unsafe_code)]
@@ -20,14 +20,16 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::backend::Backend;
+use super::cudalib::cublas::{Cublas, Gemm, Handle};
+use super::cudalib::nccl::{Comm, Id, Nccl, Reduce};
+use super::cudalib::nvrtc::{Nvrtc, Output};
 use super::data::TrainData;
-use super::nccl::{Comm, Id, Nccl, Reduce};
 use crate::error::{Error, Result};
 use crate::memory::device::{DeviceColumn, DevicePlacement, driver_present};
 
@@ -175,29 +177,10 @@ impl Setup {
                 "GPU {bad} does not exist: this server sees {count} CUDA devices"
             )));
         }
-        // The libraries a job loads, probed first: a missing one is the
-        // caller's to fix, not a panic inside the loader.
-        // SAFETY: each only tries to open its library by its usual names.
-        let libraries = unsafe {
-            [
-                (
-                    cudarc::cublas::sys::is_culib_present(),
-                    "cuBLAS",
-                    "libcublas",
-                ),
-                (cudarc::nvrtc::sys::is_culib_present(), "NVRTC", "libnvrtc"),
-            ]
-        };
-        if let Some((_, name, file)) = libraries.iter().find(|(present, ..)| !present) {
-            return Err(Error::FailedPrecondition(format!(
-                "training on GPUs needs {name}, which this server cannot load: it looks for \
-                 {file}.so or {file}.so.12 in the folders on LD_LIBRARY_PATH and the linker's \
-                 cache. Install it (the CUDA toolkit, or its nvidia-* Python package) and put \
-                 its lib folder on LD_LIBRARY_PATH; where only another version's file is there \
-                 (CUDA 13's {file}.so.13, as its Python packages install it), link {file}.so \
-                 to it in a folder on LD_LIBRARY_PATH (docker/Dockerfile does so in the GPU \
-                 image)"
-            )));
+        // The libraries a job loads, opened first: a missing one is the
+        // caller's to fix, named with what to install.
+        for opened in [Cublas::get().map(|_| ()), Nvrtc::get().map(|_| ())] {
+            opened.map_err(|why| Error::FailedPrecondition(format!("training on GPUs: {why}")))?;
         }
         // One GPU needs no communicator, and so no NCCL.
         let id = if ordinals.len() > 1 {
@@ -241,7 +224,7 @@ impl Setup {
 
 /// Enqueues an in-place all-reduce of `values` over the job's ranks on
 /// `stream`.
-fn all_reduce<T: super::nccl::Value>(
+fn all_reduce<T: super::cudalib::nccl::Value>(
     comm: &Comm,
     stream: &Arc<CudaStream>,
     values: &mut CudaSlice<T>,
@@ -255,14 +238,25 @@ fn all_reduce<T: super::nccl::Value>(
     unsafe { comm.all_reduce_in_place::<T>(at, count, reduce, stream.cu_stream().cast()) }
 }
 
+/// A library's error in its own words (`Debug` without quotes, for
+/// [`Cuda::record`]).
+struct Said(String);
+
+impl std::fmt::Debug for Said {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 fn cuda(e: impl std::fmt::Debug) -> Error {
     Error::Internal(format!("CUDA: {e:?}"))
 }
 
 /// One GPU rank.
 pub struct Cuda {
+    /// Dropped before the stream it works on.
+    blas: Handle,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
     kernels: Vec<CudaFunction>,
     comm: Option<Comm>,
     /// The job's features and labels on this device, uploaded at the first batch.
@@ -292,80 +286,25 @@ pub struct Compiled {
 /// version the driver knows), for `None` PTX of NVRTC's own version. An
 /// error carries NVRTC's log.
 pub fn compile_kernels(src: &str, arch: Option<&str>) -> std::result::Result<Compiled, String> {
-    use cudarc::nvrtc::{result, sys};
-    use std::ffi::{CStr, CString};
-    // SAFETY: only probes whether the library can be loaded.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(
-            "NVRTC (libnvrtc.so.12) cannot be loaded: install the CUDA toolkit's NVRTC or the \
-             nvidia-cuda-nvrtc-cu12 package and put its lib folder on LD_LIBRARY_PATH"
-                .to_string(),
-        );
-    }
-    let src = CString::new(src).map_err(|_| "the CUDA source holds a NUL byte".to_string())?;
-    let prog = result::create_program(&src, None).map_err(|e| format!("NVRTC: {e:?}"))?;
-    let log = || {
-        // SAFETY: `prog` is a live program (destroyed only below).
-        unsafe { result::get_program_log(prog) }
-            .map(|raw| {
-                // SAFETY: NVRTC's log is NUL-terminated.
-                unsafe { CStr::from_ptr(raw.as_ptr()) }
-                    .to_string_lossy()
-                    .trim_end_matches('\0')
-                    .trim()
-                    .to_string()
-            })
-            .unwrap_or_default()
-    };
+    let nvrtc = Nvrtc::get()?;
     let mut options: Vec<String> = KERNEL_OPTIONS.iter().map(|o| o.to_string()).collect();
     options.extend(arch.map(|a| format!("--gpu-architecture={a}")));
-    // SAFETY: `prog` is live and the options are plain strings.
-    let compiled = unsafe { result::compile_program(prog, &options) };
-    let out = match compiled {
-        Err(e) => Err(format!("{e:?}: {}", log())),
-        Ok(()) if arch.is_some_and(|a| a.starts_with("sm_")) => {
-            let mut size = 0usize;
-            // SAFETY: compiled above for a real architecture, so NVRTC holds
-            // a cubin of `size` bytes, copied into a buffer of that size.
-            unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
-                .result()
-                .and_then(|()| {
-                    let mut cubin = vec![0u8; size];
-                    unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
-                        .result()
-                        .map(|()| cubin)
-                })
-                .map(|image| Compiled { image, log: log() })
-                .map_err(|e| format!("NVRTC returned no cubin: {e:?}"))
-        }
-        Ok(()) => {
-            // SAFETY: compiled above; `get_ptx` copies the PTX out.
-            unsafe { result::get_ptx(prog) }
-                .map_err(|e| format!("NVRTC returned no PTX: {e:?}"))
-                .map(|ptx| {
-                    let bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
-                    let text = String::from_utf8_lossy(&bytes);
-                    Compiled {
-                        image: text.trim_end_matches('\0').as_bytes().to_vec(),
-                        log: log(),
-                    }
-                })
-        }
+    let output = match arch {
+        Some(a) if a.starts_with("sm_") => Output::Cubin,
+        _ => Output::Ptx,
     };
-    // SAFETY: not used after this.
-    let _ = unsafe { result::destroy_program(prog) };
-    out
+    let (image, log) = nvrtc.compile(src, &options, output)?;
+    Ok(Compiled { image, log })
 }
 
 /// NVRTC's and the driver's CUDA versions, as `NVRTC 12.9, driver 12.4`,
 /// for errors about loading kernels.
 fn cuda_versions() -> String {
-    let (mut major, mut minor, mut driver) = (0, 0, 0);
-    // SAFETY: each writes plain integers; both libraries were loaded already.
-    let nvrtc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result();
+    let mut driver = 0;
+    // SAFETY: writes one int; the driver was loaded already.
     let drv = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result();
-    let nvrtc = match nvrtc {
-        Ok(()) => format!("NVRTC {major}.{minor}"),
+    let nvrtc = match Nvrtc::get().and_then(|n| n.version().map(|v| (n.name(), v))) {
+        Ok((name, (major, minor))) => format!("NVRTC {major}.{minor} ({name})"),
         Err(_) => "NVRTC ?".to_string(),
     };
     match drv {
@@ -407,15 +346,19 @@ impl Cuda {
         // need no events to order their uses across streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(cuda)?;
+        ctx.bind_to_thread().map_err(cuda)?;
+        let cublas = Cublas::get().map_err(Error::FailedPrecondition)?;
+        // SAFETY: the rank's own stream, on the device now current; the
+        // handle is dropped before it (field order of `Cuda`).
+        let blas = unsafe { cublas.handle(stream.cu_stream().cast()) }.map_err(Error::Internal)?;
         let module = load_kernels(&ctx, ordinal)?;
         let kernels = NAMES
             .iter()
             .map(|n| module.load_function(n).map_err(cuda))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            stream,
             blas,
+            stream,
             kernels,
             comm: None,
             resident: None,
@@ -487,29 +430,25 @@ impl Cuda {
         if self.error.is_some() || m == 0 || n == 0 {
             return c;
         }
-        let op = |t: bool| {
-            if t {
-                blas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
+        let shape = Gemm {
+            ta,
+            tb,
+            m,
+            n,
+            k,
+            lda,
+            ldb,
+            ldc,
         };
-        let cfg = GemmConfig {
-            transa: op(ta),
-            transb: op(tb),
-            m: m as i32,
-            n: n as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: lda as i32,
-            ldb: ldb as i32,
-            beta: 0.0f32,
-            ldc: ldc as i32,
-        };
+        let (a, a_used) = a.device_ptr(&self.stream);
+        let (b, b_used) = b.device_ptr(&self.stream);
+        let (c_at, c_used) = c.device_ptr_mut(&self.stream);
         // SAFETY: the shapes and leading dimensions describe buffers of
-        // exactly these sizes (checked by the step's construction).
-        let r = unsafe { self.blas.gemm(cfg, a, b, &mut c) };
-        self.record(r);
+        // exactly these sizes (checked by the step's construction), all on
+        // this rank's device and stream.
+        let r = unsafe { self.blas.sgemm(shape, a, b, c_at) };
+        drop((a_used, b_used, c_used));
+        self.record(r.map_err(Said));
         c
     }
 
@@ -792,7 +731,8 @@ impl Backend for Cuda {
         // waiting in this collective to learn of it.
         match self.stream.clone_htod(values) {
             Ok(mut sums) => {
-                let r = all_reduce(&comm, &self.stream, &mut sums, Reduce::Sum);
+                let r = all_reduce(&comm, &self.stream, &mut sums, Reduce::Sum)
+                    .map_err(|e| Said(e.to_string()));
                 if self.record(r).is_some() {
                     let back = self.stream.clone_dtoh(&sums);
                     if let Some(back) = self.record(back) {
@@ -828,7 +768,7 @@ impl Backend for Cuda {
         }
         if self.error.is_none() && total > 0 {
             let r = all_reduce(&comm, &self.stream, &mut flat, Reduce::Avg);
-            self.record(r);
+            self.record(r.map_err(|e| Said(e.to_string())));
         }
         let mut at = 0;
         for b in bufs.iter_mut() {

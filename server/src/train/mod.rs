@@ -16,15 +16,16 @@
 //! - [`checkpoint`]: parameters and optimizer state as safetensors.
 //!
 //! - [`cuda`]: the CUDA backend — cuBLAS GEMMs, NVRTC kernels, NCCL
-//!   all-reduce, one thread and context per GPU.
+//!   all-reduce, one thread and context per GPU; [`cudalib`]: those three
+//!   libraries, opened by the names their packages install.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
+pub mod cudalib;
 pub mod data;
 pub mod model;
-pub mod nccl;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

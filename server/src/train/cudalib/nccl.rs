@@ -1,23 +1,11 @@
-//! NCCL for the CUDA backend's all-reduce, opened by the name NCCL's
-//! packages install.
-//!
-//! cudarc looks for NCCL as `libnccl.so` (and CUDA-versioned names), a file
-//! only NCCL's development package installs: its runtime package and the
-//! `nvidia-nccl-cu12` / `-cu13` wheels that PyTorch brings install
-//! `libnccl.so.2` alone. This module opens `libnccl.so.2`, then
-//! `libnccl.so`, wherever the dynamic linker finds a library
-//! (`LD_LIBRARY_PATH`, the linker's cache), and resolves every entry point a
-//! job uses at once: a library that lacks one is refused whole, before any
-//! GPU waits on it. NCCL's own words for an error go into the job's error.
-//!
-//! The calls take and return plain C integers, not Rust enums, so a result
-//! code of a newer NCCL than the one these declarations were written
-//! against is reported, never undefined behaviour.
-#![allow(unsafe_code)]
+//! NCCL, opened as `libnccl.so.2` (the name its runtime package and its
+//! `nvidia-nccl-cu12` / `-cu13` wheels install), then `libnccl.so`: a
+//! communicator id, a rank joining a communicator, an in-place all-reduce.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
+use super::{open_first, symbol, words};
 use crate::error::{Error, Result};
 
 /// The names tried, in order: the runtime's, then the development link.
@@ -62,36 +50,10 @@ type AllReduce = unsafe extern "C" fn(
 type CommAbort = unsafe extern "C" fn(*mut c_void) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
-/// Entry point `name` of `library` (opened as `file`), typed `T`.
-///
-/// # Safety
-///
-/// `T` must be the entry point's C signature, and `library` must outlive
-/// the value returned.
-unsafe fn symbol<T: Copy>(
-    library: &libloading::Library,
-    file: &str,
-    name: &str,
-) -> std::result::Result<T, String> {
-    let symbol = format!("{name}\0");
-    // SAFETY: the caller's promise above.
-    unsafe { library.get::<T>(symbol.as_bytes()) }
-        .map(|s| *s)
-        .map_err(|e| format!("{file} has no {name} ({})", said(&e)))
-}
-
-/// What the dynamic linker said, which names the file (libloading's error
-/// keeps it as its source).
-fn said(e: &libloading::Error) -> String {
-    use std::error::Error as _;
-    e.source().map_or_else(|| e.to_string(), |s| s.to_string())
-}
-
 /// An opened NCCL and the entry points a job calls.
 pub struct Nccl {
     /// Kept open for the life of the entry points below.
     _library: libloading::Library,
-    /// The name it was opened by.
     name: &'static str,
     get_version: GetVersion,
     get_unique_id: GetUniqueId,
@@ -119,41 +81,33 @@ impl Nccl {
     }
 
     /// Opens the first of `names` the dynamic linker finds that has every
-    /// entry point; else says what each name gave.
+    /// entry point; else says what each name gave and what to do.
     pub fn open(names: &[&'static str]) -> std::result::Result<Nccl, String> {
-        let mut tried = Vec::new();
-        for &name in names {
-            match Self::open_one(name) {
-                Ok(nccl) => return Ok(nccl),
-                Err(why) => tried.push(why),
+        open_first(names, |library, name| {
+            // SAFETY: each typed as NCCL 2 declares it; the library is kept
+            // with them.
+            unsafe {
+                Ok(Nccl {
+                    get_version: symbol(&library, name, "ncclGetVersion")?,
+                    get_unique_id: symbol(&library, name, "ncclGetUniqueId")?,
+                    comm_init_rank: symbol(&library, name, "ncclCommInitRank")?,
+                    all_reduce: symbol(&library, name, "ncclAllReduce")?,
+                    comm_abort: symbol(&library, name, "ncclCommAbort")?,
+                    get_error_string: symbol(&library, name, "ncclGetErrorString")?,
+                    _library: library,
+                    name,
+                })
             }
-        }
-        Err(format!(
-            "this server cannot load NCCL, which training on several GPUs needs ({}). \
-             Install NCCL (its runtime package, or the nvidia-nccl-cu12 / -cu13 Python \
-             package PyTorch installs) and put the folder holding libnccl.so.2 on \
-             LD_LIBRARY_PATH, or train on one GPU",
-            tried.join("; ")
-        ))
-    }
-
-    fn open_one(name: &'static str) -> std::result::Result<Nccl, String> {
-        // SAFETY: opening a library runs its initialisers; NCCL's only set
-        // up its own state. The symbols are typed as NCCL 2 declares them,
-        // and the library is kept open as long as they are held.
-        unsafe {
-            let library = libloading::Library::new(name).map_err(|e| said(&e))?;
-            Ok(Nccl {
-                get_version: symbol(&library, name, "ncclGetVersion")?,
-                get_unique_id: symbol(&library, name, "ncclGetUniqueId")?,
-                comm_init_rank: symbol(&library, name, "ncclCommInitRank")?,
-                all_reduce: symbol(&library, name, "ncclAllReduce")?,
-                comm_abort: symbol(&library, name, "ncclCommAbort")?,
-                get_error_string: symbol(&library, name, "ncclGetErrorString")?,
-                _library: library,
-                name,
-            })
-        }
+        })
+        .map_err(|tried| {
+            format!(
+                "this server cannot load NCCL, which training on several GPUs needs ({}). \
+                 Install NCCL (its runtime package, or the nvidia-nccl-cu12 / -cu13 Python \
+                 package PyTorch installs) and put the folder holding libnccl.so.2 on \
+                 LD_LIBRARY_PATH, or train on one GPU",
+                tried.join("; ")
+            )
+        })
     }
 
     /// The name the library was opened by.
@@ -202,14 +156,8 @@ impl Nccl {
         if code == SUCCESS || code == IN_PROGRESS {
             return Ok(());
         }
-        // SAFETY: NCCL returns a static string for any code.
-        let words = unsafe { (self.get_error_string)(code) };
-        let words = if words.is_null() {
-            "no description".into()
-        } else {
-            // SAFETY: non-null, NUL-terminated, static.
-            unsafe { CStr::from_ptr(words) }.to_string_lossy()
-        };
+        // SAFETY: NCCL answers any code with a static string.
+        let words = unsafe { words((self.get_error_string)(code)) };
         Err(Error::Internal(format!(
             "NCCL: {call} failed with code {code}: {words}"
         )))
@@ -298,7 +246,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_machine_without_the_library_gets_every_name_tried_and_what_to_do() {
+    fn a_machine_without_nccl_gets_every_name_tried_and_what_to_do() {
         let err = Nccl::open(&[
             "libflightdeck-absent-nccl.so.2",
             "libflightdeck-absent-nccl.so",
@@ -312,17 +260,15 @@ mod tests {
             err.contains("libflightdeck-absent-nccl.so: cannot open"),
             "{err}"
         );
-        assert!(err.contains("LD_LIBRARY_PATH"), "{err}");
-        assert!(err.contains("train on one GPU"), "{err}");
+        assert!(
+            err.contains("LD_LIBRARY_PATH") && err.contains("train on one GPU"),
+            "{err}"
+        );
     }
 
     #[test]
     fn a_library_without_nccl_s_entry_points_is_refused_whole() {
-        // The C library opens but has no ncclGetVersion.
         let err = Nccl::open(&["libc.so.6"]).expect_err("not NCCL");
-        assert!(
-            err.contains("libc.so.6: ") && err.contains("ncclGetVersion"),
-            "{err}"
-        );
+        assert!(err.contains("libc.so.6 has no ncclGetVersion ("), "{err}");
     }
 }
