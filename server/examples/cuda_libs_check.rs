@@ -4,7 +4,8 @@
 //! `libnccl.so.2`, …) with every entry point a job calls — and prints
 //! which file each was opened as and its version; NCCL also makes a
 //! communicator id (the one NCCL call a job makes before any GPU is
-//! touched).
+//! touched), and cuBLAS is asked for a handle (refused, in cuBLAS's own
+//! words, where there is no GPU).
 //!
 //! ```sh
 //! LD_LIBRARY_PATH=…/nvidia/cu13/lib:…/nvidia/nccl/lib \
@@ -52,8 +53,12 @@ fn check(name: &str) -> Result<String, String> {
         "cublas" => {
             let cublas = Cublas::get()?;
             let (major, minor, patch) = cublas.version()?;
+            let handle = match cublas.try_handle() {
+                Ok(_) => "a handle made".to_string(),
+                Err(e) => format!("a handle refused without a GPU ({e})"),
+            };
             Ok(format!(
-                "cuBLAS {major}.{minor}.{patch} opened as {}",
+                "cuBLAS {major}.{minor}.{patch} opened as {}; {handle}",
                 cublas.name()
             ))
         }

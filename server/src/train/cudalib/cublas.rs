@@ -139,6 +139,14 @@ impl Cublas {
         Ok(handle)
     }
 
+    /// Makes a handle on the current device's default stream and drops it:
+    /// whether cuBLAS can start here (without a GPU it cannot, and says so).
+    pub fn try_handle(&'static self) -> Result<(), String> {
+        // SAFETY: the null stream is the default stream, which outlives the
+        // handle, dropped at once.
+        unsafe { self.handle(std::ptr::null_mut()) }.map(drop)
+    }
+
     /// `Ok` for success, else an error naming the call and cuBLAS's words.
     fn check(&self, call: &str, code: c_int) -> Result<(), String> {
         if code == SUCCESS {
