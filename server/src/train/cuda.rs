@@ -11,10 +11,10 @@
 //! [`Backend`]): the first CUDA error is recorded, later operations become
 //! no-ops, and [`Backend::failure`] stops every rank at the next all-reduce.
 //!
-//! cudarc loads `libcuda`, `libcublas` and `libnvrtc` at run time, and
-//! [`super::cudalib`] NCCL (by the name its packages install), so this builds
-//! with no CUDA toolkit; [`Setup::new`] probes for the
-//! driver before any call.
+//! cudarc loads the driver (`libcuda`) at run time, and [`super::cudalib`]
+//! cuBLAS, NVRTC and NCCL by the names their packages install, so this
+//! builds with no CUDA toolkit; [`Setup::new`] probes for the driver and
+//! opens the libraries before any call.
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
