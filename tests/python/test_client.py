@@ -811,7 +811,17 @@ def test_a_read_from_a_server_that_hangs_fails_instead_of_waiting_forever():
                 assert time.monotonic() - started < scaled(80)
             finally:
                 server.proc.send_signal(signal.SIGCONT)
-            # Back again: reads as before.
-            assert c.read_table(shard).num_rows == 8_000_000
+            # Back again: reads as before, on the same connection. gRPC may
+            # still hand the first call after the hang to the transport its
+            # ping timeout is closing — the one failure `reconnect_seconds`
+            # rides out in a training loop — so a call that fails so is
+            # asked again, within a bound.
+            def read_again():
+                try:
+                    return c.read_table(shard)
+                except flightdeck.Unavailable:
+                    return None
+
+            assert eventually("a read after the hang", read_again, 30).num_rows == 8_000_000
     finally:
         assert server.stop() == 0, "".join(server.stderr_lines)
