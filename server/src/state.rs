@@ -83,6 +83,39 @@ fn one_schema(name: &str, replies: &[(&str, pb::MemberPrepared)]) -> Result<Sche
     Ok(schema)
 }
 
+/// Refuses a cluster seal whose members did not prepare exactly the
+/// winners it named for them: a member whose dataset another write sealed
+/// or replaced while this seal prepared it answers with that write's
+/// partitions, and a layout built from them would take two writes' rows (or
+/// name a partition twice).
+fn as_named(
+    name: &str,
+    named: &[&(String, Vec<crate::catalog::AttemptKey>)],
+    replies: &[(&str, pb::MemberPrepared)],
+) -> Result<()> {
+    for ((location, winners), (_, reply)) in named.iter().zip(replies) {
+        let mut want: Vec<(u32, u32)> = winners.iter().map(|k| (k.partition, k.attempt)).collect();
+        let mut have: Vec<(u32, u32)> = reply
+            .partitions
+            .iter()
+            .map(|p| (p.partition, p.attempt))
+            .collect();
+        want.sort_unstable();
+        have.sort_unstable();
+        if want != have {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot seal dataset '{name}': member {location} prepared other partitions than \
+                 the seal named for it ({} of them, not {}) — another write sealed or replaced \
+                 the dataset there meanwhile; one job writes a dataset at a time: seal again, \
+                 or drop the dataset and write it again",
+                have.len(),
+                want.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a cluster seal whose members hold attempts of different writes
 /// (one member's part was dropped and written by another job meanwhile):
 /// the layout would take partitions of two jobs. Members whose writes are
@@ -928,8 +961,19 @@ impl State {
                 ..Default::default()
             });
         }
-        let (summary, freed) = self.catalog().prepare_member(&entry, &req.winners)?;
-        let summary = self.sealed(summary, freed).await?;
+        let (prepared, freed) = self.catalog().prepare_member(&entry, &req.winners)?;
+        let generation = prepared.generation;
+        let summary = self.sealed(prepared, freed).await?;
+        // Persisting it awaited: another write may have replaced the dataset
+        // here meanwhile, and what it answers with is then that write's.
+        if summary.generation != generation {
+            return Err(Error::FailedPrecondition(format!(
+                "dataset '{}' was replaced on this member while its part of a cluster seal was \
+                 being sealed (another write); one job writes a dataset at a time: seal again, \
+                 or drop the dataset and write it again",
+                req.dataset
+            )));
+        }
         let (_, data) = self.resident(&entry).await?;
         let mut reply =
             convert::member_prepared(&summary, crate::read::Gather::byte_columns(&data))?;
@@ -1039,6 +1083,7 @@ impl State {
         for ((location, _), p) in members.iter().zip(prepare(false).await) {
             parts.push((location.as_str(), p?));
         }
+        as_named(name, &members, &parts)?;
         let schema = one_schema(name, &parts)?;
         let words: Vec<(&[bool], &[u32])> = parts
             .iter()
@@ -1430,7 +1475,7 @@ mod tests {
     use arrow::array::{Array, Int64Array, RecordBatch};
     use arrow::datatypes::{DataType, Field, Schema};
 
-    use super::{State, unsealed_text};
+    use super::{State, as_named, unsealed_text};
     use crate::catalog::{AttemptData, AttemptKey, SealRequest};
     use crate::config::ServerConfig;
     use crate::convert::DropRequest;
@@ -1641,5 +1686,44 @@ mod tests {
              'd2' (1.0KiB, last written 5s ago) and 1 more; seal them, or drop those whose \
              writers are gone (`flightdeck drop NAME`)"
         );
+    }
+
+    #[test]
+    fn a_member_that_prepared_other_partitions_than_named_fails_the_seal() {
+        let key = |partition, attempt| AttemptKey { partition, attempt };
+        let reply = |parts: &[(u32, u32)]| super::pb::MemberPrepared {
+            partitions: parts
+                .iter()
+                .map(|&(partition, attempt)| super::pb::PartitionInfo {
+                    partition,
+                    attempt,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let x = ("grpc://x:1".to_string(), vec![key(2, 0), key(0, 1)]);
+        let y = ("grpc://y:1".to_string(), vec![key(1, 0)]);
+        let named = [&x, &y];
+        // As named (in any order): sealed.
+        let same = [
+            ("grpc://x:1", reply(&[(0, 1), (2, 0)])),
+            ("grpc://y:1", reply(&[(1, 0)])),
+        ];
+        as_named("d", &named, &same).expect("as named");
+        // Member y answers with another write's part (partition 2 too, or
+        // another attempt): refused, naming it, never a layout.
+        for other in [&[(1, 0), (2, 0)][..], &[(1, 1)][..], &[][..]] {
+            let replies = [
+                ("grpc://x:1", reply(&[(0, 1), (2, 0)])),
+                ("grpc://y:1", reply(other)),
+            ];
+            let err = as_named("d", &named, &replies).expect_err("another write's part");
+            assert!(
+                matches!(&err, crate::error::Error::FailedPrecondition(m)
+                    if m.contains("member grpc://y:1 prepared other partitions")),
+                "{err:?}"
+            );
+        }
     }
 }
