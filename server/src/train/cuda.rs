@@ -229,13 +229,14 @@ fn all_reduce<T: super::cudalib::nccl::Value>(
     stream: &Arc<CudaStream>,
     values: &mut CudaSlice<T>,
     reduce: Reduce,
-) -> Result<()> {
+) -> std::result::Result<(), Said> {
     let count = values.len();
     let (at, _recorded) = values.device_ptr_mut(stream);
     // SAFETY: `values` holds `count` values on this rank's device and
     // outlives the enqueued work (the rank's stream is synchronised before
     // it reads them back or frees them); the stream is this rank's own.
     unsafe { comm.all_reduce_in_place::<T>(at, count, reduce, stream.cu_stream().cast()) }
+        .map_err(|e| Said(e.to_string()))
 }
 
 /// A library's error in its own words (`Debug` without quotes, for
@@ -731,8 +732,7 @@ impl Backend for Cuda {
         // waiting in this collective to learn of it.
         match self.stream.clone_htod(values) {
             Ok(mut sums) => {
-                let r = all_reduce(&comm, &self.stream, &mut sums, Reduce::Sum)
-                    .map_err(|e| Said(e.to_string()));
+                let r = all_reduce(&comm, &self.stream, &mut sums, Reduce::Sum);
                 if self.record(r).is_some() {
                     let back = self.stream.clone_dtoh(&sums);
                     if let Some(back) = self.record(back) {
@@ -768,7 +768,7 @@ impl Backend for Cuda {
         }
         if self.error.is_none() && total > 0 {
             let r = all_reduce(&comm, &self.stream, &mut flat, Reduce::Avg);
-            self.record(r.map_err(|e| Said(e.to_string())));
+            self.record(r);
         }
         let mut at = 0;
         for b in bufs.iter_mut() {

@@ -25,7 +25,7 @@ type CreateProgram = unsafe extern "C" fn(
 ) -> c_int;
 type CompileProgram = unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int;
 type Size = unsafe extern "C" fn(Program, *mut usize) -> c_int;
-type Copy = unsafe extern "C" fn(Program, *mut c_char) -> c_int;
+type CopyOut = unsafe extern "C" fn(Program, *mut c_char) -> c_int;
 type DestroyProgram = unsafe extern "C" fn(*mut Program) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
@@ -38,11 +38,11 @@ pub struct Nvrtc {
     create_program: CreateProgram,
     compile_program: CompileProgram,
     log_size: Size,
-    log: Copy,
+    log: CopyOut,
     ptx_size: Size,
-    ptx: Copy,
+    ptx: CopyOut,
     cubin_size: Size,
-    cubin: Copy,
+    cubin: CopyOut,
     destroy_program: DestroyProgram,
     get_error_string: GetErrorString,
 }
@@ -191,7 +191,7 @@ impl Nvrtc {
         &self,
         program: Program,
         size: Size,
-        copy: Copy,
+        copy: CopyOut,
         call: &str,
     ) -> Result<Vec<u8>, String> {
         let mut len = 0usize;
