@@ -13,7 +13,10 @@ loop's stall, `stall_seconds`, as a share of the epoch), and the embedded
 trainer on 1 and 2 CPU ranks (with its data stall). Each row also gives
 the split of the two cores: CPU seconds of the epoch in the server's
 process and in this one (PyTorch, the reader and its threads; the
-embedded trainer's include its final evaluation pass).
+embedded trainer's include its final evaluation pass). The reader takes
+its batches through the server's shared memory, as it does on the
+server's machine, but in the row marked "over the socket"
+(`FLIGHTDECK_SHM=0`); a last table reads an epoch alone both ways.
 
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
@@ -30,6 +33,7 @@ ranks.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -153,15 +157,23 @@ def main() -> None:
                 # On a GPU the batches arrive there (device=); one row pins
                 # them and copies each in the loop instead.
                 on = {"device": device} if device == "cuda" else {}
-                readers = [(f"prefetch={depth}", depth, 0, on) for depth in (0, args.prefetch)]
-                readers.append((f"in {args.burst_mib} MiB bursts", 0, args.burst_mib << 20, on))
+                # Every row reads through the server's shared memory (the
+                # reader's default on the server's machine) but the one
+                # that says it reads over the socket.
+                readers = [(f"prefetch={depth}", depth, 0, on, "1") for depth in (0, args.prefetch)]
+                readers.append(
+                    (f"prefetch={args.prefetch} over the socket", args.prefetch, 0, on, "0")
+                )
+                readers.append((f"in {args.burst_mib} MiB bursts", 0, args.burst_mib << 20, on, "1"))
                 if device == "cuda":
                     readers.append(
                         (f"prefetch={args.prefetch}, pinned, copied in the loop", args.prefetch, 0,
-                         {"pin_memory": True})
+                         {"pin_memory": True}, "1")
                     )
-                for how, depth, burst, handover in readers:
+                for how, depth, burst, handover, shm in readers:
                     path = f"PyTorch, FlightDeckIterableDataset {how}"
+                    # Read when the dataset connects, at its first batch.
+                    os.environ["FLIGHTDECK_SHM"] = shm
                     data = FlightDeckIterableDataset(
                         uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
                         prefetch=depth, burst_bytes=burst, **handover,
@@ -181,6 +193,7 @@ def main() -> None:
                     assert rows == args.rows, rows
                     results.setdefault(path, []).append(rows / took)
                     stalls.setdefault(path, []).append(data.stall_seconds / took)
+                    del os.environ["FLIGHTDECK_SHM"]
                 trainers = [((), r, f"{r} CPU rank{'s' if r > 1 else ''}") for r in (1, 2)]
                 if device == "cuda":
                     trainers = [((0,), 1, "GPU 0")]
@@ -195,6 +208,28 @@ def main() -> None:
                 stall = f"{float(np.median(stalls[path])) * 100:.0f} %" if path in stalls else "—"
                 server, this = (float(np.median([c[k] for c in cpus[path]])) for k in (0, 1))
                 print(f"| {label} | {path} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} | {server:.2f} / {this:.2f} |")
+        print()
+        print("Reading an epoch alone (no model; `ShardedDataset`, prefetch=0, medians):")
+        print()
+        print("| path | wall s | CPU s: this process | CPU s: server |")
+        print("| --- | ---: | ---: | ---: |")
+        alone: dict[str, list[tuple[float, float, float]]] = {}
+        for _ in range(args.reps):
+            for shm, path in (("1", "shared memory"), ("0", "the socket")):
+                os.environ["FLIGHTDECK_SHM"] = shm
+                data = flightdeck.ShardedDataset(
+                    uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, prefetch=0
+                )
+                server, this, start = srv.cpu_seconds(), time.process_time(), time.perf_counter()
+                assert sum(b.num_rows for b in data) == args.rows
+                took = time.perf_counter() - start
+                alone.setdefault(path, []).append(
+                    (took, time.process_time() - this, srv.cpu_seconds() - server)
+                )
+                del os.environ["FLIGHTDECK_SHM"]
+        for path, runs in alone.items():
+            wall, this, server = (float(np.median([r[k] for r in runs])) for k in range(3))
+            print(f"| {path} | {wall:.3f} | {this:.3f} | {server:.3f} |")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,10 @@ pub struct ServerConfig {
     /// in bytes, beside `memory_limit`; `None` = an eighth of it, between
     /// 64 MiB and 4 GiB.
     pub read_ahead_bytes: Option<u64>,
+    /// The folder where a local reader that asks for it gets its record
+    /// batches through a shared-memory ring instead of the socket (a
+    /// tmpfs: `/dev/shm` by default); `None` = every reader over the socket.
+    pub shm_dir: Option<std::path::PathBuf>,
     /// Threads one read stream's batch of scattered rows is gathered on;
     /// `None` = half the machine's cores shared among the open streams, at
     /// most four (one a stream on a machine with few cores).
@@ -126,6 +130,7 @@ impl Default for ServerConfig {
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             unsealed_timeout: Some(DEFAULT_UNSEALED_TIMEOUT),
             read_ahead_bytes: None,
+            shm_dir: Some(std::path::PathBuf::from("/dev/shm")),
             gather_threads: None,
             checkpoint_root: None,
             checkpoint_prefixes: Vec::new(),

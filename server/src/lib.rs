@@ -510,6 +510,11 @@ pub async fn serve_with(
             }
         })
     };
+    // One set of shared-memory rings for every listener.
+    let rings = service::shm::Rings::open(
+        state.config.shm_dir.clone(),
+        state.config.read_ahead_bytes() / 2,
+    );
     let router = || {
         tonic::transport::Server::builder()
             .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
@@ -521,6 +526,7 @@ pub async fn serve_with(
                 service.clone(),
                 state.clone(),
                 max_message,
+                rings.clone(),
             ))
     };
     // TLS is accepted here rather than by tonic so that each handshake
@@ -577,6 +583,9 @@ pub async fn serve_with(
     // No beat after the session's files are gone.
     drop(tending);
     state.shutdown().await;
+    if let Some(rings) = &rings {
+        rings.budget.remove_linked();
+    }
     info!("flightdeck stopped");
     Ok(())
 }

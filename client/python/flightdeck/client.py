@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from . import _shm as shm
 from . import _wire as wire
 from .errors import FlightDeckError, InvalidArgument, translate
 
@@ -360,6 +361,14 @@ class Client:
         _CONNECTED_PIDS.add(self._pid)
         pairs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._options = flight.FlightCallOptions(timeout=timeout, headers=pairs)
+        # Reads ask for the server's shared memory where it is on this
+        # machine (`FLIGHTDECK_SHM=0`: never); dropped after a ring this
+        # process cannot map.
+        self._shm_options = (
+            flight.FlightCallOptions(timeout=timeout, headers=[*pairs, (shm.REQUEST_HEADER, b"1")])
+            if _on_this_machine(self.uri) and os.environ.get("FLIGHTDECK_SHM", "1") != "0"
+            else None
+        )
         self._timeout, self._headers = timeout, headers
         # Connections to other members, for shards they serve.
         self._members: dict[str, Client] = {}
@@ -814,11 +823,26 @@ class Client:
             self._advertised = normalize_uri(self.location)
         return named == self._advertised
 
-    def _do_get(self, shard: Shard) -> flight.FlightStreamReader:
+    def _do_get(self, shard: Shard) -> flight.FlightStreamReader | shm.RingReader:
+        """The shard's stream; from a server on this machine, its record
+        batches through shared memory where the server offers it (the same
+        batches: see `_shm`), else over the connection."""
         member = self._serving(shard)
-        return translate(
-            lambda: member._flight.do_get(flight.Ticket(shard.ticket), options=member._options)
-        )
+        ticket = flight.Ticket(shard.ticket)
+        options = member._shm_options
+        if options is not None:
+            ring = shm.RingReader(
+                translate(lambda: member._flight.do_get(ticket, options=options))
+            )
+            try:
+                translate(ring.start)
+                return ring
+            except shm.CannotAttach:
+                # Not this machine's shared memory after all (another
+                # container's, another user's): over the connection from now on.
+                member._shm_options = None
+                ring.cancel()
+        return translate(lambda: member._flight.do_get(ticket, options=member._options))
 
     def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
         """Streams a shard's record batches in order (`ShardedDataset` reads
@@ -990,6 +1014,20 @@ class Prefetched:
             self._changed.notify_all()
         self._thread.join()
         self._ready.clear()
+
+
+def _on_this_machine(uri: str) -> bool:
+    """Whether the server `uri` names (normalized) is on this machine: its
+    Unix socket, or a loopback address."""
+    if uri.startswith("grpc+unix://"):
+        return True
+    host = uri.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def connect(

@@ -7,10 +7,12 @@
 //! Through the generated service the same batch would be copied twice more:
 //! into the IPC body, then into the protobuf encoder's buffer.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use arrow_flight::Ticket;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -23,7 +25,9 @@ use tonic::codegen::Service;
 use tonic::server::NamedService;
 
 use super::get;
+use super::ipc::IpcMessage;
 use super::outbox;
+use super::shm;
 use super::sql::PutKind;
 use crate::auth;
 use crate::metrics::CallGuard;
@@ -79,16 +83,21 @@ pub struct Edge<S> {
     inner: S,
     state: Arc<State>,
     max_message: usize,
+    /// Where local readers' rings are made, and the budget they share
+    /// (`None`: no shared memory; see `shm`).
+    shm: Option<shm::Rings>,
 }
 
 impl<S> Edge<S> {
     /// `inner` behind this edge; `DoGet` messages above `max_message` bytes
-    /// are refused like the generated service refuses them.
-    pub fn new(inner: S, state: Arc<State>, max_message: usize) -> Self {
+    /// are refused like the generated service refuses them. Local readers
+    /// may read through shared memory, in `shm`'s rings.
+    pub fn new(inner: S, state: Arc<State>, max_message: usize, shm: Option<shm::Rings>) -> Self {
         Self {
             inner,
             state,
             max_message,
+            shm,
         }
     }
 }
@@ -211,6 +220,12 @@ where
         let state = self.state.clone();
         let max_message = self.max_message;
         let inner = self.inner.clone();
+        let shm = match &self.shm {
+            Some(shm) if req.headers().contains_key(shm::REQUEST_HEADER) && is_local(&req) => {
+                Some(shm.clone())
+            }
+            _ => None,
+        };
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
             let (ticket, raw) = match read_ticket(body).await {
@@ -232,11 +247,13 @@ where
             Ok(advertise(match body.await {
                 Ok((messages, info)) => {
                     guard.reading(&info.dataset, info.rank, info.for_peer, info.tally);
+                    let idle = state.config.stream_idle_timeout;
                     let body = ShardBody {
                         messages,
                         max_message,
                         done: false,
                         guard: Some(guard),
+                        shm: shm.and_then(|rings| ShmSend::open(&rings.dir, &rings.budget, idle)),
                     };
                     let mut response = http::Response::new(Body::new(body));
                     response.headers_mut().insert(
@@ -275,6 +292,12 @@ fn method_label(path: &str) -> &'static str {
         .and_then(|m| FLIGHT_METHODS.iter().find(|&&k| k == m))
         .copied()
         .unwrap_or("other")
+}
+
+/// Whether the caller is on this machine: over loopback, or the Unix
+/// socket (the one transport without a peer address).
+fn is_local<B>(req: &http::Request<B>) -> bool {
+    remote_addr(req).is_none_or(|a| a.ip().is_loopback() || a.ip().to_canonical().is_loopback())
 }
 
 /// The caller's address, over TCP or TLS.
@@ -480,6 +503,153 @@ struct ShardBody {
     done: bool,
     /// The call, ended with the status the trailers carry.
     guard: Option<CallGuard>,
+    /// Record batches go through this shared-memory ring (`None`: all
+    /// through the socket).
+    shm: Option<Box<ShmSend>>,
+}
+
+/// A stream whose record batches go through a shared-memory ring (see
+/// `shm`); every other message, a small batch and a batch larger than the
+/// ring go through the socket in their places in the stream.
+struct ShmSend {
+    ring: shm::Ring,
+    /// Pieces to send before taking the next message.
+    pieces: VecDeque<Bytes>,
+    /// Messages taken from the outbox, not yet written or framed.
+    waiting: VecDeque<IpcMessage>,
+    /// When the ring was announced (`None`: not yet).
+    announced: Option<Instant>,
+    /// The reader mapped the ring.
+    attached: bool,
+    /// A dictionary went through the socket: the batches that use it
+    /// follow it there (a reader decodes them with the dictionaries its
+    /// stream reader holds).
+    socket_only: bool,
+    /// How long the reader may take to map the ring.
+    attach_within: Duration,
+    /// Wakes the body to look at the ring again while the reader has yet to
+    /// make room in it.
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl ShmSend {
+    /// How often a full ring is looked at again.
+    const POLL: Duration = Duration::from_millis(1);
+
+    /// A ring in `dir` for one stream, or `None` (the stream goes through
+    /// the socket) where none can be made.
+    fn open(
+        dir: &std::path::Path,
+        budget: &Arc<shm::Budget>,
+        attach_within: Duration,
+    ) -> Option<Box<Self>> {
+        match shm::Ring::create(dir, budget) {
+            Ok(ring) => Some(Box::new(Self {
+                ring,
+                pieces: VecDeque::new(),
+                waiting: VecDeque::new(),
+                announced: None,
+                attached: false,
+                socket_only: false,
+                attach_within,
+                timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            })),
+            Err(e) => {
+                tracing::debug!(dir = %dir.display(), error = %e, "a local reader's stream goes through the socket: no shared-memory ring");
+                None
+            }
+        }
+    }
+
+    /// The next piece of the stream, as `outbox::Receiver::poll_piece`
+    /// gives it.
+    fn poll_piece(
+        &mut self,
+        messages: &mut outbox::Receiver,
+        cx: &mut Context<'_>,
+        max_message: usize,
+    ) -> Poll<Option<crate::error::Result<Bytes>>> {
+        loop {
+            if let Some(piece) = self.pieces.pop_front() {
+                return Poll::Ready(Some(Ok(piece)));
+            }
+            if let Some(m) = self.waiting.front() {
+                let small = (m.body_len as u64) < shm::SMALL_BATCH;
+                if self.socket_only || small || !m.is_record_batch() || !m.app_metadata.is_empty() {
+                    let schema = m.is_schema();
+                    self.socket_only = self.socket_only || !(schema || m.is_record_batch());
+                    let framed = m.to_grpc_frame(max_message);
+                    self.waiting.pop_front();
+                    self.pieces.extend(framed?);
+                    if schema && self.announced.is_none() {
+                        self.announce();
+                    }
+                    continue;
+                }
+                self.attached = self.attached || self.ring.attached();
+                let written = if self.attached {
+                    self.ring.try_write(m)
+                } else {
+                    shm::Written::NotYet
+                };
+                match written {
+                    shm::Written::At(descriptor) => {
+                        self.waiting.pop_front();
+                        self.pieces
+                            .push_back(IpcMessage::metadata_frame(&descriptor));
+                        continue;
+                    }
+                    shm::Written::Never => {
+                        let framed = m.to_grpc_frame(max_message);
+                        self.waiting.pop_front();
+                        self.pieces.extend(framed?);
+                        continue;
+                    }
+                    shm::Written::NotYet if messages.purged() => {
+                        // The reader stalled past the idle timeout: take
+                        // the outbox's error below.
+                        self.waiting.clear();
+                    }
+                    shm::Written::NotYet => {
+                        if !self.attached
+                            && self
+                                .announced
+                                .is_some_and(|t| t.elapsed() > self.attach_within)
+                        {
+                            return Poll::Ready(Some(Err(crate::error::Error::Aborted(format!(
+                                "the reader did not map its shared-memory ring within {:?}; read \
+                                 again without the {} header to read over the socket",
+                                self.attach_within,
+                                shm::REQUEST_HEADER
+                            )))));
+                        }
+                        self.timer
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + Self::POLL);
+                        if self.timer.as_mut().poll(cx).is_pending() {
+                            return Poll::Pending;
+                        }
+                        continue;
+                    }
+                }
+            }
+            match messages.poll_recv(cx) {
+                Poll::Ready(Some(Ok(taken))) => self.waiting.extend(taken),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    /// Queues the ring's announcement (after the schema).
+    fn announce(&mut self) {
+        self.announced = Some(Instant::now());
+        if let Some(path) = self.ring.path() {
+            let announce = shm::announce(path, self.ring.mapped());
+            self.pieces.push_back(IpcMessage::metadata_frame(&announce));
+        }
+    }
 }
 
 impl ShardBody {
@@ -509,10 +679,13 @@ impl HttpBody for ShardBody {
             return Poll::Ready(None);
         }
         let max_message = this.max_message;
-        let status = match this
-            .messages
-            .poll_piece(cx, |m| m.to_grpc_frame(max_message))
-        {
+        let polled = match &mut this.shm {
+            Some(shm) => shm.poll_piece(&mut this.messages, cx, max_message),
+            None => this
+                .messages
+                .poll_piece(cx, |m| m.to_grpc_frame(max_message)),
+        };
+        let status = match polled {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Some(Ok(piece))) => {
                 if let Some(guard) = &mut this.guard {

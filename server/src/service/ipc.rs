@@ -63,6 +63,31 @@ impl IpcMessage {
         }
     }
 
+    /// Whether the message is a record batch (not the schema or a
+    /// dictionary).
+    pub fn is_record_batch(&self) -> bool {
+        root_as_message(&self.header).map(|h| h.header_type()) == Ok(MessageHeader::RecordBatch)
+    }
+
+    /// Whether the message is the schema.
+    pub fn is_schema(&self) -> bool {
+        root_as_message(&self.header).map(|h| h.header_type()) == Ok(MessageHeader::Schema)
+    }
+
+    /// A gRPC message holding a `FlightData` with `app_metadata` alone (no
+    /// header, no body): what Flight calls a metadata-only message.
+    pub fn metadata_frame(app_metadata: &[u8]) -> Bytes {
+        let meta = app_metadata.len();
+        let len = 1 + varint_len(meta) + meta;
+        let mut out = BytesMut::with_capacity(5 + len);
+        out.put_u8(0); // not compressed
+        out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
+        out.put_u8(METADATA_TAG);
+        put_varint(&mut out, meta);
+        out.extend_from_slice(app_metadata);
+        out.freeze()
+    }
+
     /// Bytes of the encoded `app_metadata` field (none when empty).
     fn metadata_field_len(&self) -> usize {
         match self.app_metadata.len() {

@@ -4,7 +4,8 @@
 //! Nothing below this module imports it. Each verb lives in one file:
 //! `put` (DoPut), `get` (GetFlightInfo, GetSchema, DoGet, ListFlights),
 //! `actions` (DoAction, ListActions); `edge` answers `DoGet` on the wire
-//! with bodies `ipc` encodes without copying.
+//! with bodies `ipc` encodes without copying, and `shm` hands a local
+//! reader's batches over in shared memory.
 
 mod actions;
 mod edge;
@@ -12,6 +13,7 @@ mod get;
 mod ipc;
 pub mod outbox;
 mod put;
+pub mod shm;
 pub mod sql;
 
 pub use edge::{Edge, parse_ticket_request};

@@ -418,6 +418,12 @@ impl Receiver {
         Poll::Pending
     }
 
+    /// Whether the sender purged the outbox (its error is queued): a
+    /// receiver holding batches of its own drops them and takes the error.
+    pub fn purged(&self) -> bool {
+        self.0.lock().purged
+    }
+
     /// The next item, waiting for it.
     pub async fn recv(&mut self) -> Option<Item> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await

@@ -1,0 +1,155 @@
+"""Record batches through the server's shared memory, for a reader on the
+server's own machine.
+
+A `DoGet` that carries the `x-flightdeck-shm` header may be answered as
+usual except that the server writes each record batch into a ring in a
+shared-memory file and the stream carries, in its place, a small message
+saying where it lies (the server's `service/shm.rs` describes the
+protocol). :class:`RingReader` reads such a stream like a
+`pyarrow.flight.FlightStreamReader`: it maps the ring when the server
+announces it, copies each batch out (so that the ring can be used again
+however long the batch is kept) and tells the server how far it has read.
+A stream the server answers without a ring (a server without shared
+memory, or none to spare) is read as it comes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+#: The request header that asks for shared memory.
+REQUEST_HEADER = b"x-flightdeck-shm"
+_ANNOUNCE = b"FDSHM:A1"
+_BATCH = b"FDSHM:B1"
+_MAGIC = b"FDSHM\x001\x00"
+# The header words the reader writes: attached, and consumed up to.
+_ATTACHED, _CONSUMED = 1, 2
+
+
+class CannotAttach(Exception):
+    """The ring the server announced could not be mapped here (another
+    machine's or another user's file): read over the socket instead."""
+
+
+class Chunk(NamedTuple):
+    """A message of the stream, as `FlightStreamReader.read_chunk` gives it."""
+
+    data: pa.RecordBatch | None
+    app_metadata: Any
+
+
+class RingReader:
+    """A `DoGet` stream read through the server's shared-memory ring when it
+    offers one: `read_chunk`, `read_all`, `cancel` and `schema` as
+    `pyarrow.flight.FlightStreamReader` has them. :meth:`start` reads up to
+    the ring's announcement, and raises :class:`CannotAttach` when the ring
+    cannot be mapped here."""
+
+    def __init__(self, reader: flight.FlightStreamReader) -> None:
+        self._reader = reader
+        self._map: mmap.mmap | None = None
+        self._words: np.ndarray | None = None
+        # A message read by `start` that was not the announcement.
+        self._first: Chunk | None = None
+        self._ended = False
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._reader.schema
+
+    @property
+    def attached(self) -> bool:
+        """Whether batches come through shared memory."""
+        return self._map is not None
+
+    def start(self) -> None:
+        """Reads the stream's first message: the ring's announcement (then
+        maps the ring), or the first message of a stream without one."""
+        try:
+            chunk = self._reader.read_chunk()
+        except StopIteration:
+            self._ended = True
+            return
+        meta = chunk.app_metadata
+        if chunk.data is None and meta is not None and meta.size >= 24:
+            raw = meta.to_pybytes()
+            if raw[:8] == _ANNOUNCE:
+                self._attach(raw)
+                return
+        self._first = Chunk(chunk.data, chunk.app_metadata)
+
+    def _attach(self, raw: bytes) -> None:
+        cap, offset = struct.unpack_from("<QQ", raw, 8)
+        path = raw[24:].decode()
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mapped = mmap.mmap(fd, offset + cap, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as e:
+            raise CannotAttach(f"cannot map the server's shared-memory ring {path}: {e}") from e
+        if mapped[:8] != _MAGIC:
+            mapped.close()
+            raise CannotAttach(f"{path} is not a flightdeck shared-memory ring")
+        self._map = mapped
+        self._words = np.frombuffer(mapped, dtype=np.uint64, count=3)
+        self._words[_ATTACHED] = 1
+
+    def _take(self, raw: bytes) -> pa.RecordBatch:
+        """The batch a descriptor names, copied out of the ring."""
+        offset, length, end = struct.unpack_from("<QQQ", raw, 8)
+        if self._map is None or self._words is None:
+            raise flight.FlightServerError(
+                "the server sent a shared-memory batch before announcing its ring"
+            )
+        out = pa.allocate_buffer(length)
+        np.copyto(
+            np.frombuffer(out, dtype=np.uint8),
+            np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset),
+        )
+        # The copy is done: the server may write there again.
+        self._words[_CONSUMED] = end
+        return pa.ipc.read_record_batch(pa.ipc.read_message(out), self.schema)
+
+    def read_chunk(self) -> Chunk:
+        """The next message (`StopIteration` at the end)."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        if self._ended:
+            raise StopIteration
+        while True:
+            chunk = self._reader.read_chunk()
+            meta = chunk.app_metadata
+            if chunk.data is not None or meta is None or meta.size < 8:
+                return Chunk(chunk.data, meta)
+            raw = meta.to_pybytes()
+            if raw[:8] == _BATCH:
+                return Chunk(self._take(raw), None)
+            if raw[:8] == _ANNOUNCE:
+                self._attach(raw)
+                continue
+            return Chunk(None, meta)
+
+    def read_all(self) -> pa.Table:
+        """The rest of the stream as one table."""
+        batches = []
+        while True:
+            try:
+                chunk = self.read_chunk()
+            except StopIteration:
+                return pa.Table.from_batches(batches, schema=self.schema)
+            if chunk.data is not None:
+                batches.append(chunk.data)
+
+    def cancel(self) -> None:
+        """Cancels the call (the server stops sending)."""
+        self._reader.cancel()
