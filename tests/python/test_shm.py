@@ -30,6 +30,15 @@ def rings_of(server: RunningServer) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
 
 
+def written(server: RunningServer, name: str, rows: int) -> flightdeck.Client:
+    """A client of `server`, with `rows` rows of the mixed table sealed as
+    dataset `name`."""
+    client = flightdeck.connect(server.uri)
+    client.put_partition(name, 0, mixed_table(range(rows)))
+    client.seal(name, partitions=1)
+    return client
+
+
 def read(uri: str, shm: bool, dataset: str, **plan) -> tuple[list[pa.Table], list[bool]]:
     """Every rank's stream of `plan`, each read whole, and whether each
     came through shared memory."""
@@ -108,9 +117,7 @@ def test_dictionary_columns_follow_their_dictionaries_over_the_socket(flightdeck
 
 
 def test_sharded_datasets_read_ahead_and_resume_through_shared_memory(flightdeck_server):
-    client = flightdeck.connect(flightdeck_server.uri)
-    client.put_partition("r", 0, mixed_table(range(20_000)))
-    client.seal("r", partitions=1)
+    written(flightdeck_server, "r", 20_000)
     ds = ShardedDataset(flightdeck_server.uri, "r", rank=0, world_size=2, batch_rows=100, seed=9)
     whole = [i for b in ds for i in b.column("id").to_pylist()]
     it = iter(ds)
@@ -125,9 +132,7 @@ def test_sharded_datasets_read_ahead_and_resume_through_shared_memory(flightdeck
 
 
 def test_a_reader_that_cannot_map_the_ring_reads_over_the_socket(flightdeck_server, monkeypatch):
-    client = flightdeck.connect(flightdeck_server.uri)
-    client.put_partition("f", 0, mixed_table(range(5000)))
-    client.seal("f", partitions=1)
+    client = written(flightdeck_server, "f", 5000)
     expected, _ = read(flightdeck_server.uri, False, "f", world_size=1)
 
     def refuse(path, flags, *args):
@@ -145,10 +150,7 @@ def test_a_reader_that_cannot_map_the_ring_reads_over_the_socket(flightdeck_serv
 def test_a_reader_that_never_maps_the_ring_is_ended_and_leaves_nothing():
     server = RunningServer("--memory-limit", "256MiB", "--stream-idle-timeout", "1s")
     try:
-        client = flightdeck.connect(server.uri)
-        client.put_partition("n", 0, mixed_table(range(5000)))
-        client.seal("n", partitions=1)
-        shard = client.plan("n").shards[0]
+        shard = written(server, "n", 5000).plan("n").shards[0]
         raw = flight.FlightClient(server.uri)
         options = flight.FlightCallOptions(headers=[(_shm.REQUEST_HEADER, b"1")])
         reader = raw.do_get(flight.Ticket(shard.ticket), options=options)
@@ -168,9 +170,7 @@ def test_a_reader_that_never_maps_the_ring_is_ended_and_leaves_nothing():
 def test_a_server_without_shared_memory_answers_over_the_socket():
     server = RunningServer("--memory-limit", "256MiB", "--shm-dir", "none")
     try:
-        client = flightdeck.connect(server.uri)
-        client.put_partition("o", 0, mixed_table(range(3000)))
-        client.seal("o", partitions=1)
+        client = written(server, "o", 3000)
         reader = client._do_get(client.plan("o").shards[0])
         assert isinstance(reader, _shm.RingReader) and not reader.attached
         assert reader.read_all().equals(client.read_table(client.plan("o").shards[0]))

@@ -297,7 +297,7 @@ fn method_label(path: &str) -> &'static str {
 /// Whether the caller is on this machine: over loopback, or the Unix
 /// socket (the one transport without a peer address).
 fn is_local<B>(req: &http::Request<B>) -> bool {
-    remote_addr(req).is_none_or(|a| a.ip().is_loopback() || a.ip().to_canonical().is_loopback())
+    remote_addr(req).is_none_or(|a| a.ip().to_canonical().is_loopback())
 }
 
 /// The caller's address, over TCP or TLS.
