@@ -126,18 +126,20 @@ class RingReader:
             return first
         if self._ended:
             raise StopIteration
-        while True:
-            chunk = self._reader.read_chunk()
-            meta = chunk.app_metadata
-            if chunk.data is not None or meta is None or meta.size < 8:
-                return Chunk(chunk.data, meta)
-            raw = meta.to_pybytes()
-            if raw[:8] == _BATCH:
-                return Chunk(self._take(raw), None)
-            if raw[:8] == _ANNOUNCE:
-                self._attach(raw)
-                continue
-            return Chunk(None, meta)
+        chunk = self._reader.read_chunk()
+        meta = chunk.app_metadata
+        if chunk.data is not None or meta is None or meta.size < 8:
+            return Chunk(chunk.data, meta)
+        raw = meta.to_pybytes()
+        if raw[:8] == _BATCH:
+            return Chunk(self._take(raw), None)
+        if raw[:8] == _ANNOUNCE:
+            # The server announces its ring right after the schema (read
+            # by `start`), never later.
+            raise flight.FlightServerError(
+                "the server announced a shared-memory ring in the middle of the stream"
+            )
+        return Chunk(None, meta)
 
     def read_all(self) -> pa.Table:
         """The rest of the stream as one table."""

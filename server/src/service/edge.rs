@@ -7,13 +7,13 @@
 //! Through the generated service the same batch would be copied twice more:
 //! into the IPC body, then into the protobuf encoder's buffer.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use arrow::ipc::MessageHeader;
 use arrow_flight::Ticket;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
@@ -510,17 +510,13 @@ struct ShardBody {
 
 /// A stream whose record batches go through a shared-memory ring (see
 /// `shm`); every other message, a small batch and a batch larger than the
-/// ring go through the socket in their places in the stream.
+/// ring go through the socket in their places in the stream. It frames the
+/// outbox's messages (`outbox::Receiver::poll_piece`): a record batch as
+/// the descriptor of where the ring holds it.
 struct ShmSend {
     ring: shm::Ring,
-    /// Pieces to send before taking the next message.
-    pieces: VecDeque<Bytes>,
-    /// Messages taken from the outbox, not yet written or framed.
-    waiting: VecDeque<IpcMessage>,
     /// When the ring was announced (`None`: not yet).
     announced: Option<Instant>,
-    /// The reader mapped the ring.
-    attached: bool,
     /// A dictionary went through the socket: the batches that use it
     /// follow it there (a reader decodes them with the dictionaries its
     /// stream reader holds).
@@ -546,10 +542,7 @@ impl ShmSend {
         match shm::Ring::create(dir, budget) {
             Ok(ring) => Some(Box::new(Self {
                 ring,
-                pieces: VecDeque::new(),
-                waiting: VecDeque::new(),
                 announced: None,
-                attached: false,
                 socket_only: false,
                 attach_within,
                 timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
@@ -561,93 +554,67 @@ impl ShmSend {
         }
     }
 
-    /// The next piece of the stream, as `outbox::Receiver::poll_piece`
-    /// gives it.
-    fn poll_piece(
+    /// The pieces that send `m`: through the socket, or written into the
+    /// ring and described; `Pending` (the timer set) while the ring has no
+    /// room for it or the reader has yet to map it.
+    fn frame(
         &mut self,
-        messages: &mut outbox::Receiver,
+        m: &IpcMessage,
         cx: &mut Context<'_>,
         max_message: usize,
-    ) -> Poll<Option<crate::error::Result<Bytes>>> {
-        loop {
-            if let Some(piece) = self.pieces.pop_front() {
-                return Poll::Ready(Some(Ok(piece)));
-            }
-            if let Some(m) = self.waiting.front() {
-                let small = (m.body_len as u64) < shm::SMALL_BATCH;
-                if self.socket_only || small || !m.is_record_batch() || !m.app_metadata.is_empty() {
-                    let schema = m.is_schema();
-                    self.socket_only = self.socket_only || !(schema || m.is_record_batch());
-                    let framed = m.to_grpc_frame(max_message);
-                    self.waiting.pop_front();
-                    self.pieces.extend(framed?);
-                    if schema && self.announced.is_none() {
-                        self.announce();
-                    }
-                    continue;
-                }
-                self.attached = self.attached || self.ring.attached();
-                let written = if self.attached {
-                    self.ring.try_write(m)
-                } else {
-                    shm::Written::NotYet
-                };
-                match written {
-                    shm::Written::At(descriptor) => {
-                        self.waiting.pop_front();
-                        self.pieces
-                            .push_back(IpcMessage::metadata_frame(&descriptor));
-                        continue;
-                    }
-                    shm::Written::Never => {
-                        let framed = m.to_grpc_frame(max_message);
-                        self.waiting.pop_front();
-                        self.pieces.extend(framed?);
-                        continue;
-                    }
-                    shm::Written::NotYet if messages.purged() => {
-                        // The reader stalled past the idle timeout: take
-                        // the outbox's error below.
-                        self.waiting.clear();
-                    }
-                    shm::Written::NotYet => {
-                        if !self.attached
-                            && self
-                                .announced
-                                .is_some_and(|t| t.elapsed() > self.attach_within)
-                        {
-                            return Poll::Ready(Some(Err(crate::error::Error::Aborted(format!(
-                                "the reader did not map its shared-memory ring within {:?}; read \
-                                 again without the {} header to read over the socket",
-                                self.attach_within,
-                                shm::REQUEST_HEADER
-                            )))));
-                        }
-                        self.timer
-                            .as_mut()
-                            .reset(tokio::time::Instant::now() + Self::POLL);
-                        if self.timer.as_mut().poll(cx).is_pending() {
-                            return Poll::Pending;
-                        }
-                        continue;
-                    }
+    ) -> Poll<crate::error::Result<Vec<Bytes>>> {
+        let kind = m.kind();
+        let batch = kind == Some(MessageHeader::RecordBatch);
+        let small = (m.body_len as u64) < shm::SMALL_BATCH;
+        if self.socket_only || small || !batch || !m.app_metadata.is_empty() {
+            let schema = kind == Some(MessageHeader::Schema);
+            self.socket_only = self.socket_only || !(schema || batch);
+            let mut pieces = m.to_grpc_frame(max_message)?;
+            if schema && self.announced.is_none() {
+                self.announced = Some(Instant::now());
+                if let Some(path) = self.ring.path() {
+                    let announce = shm::announce(path, self.ring.mapped());
+                    pieces.push(IpcMessage::metadata_frame(&announce));
                 }
             }
-            match messages.poll_recv(cx) {
-                Poll::Ready(Some(Ok(taken))) => self.waiting.extend(taken),
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => return Poll::Pending,
-            }
+            return Poll::Ready(Ok(pieces));
         }
-    }
-
-    /// Queues the ring's announcement (after the schema).
-    fn announce(&mut self) {
-        self.announced = Some(Instant::now());
-        if let Some(path) = self.ring.path() {
-            let announce = shm::announce(path, self.ring.mapped());
-            self.pieces.push_back(IpcMessage::metadata_frame(&announce));
+        let attached = self.ring.attached();
+        let written = match attached {
+            true => self.ring.try_write(m),
+            false => shm::Written::NotYet,
+        };
+        match written {
+            shm::Written::At(descriptor) => {
+                Poll::Ready(Ok(vec![IpcMessage::metadata_frame(&descriptor)]))
+            }
+            shm::Written::Never => Poll::Ready(m.to_grpc_frame(max_message)),
+            shm::Written::NotYet
+                if !attached
+                    && self
+                        .announced
+                        .is_some_and(|t| t.elapsed() > self.attach_within) =>
+            {
+                Poll::Ready(Err(crate::error::Error::Aborted(format!(
+                    "the reader did not map its shared-memory ring within {:?}; read again \
+                     without the {} header to read over the socket",
+                    self.attach_within,
+                    shm::REQUEST_HEADER
+                ))))
+            }
+            shm::Written::NotYet => {
+                self.timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + Self::POLL);
+                match self.timer.as_mut().poll(cx) {
+                    // Already due: look again at once.
+                    Poll::Ready(()) => {
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 }
@@ -680,10 +647,12 @@ impl HttpBody for ShardBody {
         }
         let max_message = this.max_message;
         let polled = match &mut this.shm {
-            Some(shm) => shm.poll_piece(&mut this.messages, cx, max_message),
+            Some(shm) => this
+                .messages
+                .poll_piece(cx, |m, cx| shm.frame(m, cx, max_message)),
             None => this
                 .messages
-                .poll_piece(cx, |m| m.to_grpc_frame(max_message)),
+                .poll_piece(cx, |m, _| Poll::Ready(m.to_grpc_frame(max_message))),
         };
         let status = match polled {
             Poll::Pending => return Poll::Pending,

@@ -63,15 +63,10 @@ impl IpcMessage {
         }
     }
 
-    /// Whether the message is a record batch (not the schema or a
-    /// dictionary).
-    pub fn is_record_batch(&self) -> bool {
-        root_as_message(&self.header).map(|h| h.header_type()) == Ok(MessageHeader::RecordBatch)
-    }
-
-    /// Whether the message is the schema.
-    pub fn is_schema(&self) -> bool {
-        root_as_message(&self.header).map(|h| h.header_type()) == Ok(MessageHeader::Schema)
+    /// What the message is (a schema, a dictionary, a record batch), from
+    /// its header; `None` where the header does not parse.
+    pub fn kind(&self) -> Option<MessageHeader> {
+        root_as_message(&self.header).ok().map(|h| h.header_type())
     }
 
     /// A gRPC message holding a `FlightData` with `app_metadata` alone (no

@@ -236,6 +236,9 @@ struct Inner {
     queue: VecDeque<Item>,
     /// Batches the queue holds at most (the error has a place of its own).
     capacity: usize,
+    /// Messages taken from the queue, not yet framed: the edge's framing
+    /// may have to wait (a full shared-memory ring).
+    unframed: VecDeque<IpcMessage>,
     /// The framed pieces of the message being sent (the edge's).
     current: VecDeque<Bytes>,
     /// No more items will come.
@@ -252,9 +255,27 @@ struct Inner {
     waker: Option<Waker>,
 }
 
+/// What [`Inner::take_all`] takes out.
+type Taken = (VecDeque<Item>, VecDeque<IpcMessage>, VecDeque<Bytes>);
+
 impl Inner {
     fn batches(&self) -> usize {
         self.queue.iter().filter(|i| i.is_ok()).count()
+    }
+
+    /// Whether something taken from the queue is still to be sent.
+    fn sending(&self) -> bool {
+        !self.unframed.is_empty() || !self.current.is_empty()
+    }
+
+    /// What is queued or being sent, taken out to be dropped outside the
+    /// lock (their charges released).
+    fn take_all(&mut self) -> Taken {
+        (
+            std::mem::take(&mut self.queue),
+            std::mem::take(&mut self.unframed),
+            std::mem::take(&mut self.current),
+        )
     }
 
     fn wake(&mut self) {
@@ -271,6 +292,7 @@ pub fn outbox(capacity: usize) -> (Sender, Receiver) {
         inner: Mutex::new(Inner {
             queue: VecDeque::new(),
             capacity: capacity.max(1),
+            unframed: VecDeque::new(),
             current: VecDeque::new(),
             closed: false,
             gone: false,
@@ -341,7 +363,7 @@ impl Sender {
         loop {
             let wait = {
                 let inner = self.0.lock();
-                let owed = inner.batches() > 0 || !inner.current.is_empty();
+                let owed = inner.batches() > 0 || inner.sending();
                 let since = inner.taken.elapsed();
                 match owed {
                     true if since >= idle => return,
@@ -359,7 +381,7 @@ impl Sender {
         if inner.closed || inner.gone {
             return;
         }
-        if inner.queue.is_empty() && inner.current.is_empty() {
+        if inner.queue.is_empty() && !inner.sending() {
             inner.taken = std::time::Instant::now();
         }
         inner.closed = item.is_err();
@@ -371,20 +393,19 @@ impl Sender {
     /// of the message being sent (a reader that stalled inside a message
     /// then sees the stream break there), then queues the error.
     pub fn purge(&self, error: Error) {
-        let (queue, current) = {
+        let purged = {
             let mut inner = self.0.lock();
-            let queue = std::mem::take(&mut inner.queue);
-            let current = std::mem::take(&mut inner.current);
+            let purged = inner.take_all();
             inner.purged = true;
             if !inner.closed && !inner.gone {
                 inner.queue.push_back(Err(error));
                 inner.closed = true;
             }
             inner.wake();
-            (queue, current)
+            purged
         };
         // Freed (and their charges released) outside the lock.
-        drop((queue, current));
+        drop(purged);
     }
 }
 
@@ -418,49 +439,59 @@ impl Receiver {
         Poll::Pending
     }
 
-    /// Whether the sender purged the outbox (its error is queued): a
-    /// receiver holding batches of its own drops them and takes the error.
-    pub fn purged(&self) -> bool {
-        self.0.lock().purged
-    }
-
     /// The next item, waiting for it.
     pub async fn recv(&mut self) -> Option<Item> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await
     }
 
-    /// The next piece of the message being sent, framing the next queued
-    /// batch with `frame` when the last one is done; an error item (or a
-    /// failed framing) is returned as is, and `None` is the stream's end.
+    /// The next piece of the message being sent, framing the next message
+    /// with `frame` when the last one is done. Framing may wait
+    /// (`Pending`, having arranged to be woken): the message stays first in
+    /// line, unless a purge drops it meanwhile. An error item (or a failed
+    /// framing) is returned as is, and `None` is the stream's end.
     pub fn poll_piece(
         &mut self,
         cx: &mut Context<'_>,
-        frame: impl Fn(&IpcMessage) -> Result<Vec<Bytes>>,
+        mut frame: impl FnMut(&IpcMessage, &mut Context<'_>) -> Poll<Result<Vec<Bytes>>>,
     ) -> Poll<Option<Result<Bytes>>> {
         loop {
-            {
+            let next = {
                 let mut inner = self.0.lock();
                 if let Some(piece) = inner.current.pop_front() {
                     inner.taken = std::time::Instant::now();
                     return Poll::Ready(Some(Ok(piece)));
                 }
-            }
-            let messages = match self.poll_recv(cx) {
-                Poll::Ready(Some(Ok(messages))) => messages,
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => return Poll::Pending,
+                inner.unframed.pop_front()
             };
-            let mut pieces = VecDeque::new();
-            for m in &messages {
-                match frame(m) {
-                    Ok(framed) => pieces.extend(framed),
-                    Err(e) => return Poll::Ready(Some(Err(e))),
+            let Some(m) = next else {
+                match self.poll_recv(cx) {
+                    Poll::Ready(Some(Ok(messages))) => {
+                        let mut inner = self.0.lock();
+                        if !inner.purged {
+                            inner.unframed.extend(messages);
+                        }
+                        continue;
+                    }
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                    Poll::Ready(None) => return Poll::Ready(None),
+                    Poll::Pending => return Poll::Pending,
                 }
-            }
+            };
+            // Framed outside the lock: it may copy the message.
+            let framed = frame(&m, cx);
             let mut inner = self.0.lock();
-            if !inner.purged {
-                inner.current = pieces;
+            if inner.purged {
+                // The purge's error is next; the message and its pieces are
+                // dropped after the lock (they were declared before it).
+                continue;
+            }
+            match framed {
+                Poll::Ready(Ok(pieces)) => inner.current.extend(pieces),
+                Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                Poll::Pending => {
+                    inner.unframed.push_front(m);
+                    return Poll::Pending;
+                }
             }
         }
     }
@@ -468,15 +499,12 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        let (queue, current) = {
+        let taken = {
             let mut inner = self.0.lock();
             inner.gone = true;
-            (
-                std::mem::take(&mut inner.queue),
-                std::mem::take(&mut inner.current),
-            )
+            inner.take_all()
         };
-        drop((queue, current));
+        drop(taken);
         self.0.room.notify_waiters();
     }
 }
@@ -561,10 +589,11 @@ mod tests {
         }
         assert_eq!(tx.has_room(), Some(true));
         // The body takes the first piece of the first message, then stalls.
-        let first = std::future::poll_fn(|cx| rx.poll_piece(cx, |m| Ok(m.body.clone())))
-            .await
-            .expect("a piece")
-            .expect("ok");
+        let first =
+            std::future::poll_fn(|cx| rx.poll_piece(cx, |m, _| Poll::Ready(Ok(m.body.clone()))))
+                .await
+                .expect("a piece")
+                .expect("ok");
         assert_eq!(pool.used(), 3000);
         tx.purge(Error::Aborted("stalled".into()));
         assert_eq!(pool.used(), 500, "only the piece already taken is held");
@@ -575,6 +604,43 @@ mod tests {
             other => panic!("expected the error, got {other:?}"),
         }
         assert!(rx.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_framing_that_waits_keeps_its_message_first_until_a_purge_drops_it() {
+        let pool = ReadAhead::new(10_000);
+        let a = Account::new(pool.clone());
+        let (tx, mut rx) = outbox(4);
+        for len in [1000, 2000] {
+            let mut batch = vec![message(len)];
+            a.try_charge(len as u64).expect("fits").attach(&mut batch);
+            tx.push(Ok(batch));
+        }
+        let room = std::cell::Cell::new(false);
+        let mut frame = |m: &IpcMessage, _: &mut Context<'_>| match room.get() {
+            true => Poll::Ready(Ok(vec![Bytes::from(m.body_len.to_string())])),
+            false => Poll::Pending,
+        };
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        for _ in 0..3 {
+            assert!(rx.poll_piece(&mut cx, &mut frame).is_pending());
+        }
+        room.set(true);
+        let first = rx.poll_piece(&mut cx, &mut frame);
+        assert!(
+            matches!(&first, Poll::Ready(Some(Ok(p))) if p == "1000"),
+            "the waiting message goes first: {first:?}"
+        );
+        room.set(false);
+        assert!(rx.poll_piece(&mut cx, &mut frame).is_pending());
+        assert_eq!(pool.used(), 2000, "the waiting message keeps its charge");
+        tx.purge(Error::Aborted("stalled".into()));
+        assert_eq!(pool.used(), 0, "a purge drops the waiting message too");
+        match rx.poll_piece(&mut cx, &mut frame) {
+            Poll::Ready(Some(Err(Error::Aborted(m)))) => assert_eq!(m, "stalled"),
+            other => panic!("expected the error, got {other:?}"),
+        }
     }
 
     #[tokio::test]

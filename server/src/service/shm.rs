@@ -425,9 +425,9 @@ impl Ring {
     }
 
     /// Whether the reader has mapped the file (then it is unlinked: both
-    /// mappings outlive the name).
+    /// mappings outlive the name, and an unlinked ring is an attached one).
     pub fn attached(&mut self) -> bool {
-        if self.word(ATTACHED_WORD).load(Ordering::Acquire) == 0 {
+        if self.path.is_some() && self.word(ATTACHED_WORD).load(Ordering::Acquire) == 0 {
             return false;
         }
         self.unlink();
@@ -483,7 +483,7 @@ impl Ring {
         put(&u32::MAX.to_le_bytes());
         put(&padded32.to_le_bytes());
         put(&m.header);
-        put(&vec![0u8; padded - m.header.len()]);
+        put(&[0u8; ALIGNMENT as usize][..padded - m.header.len()]);
         for piece in &m.body {
             put(piece);
         }
