@@ -35,6 +35,16 @@ RATIOS = [
     ("get none / pyarrow's get none", ("get/none", "flightdeck"), ("get/none", "pyarrow")),
     ("get global / pyarrow's get global", ("get/global", "flightdeck"), ("get/global", "pyarrow")),
     ("get none / loopback limit", ("get/none", "flightdeck"), ("limit/tcp", "limit")),
+    (
+        "get none through shared memory / over the connection",
+        ("get/none", "flightdeck-shm"),
+        ("get/none", "flightdeck"),
+    ),
+    (
+        "get global through shared memory / over the connection",
+        ("get/global", "flightdeck-shm"),
+        ("get/global", "flightdeck"),
+    ),
     ("get none / Unix socket limit", ("get/none", "flightdeck"), ("limit/unix", "limit")),
     ("put / pyarrow's put", ("put", "flightdeck"), ("put", "pyarrow")),
     ("e2e / the Parquet path's e2e", ("e2e", "flightdeck"), ("e2e", "parquet")),

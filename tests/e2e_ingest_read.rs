@@ -830,3 +830,118 @@ async fn a_unix_socket_serves_what_tcp_serves() {
     );
     server.stop().await;
 }
+
+/// A shard's `DoGet` asked for through shared memory, with the number of
+/// batches that came through the ring.
+async fn through_ring(client: &mut Client, ticket: bytes::Bytes) -> (Vec<RecordBatch>, usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    metadata.insert(
+        flightdeck_client::shm::REQUEST_HEADER,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    let messages = timed(
+        "do_get",
+        flightdeck_client::receive::do_get(
+            &client.channel(),
+            &metadata,
+            arrow_flight::Ticket::new(ticket),
+            64 << 20,
+        ),
+    )
+    .await
+    .expect("do_get");
+    let described = Arc::new(AtomicUsize::new(0));
+    let counted = described.clone();
+    let messages = messages
+        .inspect(move |m| {
+            if m.as_ref()
+                .is_ok_and(|m| m.data_header.is_empty() && m.app_metadata.starts_with(b"FDSHM:B1"))
+            {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .boxed();
+    let Ok(messages) = flightdeck_client::shm::through_ring(messages).await else {
+        panic!("the ring could not be read");
+    };
+    let batches: Vec<RecordBatch> = timed(
+        "batches",
+        arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+            messages.map_err(arrow_flight::error::FlightError::from),
+        )
+        .try_collect(),
+    )
+    .await
+    .expect("batches");
+    (batches, described.load(Ordering::Relaxed))
+}
+
+#[tokio::test]
+async fn shards_through_shared_memory_are_the_shards_over_the_socket() {
+    let server = TestServer::start().await;
+    let mut c = server.client().await;
+    let mut over_socket = server.client().await.with_shared_memory(false);
+    let parts = layout(&[9000, 0, 4100, 17]);
+    for (p, ids) in parts.iter().enumerate() {
+        put_rows(&mut c, "shm", p as u32, ids.clone()).await;
+    }
+    c.seal(SealDataset {
+        dataset: "shm".into(),
+        partitions: parts.len() as u32,
+        ..Default::default()
+    })
+    .await
+    .expect("seal");
+    for shuffle in [Shuffle::None, Shuffle::Global, Shuffle::Block] {
+        for world_size in [1, 3, 8] {
+            let plan = c
+                .plan(ReadPlan {
+                    dataset: "shm".into(),
+                    world_size,
+                    shuffle: shuffle.into(),
+                    seed: 11,
+                    batch_rows: 2048,
+                    ..Default::default()
+                })
+                .await
+                .expect("plan");
+            let mut ids = HashSet::new();
+            for shard in &plan.shards {
+                let socket: Vec<RecordBatch> = over_socket
+                    .read_shard(shard)
+                    .await
+                    .expect("read over the socket")
+                    .try_collect()
+                    .await
+                    .expect("batches");
+                let (ring, described) = through_ring(&mut c, shard.ticket.clone()).await;
+                let what = format!("{shuffle:?} W={world_size} rank {}", shard.rank);
+                assert_eq!(ring, socket, "{what}");
+                assert!(
+                    described > 0 && described + 1 >= socket.len(),
+                    "{what}: {described} of {} batches through the ring",
+                    socket.len()
+                );
+                let default: Vec<RecordBatch> = c
+                    .read_shard(shard)
+                    .await
+                    .expect("read")
+                    .try_collect()
+                    .await
+                    .expect("batches");
+                assert_eq!(default, socket, "{what}: the client's default way");
+                for b in &ring {
+                    ids.extend(check_batch(b, &|_| 0));
+                }
+            }
+            assert_eq!(
+                ids.len(),
+                13_117,
+                "{shuffle:?} W={world_size}: every row once"
+            );
+        }
+    }
+    server.stop().await;
+}

@@ -102,6 +102,11 @@ struct Args {
     /// beside loopback TCP. (Baselines stay on TCP.)
     #[arg(long)]
     unix: bool,
+    /// Also read each `get` phase through the server's shared memory (the
+    /// target `flightdeck-shm`), beside the reads over the connection that
+    /// the ratios and targets use.
+    #[arg(long)]
+    shm: bool,
     /// Python with pyarrow for the pyarrow baseline (default: .venv's, else python3).
     #[arg(long)]
     python: Option<PathBuf>,
@@ -153,7 +158,7 @@ async fn small_phase(run: &mut Run, uri: &str, reps: usize) -> Result<(), BoxErr
     phases::drop_dataset(uri, "small").await?;
     phases::put(uri, "small", &run.shape, &run.parts, run.args.writers).await?;
     let step = (run.shape.rows / SMALL_READS).max(1);
-    let mut client = Client::connect(uri).await?;
+    let mut client = Client::connect(uri).await?.with_shared_memory(false);
     for rep in 0..WARM_UP + reps {
         let first = if rep < WARM_UP { "/first" } else { "" };
         let start = std::time::Instant::now();
@@ -550,6 +555,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 run.args.ranks,
                 Shuffle::Global,
                 run.args.batch_rows,
+                false,
             )
             .await?;
             let sample = Sample {
@@ -599,11 +605,18 @@ async fn run(args: Args) -> Result<(), BoxError> {
         }
     }
     if do_get {
-        let mut targets = vec![("flightdeck", fd_uri.clone())];
-        if let Some(pa) = &pyarrow {
-            targets.push(("pyarrow", pa.uri.clone()));
+        // (target, where, through shared memory)
+        let mut targets = vec![("flightdeck", fd_uri.clone(), false)];
+        if run.args.shm {
+            targets.push(("flightdeck-shm", fd_uri.clone(), true));
         }
-        for (_, uri) in &targets {
+        if let Some(pa) = &pyarrow {
+            targets.push(("pyarrow", pa.uri.clone(), false));
+        }
+        for (_, uri, shm) in &targets {
+            if *shm {
+                continue;
+            }
             phases::drop_dataset(uri, "bench").await?;
             phases::put(uri, "bench", &run.shape, &run.parts, run.args.writers).await?;
         }
@@ -613,17 +626,25 @@ async fn run(args: Args) -> Result<(), BoxError> {
                     true => format!("get/{name}/first"),
                     false => format!("get/{name}"),
                 };
-                for (target, uri) in &targets {
-                    let (s, rows) =
-                        phases::get(uri, "bench", run.args.ranks, *mode, run.args.batch_rows)
-                            .await?;
+                for (target, uri, shm) in &targets {
+                    let (s, rows) = phases::get(
+                        uri,
+                        "bench",
+                        run.args.ranks,
+                        *mode,
+                        run.args.batch_rows,
+                        *shm,
+                    )
+                    .await?;
                     let bytes = rows * run.shape.row_bytes();
                     run.record(&phase, target, rows, bytes, s);
                 }
             }
         }
-        for (_, uri) in &targets {
-            phases::drop_dataset(uri, "bench").await?;
+        for (_, uri, shm) in &targets {
+            if !*shm {
+                phases::drop_dataset(uri, "bench").await?;
+            }
         }
     }
     if do_cluster {

@@ -153,15 +153,23 @@ pub fn node_plan(plan: ReadPlan, per_node: u32) -> ReadPlan {
 }
 
 /// Reads one epoch with `ranks` concurrent ranks, each on its own
-/// connection; returns the sample and the rows read.
+/// connection, through the server's shared memory where `shm` (else over
+/// the connection); returns the sample and the rows read.
 pub async fn get(
     uri: &str,
     dataset: &str,
     ranks: u32,
     shuffle: Shuffle,
     batch_rows: u32,
+    shm: bool,
 ) -> Result<(Sample, u64), BoxError> {
-    get_ranks(uri, read_plan(dataset, ranks, shuffle, batch_rows), None).await
+    read(
+        uri,
+        read_plan(dataset, ranks, shuffle, batch_rows),
+        None,
+        shm,
+    )
+    .await
 }
 
 /// Reads `plan` with ranks `only` (all when `None`) at once, each on its
@@ -171,13 +179,23 @@ pub async fn get_ranks(
     plan: ReadPlan,
     only: Option<std::ops::Range<u32>>,
 ) -> Result<(Sample, u64), BoxError> {
+    read(uri, plan, only, false).await
+}
+
+/// [`get_ranks`], through shared memory where `shm`.
+async fn read(
+    uri: &str,
+    plan: ReadPlan,
+    only: Option<std::ops::Range<u32>>,
+    shm: bool,
+) -> Result<(Sample, u64), BoxError> {
     let start = Instant::now();
     let plan = Client::connect(uri).await?.plan(plan).await?;
     let mut tasks = Vec::new();
     let wanted = |r: u32| only.as_ref().is_none_or(|o| o.contains(&r));
     for shard in plan.shards.into_iter().filter(|s| wanted(s.rank)) {
         let uri = shard.location.clone().unwrap_or_else(|| uri.to_string());
-        let mut client = Client::connect(&uri).await?;
+        let mut client = Client::connect(&uri).await?.with_shared_memory(shm);
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut rows = 0u64;

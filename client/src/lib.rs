@@ -34,6 +34,7 @@
 //! ```
 
 pub mod receive;
+pub mod shm;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -162,6 +163,25 @@ fn server_location_with(name: &str, local: Option<&str>) -> Result<String> {
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     let (host, port) = split_authority(authority).ok_or_else(bad)?;
     Ok(format!("{scheme}://{host}:{port}"))
+}
+
+/// Whether the server a location (as [`server_location`] gives it) names
+/// is on this machine: its Unix socket, `localhost` or a loopback address.
+fn on_this_machine(location: &str) -> bool {
+    if location.starts_with("grpc+unix://") {
+        return true;
+    }
+    let authority = location
+        .split_once("://")
+        .map_or(location, |(_, rest)| rest);
+    let host = authority
+        .rsplit_once(':')
+        .map_or(authority, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 /// A port number: digits only, 1 to 65535.
@@ -417,6 +437,9 @@ pub struct Client {
     /// The network location the server advertises, once asked (a client
     /// on its Unix socket compares shards' locations with it).
     advertised: Option<String>,
+    /// Whether shards are asked for through the server's shared memory
+    /// ([`Client::with_shared_memory`]).
+    shared_memory: bool,
 }
 
 impl Clone for Client {
@@ -427,6 +450,7 @@ impl Clone for Client {
             write_id: self.write_id.clone(),
             replace: self.replace,
             advertised: self.advertised.clone(),
+            shared_memory: self.shared_memory,
             ..Self::from_channel(self.channel.clone())
         };
         clone.share_headers(self);
@@ -497,6 +521,8 @@ impl Client {
             .connect()
             .await?;
         let client = Self {
+            shared_memory: on_this_machine(&location)
+                && std::env::var_os("FLIGHTDECK_SHM").is_none_or(|v| v != "0"),
             uri: Some(location),
             tls_roots: tls_root_certs.map(<[u8]>::to_vec),
             ..Self::from_channel(channel)
@@ -559,7 +585,21 @@ impl Client {
             write_id: String::new(),
             replace: false,
             advertised: None,
+            shared_memory: false,
         }
+    }
+
+    /// This client, reading shards through the server's shared memory
+    /// (`on`) or over the connection. A client connected to a server on
+    /// its own machine (a loopback address or its Unix socket) does by
+    /// default, unless `FLIGHTDECK_SHM=0`: each record batch is then copied
+    /// once into a ring the server shares and once out of it, instead of
+    /// through gRPC and the socket; the batches are the same. A server
+    /// that offers none, or whose ring cannot be mapped here, is read over
+    /// the connection.
+    pub fn with_shared_memory(mut self, on: bool) -> Self {
+        self.shared_memory = on;
+        self
     }
 
     /// The connection this client calls over, for other gRPC services the
@@ -936,6 +976,28 @@ impl Client {
     /// `DoGet` for `ticket`: its batches, each body received with one copy
     /// ([`receive`]).
     pub async fn do_get(&mut self, ticket: Ticket) -> Result<FlightRecordBatchStream> {
+        if self.shared_memory {
+            let mut metadata = self.inner.metadata().clone();
+            metadata.insert(
+                shm::REQUEST_HEADER,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+            let messages =
+                receive::do_get(&self.channel, &metadata, ticket.clone(), MAX_MESSAGE_BYTES)
+                    .await?;
+            match shm::through_ring(messages).await {
+                Ok(messages) => {
+                    return Ok(FlightRecordBatchStream::new_from_flight_data(
+                        messages.map_err(FlightError::from),
+                    ));
+                }
+                Err(shm::Attach::Failed(status)) => return Err(status.into()),
+                // Not this machine's shared memory after all (another
+                // container's, another user's): over the connection from
+                // now on. The call is cancelled as its stream is dropped.
+                Err(shm::Attach::Cannot(_)) => self.shared_memory = false,
+            }
+        }
         let messages = receive::do_get(
             &self.channel,
             self.inner.metadata(),
@@ -1059,6 +1121,27 @@ fn plan_from_info(info: FlightInfo) -> Result<Plan> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loopback_addresses_and_unix_sockets_are_this_machine() {
+        for here in [
+            "grpc://127.0.0.1:50051",
+            "grpc://127.0.0.3:7",
+            "grpc://localhost:50051",
+            "grpc+tls://[::1]:50051",
+            "grpc://[::ffff:127.0.0.1]:1",
+            "grpc+unix:///tmp/fd.sock",
+        ] {
+            assert!(on_this_machine(here), "{here}");
+        }
+        for there in [
+            "grpc://10.0.0.7:50051",
+            "grpc://node-2:50051",
+            "grpc://[2001:db8::1]:1",
+        ] {
+            assert!(!on_this_machine(there), "{there}");
+        }
+    }
 
     #[test]
     fn server_names_read_as_the_shared_table_says() {
