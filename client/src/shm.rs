@@ -16,7 +16,7 @@
 
 #![allow(unsafe_code)]
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,17 +27,41 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use tonic::Status;
 
-/// The request header that asks for shared memory.
+/// The request header that asks for shared memory (any value).
 pub const REQUEST_HEADER: &str = "x-flightdeck-shm";
-/// A ring's announcement begins with this.
-const ANNOUNCE_TAG: &[u8; 8] = b"FDSHM:A1";
-/// A batch's descriptor begins with this.
-const BATCH_TAG: &[u8; 8] = b"FDSHM:B1";
-/// The first word of a ring file.
-const MAGIC: &[u8; 8] = b"FDSHM\x001\x00";
-/// The header words the reader writes: attached, and consumed up to.
-const ATTACHED_WORD: usize = 1;
-const CONSUMED_WORD: usize = 2;
+/// `app_metadata` of the message announcing the ring.
+pub const ANNOUNCE_TAG: &[u8; 8] = b"FDSHM:A1";
+/// `app_metadata` prefix of a batch's descriptor.
+pub const BATCH_TAG: &[u8; 8] = b"FDSHM:B1";
+/// A ring file's first word, which the reader checks.
+pub const MAGIC: &[u8; 8] = b"FDSHM\x001\x00";
+/// The header's word the reader sets to 1 once it has mapped the file.
+pub const ATTACHED_WORD: usize = 1;
+/// The header's word the reader sets to the ring position it has consumed
+/// up to.
+pub const CONSUMED_WORD: usize = 2;
+
+/// Maps the first `len` bytes of `file` shared, for reading and writing
+/// (the server's side and the reader's map a ring alike).
+pub fn map_shared(file: &File, len: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: a fresh shared mapping of an open file, the kernel choosing
+    // the address; the result is checked. (Touching bytes past the file's
+    // end would fault: callers map no more than the file holds.)
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(map.cast())
+}
 
 /// Why a stream asked with [`REQUEST_HEADER`] could not be read through the
 /// ring.
@@ -150,25 +174,8 @@ impl Ring {
         if file.metadata().map_err(|e| cannot(&e))?.len() < len as u64 {
             return Err(cannot(&"the file is shorter than announced"));
         }
-        // SAFETY: a shared mapping of `len` bytes of a file at least that
-        // long, opened for reading and writing; the result is checked.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(cannot(&std::io::Error::last_os_error()));
-        }
-        let ring = Self {
-            map: map.cast(),
-            len,
-        };
+        let map = map_shared(&file, len).map_err(|e| cannot(&e))?;
+        let ring = Self { map, len };
         // SAFETY: the mapping is at least a page long.
         let magic = unsafe { std::slice::from_raw_parts(ring.map, MAGIC.len()) };
         if magic != MAGIC {

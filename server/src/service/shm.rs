@@ -52,8 +52,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use super::ipc::IpcMessage;
 
-/// The request header a reader asks for shared memory with (any value).
-pub const REQUEST_HEADER: &str = "x-flightdeck-shm";
+pub use flightdeck_client::shm::{ANNOUNCE_TAG, BATCH_TAG, REQUEST_HEADER};
+use flightdeck_client::shm::{ATTACHED_WORD, CONSUMED_WORD, map_shared};
 /// Most bytes of a ring's data part, after its header page.
 pub const RING_BYTES: u64 = 16 << 20;
 /// Fewest bytes of a ring's data part.
@@ -68,16 +68,7 @@ pub const DATA_OFFSET: u64 = 4096;
 /// Arrow buffers then as aligned as Arrow's own allocations).
 pub const ALIGNMENT: u64 = 64;
 /// The header's first word, which the reader checks.
-const MAGIC: u64 = u64::from_le_bytes(*b"FDSHM\x001\x00");
-/// The header's word the reader sets to 1 once it has mapped the file.
-const ATTACHED_WORD: usize = 1;
-/// The header's word the reader sets to the ring position it has consumed
-/// up to.
-const CONSUMED_WORD: usize = 2;
-/// `app_metadata` of the message announcing the ring.
-pub const ANNOUNCE_TAG: &[u8; 8] = b"FDSHM:A1";
-/// `app_metadata` prefix of a batch's descriptor.
-pub const BATCH_TAG: &[u8; 8] = b"FDSHM:B1";
+const MAGIC: u64 = u64::from_le_bytes(*flightdeck_client::shm::MAGIC);
 
 /// Where a message of `len` bytes goes when the ring's writer is at
 /// position `pos` (bytes written since the ring began, padding included):
@@ -362,7 +353,7 @@ impl Ring {
         let made = file
             .set_len(DATA_OFFSET + cap)
             .and_then(|()| reserve(&file, 0, DATA_OFFSET))
-            .and_then(|()| map(&file, map_len));
+            .and_then(|()| map_shared(&file, map_len));
         let map = match made {
             Ok(map) => map,
             Err(e) => {
@@ -549,27 +540,6 @@ fn reserve(file: &File, from: u64, len: u64) -> io::Result<()> {
         0 => Ok(()),
         rc => Err(io::Error::from_raw_os_error(rc)),
     }
-}
-
-/// Maps the first `len` bytes of `file` shared, read and write.
-fn map(file: &File, len: usize) -> io::Result<*mut u8> {
-    let fd = file.as_raw_fd();
-    // SAFETY: a fresh shared mapping of `len` bytes of an open file that
-    // is `len` bytes long; the kernel chooses the address.
-    let map = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            0,
-        )
-    };
-    if map == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(map.cast())
 }
 
 /// 64 bits no other process can predict: the kernel's random bytes, else
