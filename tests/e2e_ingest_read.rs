@@ -768,14 +768,7 @@ async fn a_unix_socket_serves_what_tcp_serves() {
         for shard in &plan.shards {
             let over_socket = raw_bytes(&mut local, shard.ticket.clone()).await;
             assert_eq!(over_socket, raw_bytes(&mut tcp, shard.ticket.clone()).await);
-            let batches: Vec<RecordBatch> = local
-                .read_shard(shard)
-                .await
-                .expect("read over the socket")
-                .try_collect()
-                .await
-                .expect("batches");
-            for b in &batches {
+            for b in &flightdeck_tests::read_shard(&mut local, shard).await {
                 ids.extend(check_batch(b, &|_| 0));
             }
         }
@@ -909,13 +902,7 @@ async fn shards_through_shared_memory_are_the_shards_over_the_socket() {
                 .expect("plan");
             let mut ids = HashSet::new();
             for shard in &plan.shards {
-                let socket: Vec<RecordBatch> = over_socket
-                    .read_shard(shard)
-                    .await
-                    .expect("read over the socket")
-                    .try_collect()
-                    .await
-                    .expect("batches");
+                let socket = flightdeck_tests::read_shard(&mut over_socket, shard).await;
                 let (ring, described) = through_ring(&mut c, shard.ticket.clone()).await;
                 let what = format!("{shuffle:?} W={world_size} rank {}", shard.rank);
                 assert_eq!(ring, socket, "{what}");
@@ -924,13 +911,7 @@ async fn shards_through_shared_memory_are_the_shards_over_the_socket() {
                     "{what}: {described} of {} batches through the ring",
                     socket.len()
                 );
-                let default: Vec<RecordBatch> = c
-                    .read_shard(shard)
-                    .await
-                    .expect("read")
-                    .try_collect()
-                    .await
-                    .expect("batches");
+                let default = flightdeck_tests::read_shard(&mut c, shard).await;
                 assert_eq!(default, socket, "{what}: the client's default way");
                 for b in &ring {
                     ids.extend(check_batch(b, &|_| 0));

@@ -74,13 +74,18 @@ pub async fn timed<T>(what: &str, f: impl Future<Output = T>) -> T {
 
 /// Every shard of `p`, each read from the member its endpoint names.
 pub async fn read_all(c: &mut Client, p: &flightdeck_client::Plan) -> Vec<Vec<RecordBatch>> {
-    use futures::TryStreamExt;
     let mut out = Vec::new();
     for shard in &p.shards {
-        let stream = timed("read", c.read_shard(shard)).await.expect("read");
-        out.push(timed("rows", stream.try_collect()).await.expect("rows"));
+        out.push(read_shard(c, shard).await);
     }
     out
+}
+
+/// One shard's batches, read from the member its endpoint names.
+pub async fn read_shard(c: &mut Client, shard: &flightdeck_client::Shard) -> Vec<RecordBatch> {
+    use futures::TryStreamExt;
+    let stream = timed("read", c.read_shard(shard)).await.expect("read");
+    timed("rows", stream.try_collect()).await.expect("rows")
 }
 
 /// The raw bytes of a `DoGet` stream (every message's IPC header and
