@@ -315,7 +315,7 @@ impl Deframer {
         let mut data = FlightData::decode(self.fields.as_slice())
             .map_err(|e| malformed(&format!("a message does not decode: {e}")))?;
         if let Some(body) = self.body.take() {
-            data.data_body = Bytes::from_owner(Aligned(Buffer::from(body)));
+            data.data_body = aligned_bytes(body);
         }
         self.ready.push_back(Ok(data));
         Ok(())
@@ -367,6 +367,12 @@ impl Chunks {
             }
         }
     }
+}
+
+/// `buffer` as [`Bytes`] that keep its alignment (Arrow takes slices of
+/// them without copying).
+pub(crate) fn aligned_bytes(buffer: MutableBuffer) -> Bytes {
+    Bytes::from_owner(Aligned(Buffer::from(buffer)))
 }
 
 /// An aligned Arrow buffer as the owner of a [`Bytes`].

@@ -20,9 +20,8 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::buffer::MutableBuffer;
 use arrow_flight::FlightData;
-use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use tonic::Status;
@@ -81,33 +80,30 @@ pub enum Attach {
 pub async fn through_ring(
     mut messages: BoxStream<'static, Result<FlightData, Status>>,
 ) -> Result<BoxStream<'static, Result<FlightData, Status>>, Attach> {
-    let mut first = Vec::with_capacity(2);
-    // The schema, then the announcement if there is one.
-    for _ in 0..2 {
-        match messages.next().await {
-            Some(Ok(m)) if is_announce(&m) => {
-                let ring = Ring::attach(&m.app_metadata[ANNOUNCE_TAG.len()..])?;
-                let before = futures::stream::iter(first.into_iter().map(Ok));
-                let after = messages.and_then(move |m| {
-                    let taken = match is_batch(&m) {
-                        true => ring.take(&m.app_metadata[BATCH_TAG.len()..]),
-                        false => Ok(m),
-                    };
-                    std::future::ready(taken)
-                });
-                return Ok(before.chain(after).boxed());
-            }
-            Some(Ok(m)) => first.push(m),
-            Some(Err(status)) if first.is_empty() => return Err(Attach::Failed(status)),
-            Some(Err(status)) => {
-                let before = futures::stream::iter(first.into_iter().map(Ok));
-                return Ok(before.chain(futures::stream::iter([Err(status)])).boxed());
-            }
-            None => break,
+    let schema = match messages.next().await {
+        Some(Ok(schema)) => schema,
+        Some(Err(status)) => return Err(Attach::Failed(status)),
+        None => return Ok(messages),
+    };
+    let schema = futures::stream::once(std::future::ready(Ok(schema)));
+    // The announcement comes right after the schema, if at all.
+    match messages.next().await {
+        Some(Ok(m)) if is_announce(&m) => {
+            let ring = Ring::attach(&m.app_metadata[ANNOUNCE_TAG.len()..])?;
+            let batches = messages.and_then(move |m| {
+                let taken = match is_batch(&m) {
+                    true => ring.take(&m.app_metadata[BATCH_TAG.len()..]),
+                    false => Ok(m),
+                };
+                std::future::ready(taken)
+            });
+            Ok(schema.chain(batches).boxed())
         }
+        second => Ok(schema
+            .chain(futures::stream::iter(second))
+            .chain(messages)
+            .boxed()),
     }
-    let before = futures::stream::iter(first.into_iter().map(Ok));
-    Ok(before.chain(messages).boxed())
 }
 
 /// Whether `m` is a metadata-only message beginning with `tag`.
@@ -226,7 +222,7 @@ impl Ring {
         if out[..4] != [0xFF; 4] || 8 + header_len > len {
             return Err(malformed("that is not an Arrow IPC message"));
         }
-        let bytes = Bytes::from_owner(Aligned(Buffer::from(out)));
+        let bytes = crate::receive::aligned_bytes(out);
         Ok(FlightData {
             data_header: bytes.slice(8..8 + header_len),
             data_body: bytes.slice(8 + header_len..),
@@ -243,18 +239,10 @@ impl Drop for Ring {
     }
 }
 
-/// A buffer handed to `Bytes` whole, so that its alignment is kept.
-struct Aligned(Buffer);
-
-impl AsRef<[u8]> for Aligned {
-    fn as_ref(&self) -> &[u8] {
-        self.0.as_slice()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     #[test]
     fn words_read_little_endian_and_refuse_short_input() {

@@ -172,6 +172,12 @@ impl Budget {
         self.linked.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Removes the ring file at `path` and forgets it.
+    fn unlink(&self, path: &Path) -> io::Result<()> {
+        self.linked().remove(path);
+        std::fs::remove_file(path)
+    }
+
     /// Removes the ring files still linked (no reader mapped them): at
     /// shutdown, when their streams may never be dropped.
     pub fn remove_linked(&self) {
@@ -426,11 +432,10 @@ impl Ring {
     }
 
     fn unlink(&mut self) {
-        if let Some(path) = self.path.take() {
-            self.slot.budget.linked().remove(&path);
-            if let Err(e) = std::fs::remove_file(&path) {
-                tracing::warn!(path = %path.display(), error = %e, "could not remove a read stream's shared-memory file");
-            }
+        if let Some(path) = self.path.take()
+            && let Err(e) = self.slot.budget.unlink(&path)
+        {
+            tracing::warn!(path = %path.display(), error = %e, "could not remove a read stream's shared-memory file");
         }
     }
 
@@ -522,8 +527,7 @@ struct Unlinked {
 impl Unlinked {
     fn unlink(&mut self) {
         if let Some(path) = self.path.take() {
-            self.budget.linked().remove(&path);
-            let _ = std::fs::remove_file(path);
+            let _ = self.budget.unlink(&path);
         }
     }
 }
