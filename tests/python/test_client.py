@@ -410,6 +410,26 @@ def test_bursts_are_read_whole_before_their_batches_and_resume_exactly(flightdec
         dataset(prefetch=0, burst_bytes=-1)
 
 
+def test_without_prefetch_the_stall_is_all_the_loop_does_to_get_a_batch(flightdeck_server):
+    # On the loop's thread, preparing a batch (decoding, a transform) is
+    # waiting for data as much as reading it is.
+    n = write(flightdeck.connect(flightdeck_server.uri), "slowprep", [400, 200])
+    pause = 0.02
+
+    def slow(batch):
+        time.sleep(pause)
+        return batch
+
+    for options in [{}, {"burst_bytes": 1 << 20}]:
+        ds = ShardedDataset(
+            flightdeck_server.uri, "slowprep", rank=0, world_size=1, batch_rows=100, seed=2,
+            prefetch=0, **options,
+        )
+        got = list(ds.iter_batches(prepare=slow))
+        assert sum(b.num_rows for b in got) == n
+        assert ds.stall_seconds >= pause * len(got), (options, ds.stall_seconds)
+
+
 def test_prefetch_reads_ahead_counts_only_what_it_handed_out_and_leaves_no_thread(
     flightdeck_server,
 ):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import pyarrow as pa
 
@@ -26,6 +26,8 @@ from .errors import FailedPrecondition, InvalidArgument, Unavailable
 #: `ShardedDataset` chooses (its `read_rows`).
 MESSAGE_ROWS = 16384
 MESSAGE_BYTES = 4 << 20
+
+T = TypeVar("T")
 
 
 def env_ranks_per_node() -> int:
@@ -51,7 +53,8 @@ class ShardedDataset:
     loop works on this one. Prefetched batches not yet handed out
     are not counted by :meth:`state_dict`. :attr:`stall_seconds` is how long
     the loop has waited for batches this epoch: the time training spent
-    waiting for data.
+    waiting for data (without a read-ahead thread, everything it took to
+    hand a batch out: reading, decoding, `prepare` and slicing).
 
     Where training runs on the CPU cores the server runs on, reading while
     the loop computes slows the loop by about twice what the reading costs
@@ -489,14 +492,18 @@ class ShardedDataset:
         """`shard`'s batches, each with what to hand out for it (itself, or
         what `prepare` makes of it), read as :meth:`iter_batches` describes."""
         if self.prefetch == 0:
-            messages = _timed(self.client.read_shard(shard), self)
+            messages = self.client.read_shard(shard)
             if self.burst_bytes:
                 messages = _bursts(messages, self.burst_bytes)
-            for message in messages:
-                for batch, item in prepared_slices(
-                    message, self.batch_rows, prepare, slice_prepared
-                ):
-                    yield batch, batch if prepare is None else item
+            slices = (
+                pair
+                for message in messages
+                for pair in prepared_slices(message, self.batch_rows, prepare, slice_prepared)
+            )
+            # On the loop's thread, reading, decoding, `prepare` and slicing
+            # are all time the loop waits for its batch.
+            for batch, item in _timed(slices, self):
+                yield batch, batch if prepare is None else item
             return
         reader = Prefetched(
             self.client._do_get(shard), self.prefetch, prepare, self.batch_rows, slice_prepared
@@ -539,15 +546,16 @@ def _bursts(messages: Iterator[pa.RecordBatch], limit: int) -> Iterator[pa.Recor
             yield held.popleft()
 
 
-def _timed(batches: Iterator[pa.RecordBatch], owner: ShardedDataset) -> Iterator[pa.RecordBatch]:
-    """`batches`, adding the time each took to arrive to `owner.stall_seconds`."""
+def _timed(items: Iterator[T], owner: ShardedDataset) -> Iterator[T]:
+    """`items` (never None), adding the time each took to come to
+    `owner.stall_seconds`."""
     while True:
         started = time.perf_counter()
-        batch = next(batches, None)
+        item = next(items, None)
         owner.stall_seconds += time.perf_counter() - started
-        if batch is None:
+        if item is None:
             return
-        yield batch
+        yield item
 
 
 def _count(value: Any, name: str) -> int:
