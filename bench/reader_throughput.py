@@ -9,7 +9,8 @@ and prints samples/s: PyTorch (`--threads` threads) on an in-memory tensor
 (the compute floor), PyTorch through `FlightDeckIterableDataset` with
 `prefetch=0`, with `--prefetch` batches read ahead on a background thread,
 and read in bursts of `--burst-mib` MiB on the loop's thread (each with the
-loop's stall, `stall_seconds`, as a share of the epoch), and the embedded
+loop's stall, `stall_seconds`, as a share of the epoch), on the reader's
+batches read before the loop (the compute alone, on them), and the embedded
 trainer on 1 and 2 CPU ranks (with its data stall). Each row also gives
 the split of the two cores: CPU seconds of the epoch in the server's
 process and in this one (PyTorch, the reader and its threads; the
@@ -194,6 +195,23 @@ def main() -> None:
                     results.setdefault(path, []).append(rows / took)
                     stalls.setdefault(path, []).append(data.stall_seconds / took)
                     del os.environ["FLIGHTDECK_SHM"]
+                # The loop's compute on the reader's own batches, read
+                # beforehand: what is left of the gap to the floor is then
+                # not the batches but the reading.
+                path = "PyTorch on FlightDeckIterableDataset's batches read before the loop"
+                read = list(FlightDeckIterableDataset(
+                    uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
+                    prefetch=0, **on,
+                ))
+                net, opt = model(args.dim, hidden, args.classes, device)
+
+                def read_before() -> None:
+                    for batch in read:
+                        step(net, opt, batch["features"].to(device), batch["label"].to(device))
+
+                _, took = timed(path, read_before)
+                results.setdefault(path, []).append(args.rows / took)
+                del read
                 trainers = [((), r, f"{r} CPU rank{'s' if r > 1 else ''}") for r in (1, 2)]
                 if device == "cuda":
                     trainers = [((0,), 1, "GPU 0")]
