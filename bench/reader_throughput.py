@@ -122,6 +122,11 @@ def main() -> None:
         print()
         print("| model | path | samples/s | of the in-memory floor | waiting for data | CPU s: server / PyTorch's process |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")
+        def reader(kind, **options):
+            """One rank's reader (`kind`) of the whole dataset, in the
+            same order every time."""
+            return kind(uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, **options)
+
         for name in args.models.split(","):
             hidden = {"linear": 0, "mlp": args.hidden}[name]
             label = f"MLP [{hidden}]" if hidden else "linear"
@@ -175,10 +180,7 @@ def main() -> None:
                     path = f"PyTorch, FlightDeckIterableDataset {how}"
                     # Read when the dataset connects, at its first batch.
                     os.environ["FLIGHTDECK_SHM"] = shm
-                    data = FlightDeckIterableDataset(
-                        uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
-                        prefetch=depth, burst_bytes=burst, **handover,
-                    )
+                    data = reader(FlightDeckIterableDataset, prefetch=depth, burst_bytes=burst, **handover)
                     net, opt = model(args.dim, hidden, args.classes, device)
 
                     def read_epoch() -> int:
@@ -199,10 +201,7 @@ def main() -> None:
                 # beforehand: what is left of the gap to the floor is then
                 # not the batches but the reading.
                 path = "PyTorch on FlightDeckIterableDataset's batches read before the loop"
-                read = list(FlightDeckIterableDataset(
-                    uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1,
-                    prefetch=0, **on,
-                ))
+                read = list(reader(FlightDeckIterableDataset, prefetch=0, **on))
                 net, opt = model(args.dim, hidden, args.classes, device)
 
                 def read_before() -> None:
@@ -235,9 +234,7 @@ def main() -> None:
         for _ in range(args.reps):
             for shm, path in (("1", "shared memory"), ("0", "the socket")):
                 os.environ["FLIGHTDECK_SHM"] = shm
-                data = flightdeck.ShardedDataset(
-                    uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, prefetch=0
-                )
+                data = reader(flightdeck.ShardedDataset, prefetch=0)
                 server, this, start = srv.cpu_seconds(), time.process_time(), time.perf_counter()
                 assert sum(b.num_rows for b in data) == args.rows
                 took = time.perf_counter() - start

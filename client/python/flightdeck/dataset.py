@@ -27,7 +27,7 @@ from .errors import FailedPrecondition, InvalidArgument, Unavailable
 MESSAGE_ROWS = 16384
 MESSAGE_BYTES = 4 << 20
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def env_ranks_per_node() -> int:
@@ -546,7 +546,7 @@ def _bursts(messages: Iterator[pa.RecordBatch], limit: int) -> Iterator[pa.Recor
             yield held.popleft()
 
 
-def _timed(items: Iterator[T], owner: ShardedDataset) -> Iterator[T]:
+def _timed(items: Iterator[_T], owner: ShardedDataset) -> Iterator[_T]:
     """`items` (never None), adding the time each took to come to
     `owner.stall_seconds`."""
     while True:
