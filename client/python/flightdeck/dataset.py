@@ -56,15 +56,16 @@ class ShardedDataset:
     waiting for data (without a read-ahead thread, everything it took to
     hand a batch out: reading, decoding, `prepare` and slicing).
 
-    Where training runs on the CPU cores the server runs on, reading while
-    the loop computes slows the loop by about twice what the reading costs
-    (a core taken from one of PyTorch's threads stalls the others at their
-    next barrier). There, pass `prefetch=0, burst_bytes=64 << 20`: the
-    loop's own thread reads that many bytes of messages at once (the server
-    and this process then use every core while the loop waits), and hands
-    out all their batches before it reads again, so little reading happens
-    while the loop computes. Batches read in a burst but not yet handed out
-    are not counted by :meth:`state_dict` either.
+    Where training runs on the CPU cores the server runs on, each
+    CPU-second of reading while the loop computes costs the loop about a
+    second or more (a core taken from one of PyTorch's threads stalls the
+    others at their next barrier). There, read on the loop's own thread:
+    `prefetch=0`, or `prefetch=0, burst_bytes=64 << 20`, which reads that
+    many bytes of messages at once (the server and this process then use
+    every core while the loop waits) and hands out all their batches
+    before it reads again, so little reading happens while the loop
+    computes. Batches read in a burst but not yet handed out are not
+    counted by :meth:`state_dict` either.
 
     On a dataset sealed across several servers, each rank reads from the
     member its plan names (its own node's, by torchrun's convention: rank r

@@ -256,8 +256,9 @@ class FlightDeckIterableDataset(torch.utils.data.IterableDataset):
     `ShardedDataset`, also for `read_rows`, the rows a message from the
     server carries), and `transform` runs there too; `stall_seconds` is
     how long this process's iteration waited for data this epoch. Training
-    on the CPU cores the server runs on, read in bursts instead
-    (`prefetch=0, burst_bytes=64 << 20`, see `ShardedDataset`).
+    on the CPU cores the server runs on, read on the loop's own thread
+    instead (`prefetch=0`, or in bursts with `burst_bytes=64 << 20`; see
+    `ShardedDataset`).
 
     `reconnect_seconds=120` rides out a restart of the server (started with
     `--persist`) mid-epoch: the read is taken up where this rank stood once
