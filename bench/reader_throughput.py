@@ -22,6 +22,11 @@ server's machine, but in the row marked "over the socket"
     cargo build --release --bin flightdeck
     .venv/bin/python bench/reader_throughput.py --rows 1000000 --dim 32
 
+The tables are medians over `--reps` repetitions (each row also lists
+every repetition's ratio to the same repetition's floor); `--json PATH`
+writes every repetition's figures with the commit, date and machine, for
+`bench/tables.py` to render in `bench/RESULTS.md`.
+
 `--unix` reads over the server's `--unix-socket` instead of loopback TCP.
 `--device cuda` trains on the GPU: the floor's tensor lives on the device,
 the reader hands batches over already there (`device="cuda"`: its
@@ -34,14 +39,19 @@ ranks.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import shlex
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
 
 import flightdeck
 import synthetic
+import tables
 from flightdeck.torch import FlightDeckIterableDataset
 
 
@@ -87,6 +97,17 @@ def embedded(
     return report.step * args.batch_size / took, stall
 
 
+def command_line() -> str:
+    """How this run was started, with paths inside the repository relative
+    to it (the way `bench/RESULTS.md` gives commands)."""
+
+    def short(path: str) -> str:
+        full = Path(path).absolute()
+        return str(full.relative_to(synthetic.REPO)) if full.is_relative_to(synthetic.REPO) else path
+
+    return shlex.join([short(sys.executable), short(sys.argv[0]), *sys.argv[1:]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -104,62 +125,98 @@ def main() -> None:
     ap.add_argument(
         "--unix", action="store_true", help="read over the server's Unix domain socket instead of TCP"
     )
+    ap.add_argument("--json", type=Path, help="also write every repetition's figures here")
     args = ap.parse_args()
+    models = args.models.split(",")
+    if unknown := sorted(set(models) - {"linear", "mlp"}):
+        ap.error(f"--models: unknown {', '.join(unknown)}; name linear, mlp or both")
+    if args.reps < 1:
+        ap.error("--reps: give at least 1")
+    if args.json and not args.json.parent.is_dir():
+        ap.error(f"--json: no folder {args.json.parent} to write {args.json.name} in")
     torch.set_num_threads(args.threads)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False on this machine")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    run = {
+        "bench": "reader_throughput",
+        "command": command_line(),
+        "commit": synthetic.commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": synthetic.machine(),
+        "rows": args.rows,
+        "dim": args.dim,
+        "classes": args.classes,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "reps": args.reps,
+        "transport": "unix" if args.unix else "tcp",
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else None,
+        "results": [],
+        "alone": [],
+    }
+
+    def progress(what: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
     with synthetic.server(args.bin, unix=args.unix) as srv:
         uri = srv.uri
+        progress(f"writing {args.rows} rows")
         x, y = synthetic.write_dataset(uri, args.rows, args.dim, args.classes)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        print(f"{args.rows} rows x {args.dim} float32, {args.classes} classes, AdamW, batch {args.batch_size}, "
-              f"one epoch, {args.threads} torch threads, {args.reps} reps (medians), "
-              f"over {'the Unix socket' if args.unix else 'loopback TCP'}, PyTorch on {device}"
-              + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
-        print()
-        print("| model | path | samples/s | of the in-memory floor | waiting for data | CPU s: server / PyTorch's process |")
-        print("| --- | --- | ---: | ---: | ---: | ---: |")
+
         def reader(kind, **options):
             """One rank's reader (`kind`) of the whole dataset, in the
             same order every time."""
             return kind(uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, **options)
 
-        for name in args.models.split(","):
+        for name in models:
             hidden = {"linear": 0, "mlp": args.hidden}[name]
-            label = f"MLP [{hidden}]" if hidden else "linear"
-            results: dict[str, list[float]] = {}
-            stalls: dict[str, list[float]] = {}
-            cpus: dict[str, list[tuple[float, float]]] = {}
+            # Each path's figures, one per repetition, in the order first run.
+            rows_of: dict[str, dict] = {}
 
-            def timed(path: str, run):
-                """Runs `run`, noting the CPU each process used in `cpus`;
-                what it returned and the wall-clock seconds it took."""
+            def record(path: str, rate: float, stall: float | None, cpu: tuple[float, float]) -> None:
+                """Notes one repetition of `path`: samples/s, the loop's
+                wait as a share of its epoch (None where nothing is read
+                while it trains) and the CPU seconds (server, this process)."""
+                row = rows_of.setdefault(path, {
+                    "model": name, "hidden": hidden, "path": path, "samples_per_s": [],
+                    "stall": None if stall is None else [], "cpu_server_s": [], "cpu_process_s": [],
+                })
+                row["samples_per_s"].append(rate)
+                if stall is not None:
+                    row["stall"].append(stall)
+                row["cpu_server_s"].append(cpu[0])
+                row["cpu_process_s"].append(cpu[1])
+
+            def timed(work):
+                """Runs `work`: what it returned, the wall-clock seconds it
+                took, and the CPU seconds of the server's process and of
+                this one meanwhile."""
                 server, this = srv.cpu_seconds(), time.process_time()
                 start = time.perf_counter()
-                result = run()
+                result = work()
                 sync()
                 took = time.perf_counter() - start
-                cpus.setdefault(path, []).append((srv.cpu_seconds() - server, time.process_time() - this))
-                return result, took
+                return result, took, (srv.cpu_seconds() - server, time.process_time() - this)
 
-            for _ in range(args.reps):
+            for rep in range(args.reps):
+                progress(f"{name}: repetition {rep + 1} of {args.reps}")
                 net, opt = model(args.dim, hidden, args.classes, device)
                 # Shuffled (and on the device) before the clock: the floor is
                 # the compute alone.
                 perm = torch.randperm(args.rows)
                 xs, ys = xt[perm].contiguous().to(device), yt[perm].contiguous().to(device)
                 sync()
-                floor_path = "PyTorch, in-memory tensor"
 
                 def floor_epoch() -> None:
                     for i in range(0, args.rows, args.batch_size):
                         step(net, opt, xs[i : i + args.batch_size], ys[i : i + args.batch_size])
 
-                _, took = timed(floor_path, floor_epoch)
-                results.setdefault(floor_path, []).append(args.rows / took)
+                _, took, cpu = timed(floor_epoch)
+                record(tables.READER_FLOOR, args.rows / took, None, cpu)
                 # On a GPU the batches arrive there (device=); one row pins
                 # them and copies each in the loop instead.
                 on = {"device": device} if device == "cuda" else {}
@@ -177,7 +234,6 @@ def main() -> None:
                          {"pin_memory": True}, "1")
                     )
                 for how, depth, burst, handover, shm in readers:
-                    path = f"PyTorch, FlightDeckIterableDataset {how}"
                     # Read when the dataset connects, at its first batch.
                     os.environ["FLIGHTDECK_SHM"] = shm
                     data = reader(FlightDeckIterableDataset, prefetch=depth, burst_bytes=burst, **handover)
@@ -192,15 +248,13 @@ def main() -> None:
                             rows += len(batch["label"])
                         return rows
 
-                    rows, took = timed(path, read_epoch)
+                    rows, took, cpu = timed(read_epoch)
                     assert rows == args.rows, rows
-                    results.setdefault(path, []).append(rows / took)
-                    stalls.setdefault(path, []).append(data.stall_seconds / took)
+                    record(f"PyTorch, FlightDeckIterableDataset {how}", rows / took, data.stall_seconds / took, cpu)
                     del os.environ["FLIGHTDECK_SHM"]
                 # The loop's compute on the reader's own batches, read
                 # beforehand: what is left of the gap to the floor is then
                 # not the batches but the reading.
-                path = "PyTorch on FlightDeckIterableDataset's batches read before the loop"
                 read = list(reader(FlightDeckIterableDataset, prefetch=0, **on))
                 net, opt = model(args.dim, hidden, args.classes, device)
 
@@ -208,43 +262,38 @@ def main() -> None:
                     for batch in read:
                         step(net, opt, batch["features"].to(device), batch["label"].to(device))
 
-                _, took = timed(path, read_before)
-                results.setdefault(path, []).append(args.rows / took)
+                _, took, cpu = timed(read_before)
+                record(
+                    "PyTorch on FlightDeckIterableDataset's batches read before the loop",
+                    args.rows / took, None, cpu,
+                )
                 del read
                 trainers = [((), r, f"{r} CPU rank{'s' if r > 1 else ''}") for r in (1, 2)]
                 if device == "cuda":
                     trainers = [((0,), 1, "GPU 0")]
                 for gpus, ranks, where in trainers:
-                    path = f"flightdeck's embedded trainer, {where}"
-                    (rate, stall), _ = timed(path, lambda: embedded(uri, args, hidden, ranks, gpus))
-                    results.setdefault(path, []).append(rate)
-                    stalls.setdefault(path, []).append(stall)
-            floor = float(np.median(results["PyTorch, in-memory tensor"]))
-            for path, rates in results.items():
-                rate = float(np.median(rates))
-                stall = f"{float(np.median(stalls[path])) * 100:.0f} %" if path in stalls else "—"
-                server, this = (float(np.median([c[k] for c in cpus[path]])) for k in (0, 1))
-                print(f"| {label} | {path} | {rate / 1e6:.2f} M | {rate / floor:.2f}× | {stall} | {server:.2f} / {this:.2f} |")
-        print()
-        print("Reading an epoch alone (no model; `ShardedDataset`, prefetch=0, medians):")
-        print()
-        print("| path | wall s | CPU s: this process | CPU s: server |")
-        print("| --- | ---: | ---: | ---: |")
-        alone: dict[str, list[tuple[float, float, float]]] = {}
-        for _ in range(args.reps):
+                    (rate, stall), _, cpu = timed(lambda: embedded(uri, args, hidden, ranks, gpus))
+                    record(f"flightdeck's embedded trainer, {where}", rate, stall, cpu)
+            run["results"] += rows_of.values()
+        alone: dict[str, dict] = {}
+        for rep in range(args.reps):
+            progress(f"an epoch read alone: repetition {rep + 1} of {args.reps}")
             for shm, path in (("1", "shared memory"), ("0", "the socket")):
                 os.environ["FLIGHTDECK_SHM"] = shm
                 data = reader(flightdeck.ShardedDataset, prefetch=0)
                 server, this, start = srv.cpu_seconds(), time.process_time(), time.perf_counter()
                 assert sum(b.num_rows for b in data) == args.rows
                 took = time.perf_counter() - start
-                alone.setdefault(path, []).append(
-                    (took, time.process_time() - this, srv.cpu_seconds() - server)
-                )
+                row = alone.setdefault(path, {"path": path, "wall_s": [], "cpu_process_s": [], "cpu_server_s": []})
+                row["wall_s"].append(took)
+                row["cpu_process_s"].append(time.process_time() - this)
+                row["cpu_server_s"].append(srv.cpu_seconds() - server)
                 del os.environ["FLIGHTDECK_SHM"]
-        for path, runs in alone.items():
-            wall, this, server = (float(np.median([r[k] for r in runs])) for k in range(3))
-            print(f"| {path} | {wall:.3f} | {this:.3f} | {server:.3f} |")
+        run["alone"] = list(alone.values())
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    print(tables.render_reader(run, args.json.name if args.json else "(not written)"))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,55 @@ import flightdeck  # noqa: E402
 
 #: The release server the benchmarks start by default.
 SERVER_BIN = str(REPO / "target" / "release" / "flightdeck")
+
+
+def machine() -> dict:
+    """The machine a run is measured on, with the fields `flightdeck-bench`
+    records: cores, architecture, CPU model (with its family and model
+    numbers and widest vector extension, since hosts sold under one model
+    name differ) and memory."""
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return ""
+
+    # The first processor's `key : value` lines.
+    first = read("/proc/cpuinfo").split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    flags = fields.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    memory = next(
+        (int(line.split()[1]) * 1024 for line in read("/proc/meminfo").splitlines() if line.startswith("MemTotal:")),
+        None,
+    )
+    return {
+        "cores": os.cpu_count(),
+        "arch": platform.machine(),
+        "cpu": fields.get("model name"),
+        "cpu_family": fields.get("cpu family"),
+        "cpu_model": fields.get("model"),
+        "vector": vector,
+        "memory_bytes": memory,
+    }
+
+
+def commit() -> str | None:
+    """The repository's commit, with `+dirty` when tracked files have
+    changes (as `flightdeck-bench` records its build's); None outside git."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return out.stdout.strip()
+
+    head = git("rev-parse", "HEAD")
+    if head and git("status", "--porcelain", "--untracked-files=no"):
+        head += "+dirty"
+    return head
 
 
 @dataclass(frozen=True)

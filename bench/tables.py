@@ -1,7 +1,8 @@
 """Tables of benchmark figures, generated from the JSON of each run.
 
 Every figure in ``bench/RESULTS.md`` and ``README.md`` that comes from
-``flightdeck-bench`` sits between two markers naming the run's JSON file:
+``flightdeck-bench`` (or from ``bench/reader_throughput.py --json``) sits
+between two markers naming the run's JSON file:
 
     <!-- table bench/runs/get-65col.json -->
     ...generated...
@@ -10,7 +11,9 @@ Every figure in ``bench/RESULTS.md`` and ``README.md`` that comes from
 ``python bench/tables.py`` rewrites what is between them from the JSON (the
 commit, date and machine it was measured on, median and best-of times and
 rates for every phase and target, and the ratios the targets are stated in,
-by median and by best-of); ``--check`` only reports stale tables and exits 1
+by median and by best-of; for the reader's runs, samples/s and the ratio to
+the in-memory floor by median and in every repetition, the loop's wait
+for data and the CPU seconds of each side); ``--check`` only reports stale tables and exits 1
 if there are any (the test suite runs it).
 """
 
@@ -105,8 +108,9 @@ def rates(result: dict) -> tuple[float, float]:
     return size / median(result["runs_s"]), size / min(result["runs_s"])
 
 
-def render(run: dict, name: str) -> str:
-    """The markdown for one run."""
+def machine_line(run: dict) -> str:
+    """Where a run was measured: `N cores (CPU, family F model M, vector
+    width, memory)`, with what the run recorded of it."""
     machine = run.get("machine", {})
     cpu = machine.get("cpu") or machine.get("arch", "?")
     if machine.get("cpu_family") is not None:
@@ -115,6 +119,13 @@ def render(run: dict, name: str) -> str:
         cpu += f", {machine['vector']}"
     memory = machine.get("memory_bytes")
     memory = f", {memory / 2**30:.0f} GiB" if memory else ""
+    return f"{machine.get('cores', '?')} cores ({cpu}{memory})"
+
+
+def render(run: dict, name: str) -> str:
+    """The markdown for one run."""
+    if run.get("bench") == "reader_throughput":
+        return render_reader(run, name)
     commit = (run.get("commit") or "unknown")[:12]
     shape = f"{run['rows']:,} rows × "
     if run.get("vector"):
@@ -125,7 +136,7 @@ def render(run: dict, name: str) -> str:
         shape += f"(int64 label + {run['features']} float32 columns)"
     lines = [
         f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, "
-        f"{machine.get('cores', '?')} cores ({cpu}{memory}); {shape}.",
+        f"{machine_line(run)}; {shape}.",
         "",
         "```sh",
         run["command"],
@@ -164,6 +175,68 @@ def render(run: dict, name: str) -> str:
     bound = run.get("ratios", {}).get("peak_rss_bound_bytes")
     if rss and bound:
         lines += ["", f"Server peak RSS through e2e: {rss / 1e9:.3f} GB (bound {bound / 1e9:.3f} GB)."]
+    return "\n".join(lines) + "\n"
+
+
+#: The reader bench's floor: the row every other row is a ratio of.
+READER_FLOOR = "PyTorch, in-memory tensor"
+
+
+def render_reader(run: dict, name: str) -> str:
+    """The markdown for one run of `bench/reader_throughput.py`: each
+    model's paths by median samples/s, their ratio to the floor (of the
+    medians, and of each repetition to the same repetition's floor), the
+    loop's wait for data as a share of its epoch, and the CPU seconds of the
+    server's process and PyTorch's; then an epoch read alone."""
+    commit = (run.get("commit") or "unknown")[:12]
+    where = "the Unix socket" if run.get("transport") == "unix" else "loopback TCP"
+    device = run.get("device", "cpu")
+    if run.get("device_name"):
+        device += f" ({run['device_name']})"
+    lines = [
+        f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, {machine_line(run)}; "
+        f"{run['rows']:,} rows × {run['dim']} float32, {run['classes']} classes, AdamW, "
+        f"batch {run['batch_size']}, one epoch, {run['threads']} torch threads, PyTorch on {device}, "
+        f"read over {where}; medians of {run['reps']} repetitions.",
+        "",
+        "```sh",
+        run["command"],
+        "```",
+        "",
+        "| model | path | samples/s | of the floor | each repetition, of its floor "
+        "| waiting for data | CPU s: server / PyTorch's process |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
+    floors = {
+        r["model"]: r["samples_per_s"] for r in run["results"] if r["path"] == READER_FLOOR
+    }
+    for r in run["results"]:
+        model = f"MLP [{r['hidden']}]" if r["hidden"] else "linear"
+        rates = r["samples_per_s"]
+        floor = floors.get(r["model"])
+        if floor:
+            of_floor = f"{median(rates) / median(floor):.2f}×"
+            each = " ".join(f"{a / b:.2f}" for a, b in zip(rates, floor))
+        else:
+            of_floor, each = "—", "—"
+        stall = f"{median(r['stall']) * 100:.0f} %" if r.get("stall") else "—"
+        cpu = f"{median(r['cpu_server_s']):.2f} / {median(r['cpu_process_s']):.2f}"
+        lines.append(
+            f"| {model} | {r['path']} | {median(rates) / 1e6:.2f} M | {of_floor} | {each} | {stall} | {cpu} |"
+        )
+    if run.get("alone"):
+        lines += [
+            "",
+            "An epoch read alone (no model; `ShardedDataset`, prefetch=0, medians):",
+            "",
+            "| path | wall s | CPU s: this process | CPU s: server |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for r in run["alone"]:
+            lines.append(
+                f"| {r['path']} | {median(r['wall_s']):.3f} | {median(r['cpu_process_s']):.3f} "
+                f"| {median(r['cpu_server_s']):.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -104,7 +104,7 @@ run() {
     # tensor: last, as the longest step, so a run cut short still has the rest.
     if [ -n "${FLIGHTDECK_BIN:-}" ]; then
         step reader-gpu python3 bench/reader_throughput.py --device cuda --bin "$bins/flightdeck" \
-            --rows 1000000 --dim 32 --reps 5 --threads 4
+            --rows 1000000 --dim 32 --reps 5 --threads 4 --json "$out/reader-gpu.json"
     fi
     # The figures: parity, samples/s and gather share, device memory around
     # evictions, H2D bandwidth, the tests' tallies and the reader table.

@@ -108,3 +108,50 @@ def test_short_reads_are_given_by_each_reads_time():
     assert "| small/global | flightdeck | 0.50 | 1.25 |" in text
     run["results"] = [dict(small, phase="get/none")]
     assert "short reads" not in tables.render(run, "r.json")
+
+
+def test_a_reader_run_gives_each_path_against_the_floor_by_median_and_by_repetition():
+    # `bench/reader_throughput.py --json`: the ratio to the floor of the
+    # medians, and of each repetition to its own floor; paths without a
+    # stall (the floor, compute alone) show none.
+    tables = load_tables()
+    row = lambda path, rates, stall=None: {  # noqa: E731
+        "model": "linear", "hidden": 0, "path": path, "samples_per_s": rates, "stall": stall,
+        "cpu_server_s": [0.1, 0.3, 0.2], "cpu_process_s": [1.0, 1.2, 1.1],
+    }
+    run = {
+        "bench": "reader_throughput", "command": "python bench/reader_throughput.py", "commit": "abc",
+        "date": "d", "machine": {"cores": 2}, "rows": 1000, "dim": 4, "classes": 3, "batch_size": 10,
+        "threads": 2, "reps": 3, "transport": "tcp", "device": "cpu",
+        "results": [
+            row(tables.READER_FLOOR, [2e6, 1e6, 4e6]),
+            row("PyTorch, FlightDeckIterableDataset prefetch=0", [1e6, 0.8e6, 3e6], [0.1, 0.3, 0.2]),
+        ],
+        "alone": [{"path": "shared memory", "wall_s": [0.3, 0.1, 0.2], "cpu_process_s": [0.01, 0.03, 0.02],
+                   "cpu_server_s": [0.05, 0.04, 0.06]}],
+    }
+    text = tables.render(run, "reader.json")
+    assert text.startswith("Run `reader.json`: commit `abc`, d, 2 cores (?); 1,000 rows × 4 float32")
+    assert "read over loopback TCP; medians of 3 repetitions." in text
+    assert "| linear | PyTorch, in-memory tensor | 2.00 M | 1.00× | 1.00 1.00 1.00 | — | 0.20 / 1.10 |" in text
+    # Medians 1.0 M of 2.0 M; each repetition 0.5, 0.8, 0.75 of its floor.
+    assert (
+        "| linear | PyTorch, FlightDeckIterableDataset prefetch=0 | 1.00 M | 0.50× | 0.50 0.80 0.75 | 20 % "
+        "| 0.20 / 1.10 |"
+    ) in text
+    assert "| shared memory | 0.200 | 0.020 | 0.050 |" in text
+    run["transport"], run["device"], run["device_name"] = "unix", "cuda", "NVIDIA H200"
+    assert "PyTorch on cuda (NVIDIA H200), read over the Unix socket" in tables.render(run, "r.json")
+
+
+def test_the_python_benches_record_the_machine_as_the_rust_bench_does():
+    spec = importlib.util.spec_from_file_location("synthetic", REPO / "bench" / "synthetic.py")
+    synthetic = importlib.util.module_from_spec(spec)
+    # Registered first: its dataclass looks its module up by name.
+    sys.modules.setdefault("synthetic", synthetic)
+    spec.loader.exec_module(synthetic)
+    machine = synthetic.machine()
+    assert set(machine) == {"cores", "arch", "cpu", "cpu_family", "cpu_model", "vector", "memory_bytes"}
+    assert machine["cores"] >= 1
+    commit = synthetic.commit()
+    assert commit is None or len(commit.removesuffix("+dirty")) == 40
