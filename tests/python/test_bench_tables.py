@@ -1,14 +1,17 @@
 """The benchmark figures in bench/RESULTS.md and README.md are the ones in
 the runs' JSON files: `bench/tables.py` regenerates them, and its ratios
-compare rates by median and by best run."""
+compare rates by median and by best run. `bench/reader_throughput.py`
+runs end to end on a tiny dataset and writes the JSON its table comes
+from."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
-from conftest import REPO, scaled
+from conftest import REPO, require_torch, scaled, server_binary
 
 
 def load_tables():
@@ -155,3 +158,43 @@ def test_the_python_benches_record_the_machine_as_the_rust_bench_does():
     assert machine["cores"] >= 1
     commit = synthetic.commit()
     assert commit is None or len(commit.removesuffix("+dirty")) == 40
+
+
+def test_the_reader_bench_runs_and_its_json_renders_as_it_printed(tmp_path):
+    # A tiny run of `bench/reader_throughput.py` against the test binary:
+    # every path of the model, each repetition recorded, and the table it
+    # prints is the one `bench/tables.py` renders from its JSON.
+    require_torch()
+    out = tmp_path / "reader.json"
+    proc = subprocess.run(
+        [
+            sys.executable, str(REPO / "bench" / "reader_throughput.py"), "--rows", "3000", "--dim", "4",
+            "--batch-size", "256", "--models", "linear", "--reps", "2", "--bin", str(server_binary()),
+            "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())
+    paths = [r["path"] for r in run["results"]]
+    assert paths[0] == "PyTorch, in-memory tensor" and len(paths) == 8, paths
+    assert all(len(r["samples_per_s"]) == 2 and min(r["samples_per_s"]) > 0 for r in run["results"])
+    assert [r["path"] for r in run["alone"]] == ["shared memory", "the socket"]
+    assert run["rows"] == 3000 and run["machine"]["cores"] >= 1
+    assert load_tables().render(run, "reader.json") in proc.stdout
+    # Repetition progress goes to standard error, the table alone to output.
+    assert "linear: repetition 2 of 2" in proc.stderr
+
+
+def test_the_reader_bench_refuses_bad_arguments_before_starting_a_server(tmp_path):
+    require_torch()  # the script imports it first
+    for args, words in [
+        (["--models", "cnn"], "--models: unknown cnn"),
+        (["--reps", "0"], "--reps: give at least 1"),
+        (["--json", str(tmp_path / "missing" / "r.json")], "--json: no folder"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "reader_throughput.py"), "--bin", "/nonexistent", *args],
+            capture_output=True, text=True, timeout=scaled(60),
+        )
+        assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
