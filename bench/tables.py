@@ -11,10 +11,10 @@ between two markers naming the run's JSON file:
 ``python bench/tables.py`` rewrites what is between them from the JSON (the
 commit, date and machine it was measured on, median and best-of times and
 rates for every phase and target, and the ratios the targets are stated in,
-by median and by best-of; for the reader's runs, samples/s and the ratio to
-the in-memory floor by median and in every repetition, the loop's wait
-for data and the CPU seconds of each side); ``--check`` only reports stale tables and exits 1
-if there are any (the test suite runs it).
+by median and by best-of; for the reader's runs, samples/s and the ratio
+to the in-memory floor by median and in every repetition, the loop's wait
+for data and the CPU seconds of each side); ``--check`` only reports stale
+tables and exits 1 if there are any (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -212,17 +212,17 @@ def render_reader(run: dict, name: str) -> str:
     }
     for r in run["results"]:
         model = f"MLP [{r['hidden']}]" if r["hidden"] else "linear"
-        rates = r["samples_per_s"]
+        per_s = r["samples_per_s"]
         floor = floors.get(r["model"])
         if floor:
-            of_floor = f"{median(rates) / median(floor):.2f}×"
-            each = " ".join(f"{a / b:.2f}" for a, b in zip(rates, floor))
+            of_floor = f"{median(per_s) / median(floor):.2f}×"
+            each = " ".join(f"{a / b:.2f}" for a, b in zip(per_s, floor))
         else:
             of_floor, each = "—", "—"
         stall = f"{median(r['stall']) * 100:.0f} %" if r.get("stall") else "—"
         cpu = f"{median(r['cpu_server_s']):.2f} / {median(r['cpu_process_s']):.2f}"
         lines.append(
-            f"| {model} | {r['path']} | {median(rates) / 1e6:.2f} M | {of_floor} | {each} | {stall} | {cpu} |"
+            f"| {model} | {r['path']} | {median(per_s) / 1e6:.2f} M | {of_floor} | {each} | {stall} | {cpu} |"
         )
     if run.get("alone"):
         lines += [
