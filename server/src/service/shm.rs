@@ -66,9 +66,6 @@ pub const MIN_RING_BYTES: u64 = 1 << 20;
 pub const SMALL_BATCH: u64 = 64 << 10;
 /// Bytes of the file before the ring's data: the header page.
 pub const DATA_OFFSET: u64 = 4096;
-/// The page size [`Ring::populate`] rounds to (where pages are larger, the
-/// kernel refuses its calls and pages fault in as before).
-const PAGE: u64 = 4096;
 /// Every batch starts a multiple of this many bytes into the ring (its
 /// Arrow buffers then as aligned as Arrow's own allocations).
 pub const ALIGNMENT: u64 = 64;
@@ -443,8 +440,10 @@ impl Ring {
         if end <= self.populated {
             return false;
         }
-        // From the page that holds the first byte not mapped yet.
-        let from = DATA_OFFSET + self.populated / PAGE * PAGE;
+        // From the page that holds the first byte not mapped yet (the
+        // mapping starts at a page).
+        let page = page_size();
+        let from = (DATA_OFFSET + self.populated) / page * page;
         self.populated = end;
         #[cfg(target_os = "linux")]
         {
@@ -578,6 +577,13 @@ impl Unlinked {
             let _ = self.budget.unlink(&path);
         }
     }
+}
+
+/// The system's page size (4 KiB where it cannot be read).
+fn page_size() -> u64 {
+    // SAFETY: `sysconf` only reads its argument.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
 }
 
 /// Reserves the memory of `len` bytes of `file` from `from`: a write
@@ -811,7 +817,7 @@ mod tests {
         assert!(matches!(ring.try_write(&message), Written::At(_)));
         assert_eq!(ring.cap, RING_BYTES);
         // The first message's pages are mapped, and no further.
-        assert!((quarter as u64..RING_BYTES / 4 + PAGE).contains(&ring.populated));
+        assert!((quarter as u64..RING_BYTES / 4 + page_size()).contains(&ring.populated));
         let ahead = DATA_OFFSET + RING_BYTES / 2;
         let before = present(&ring, ahead);
         // Where the kernel populates mappings (Linux 5.14 on), the call
@@ -850,7 +856,7 @@ mod tests {
     /// there is no pagemap to read.
     fn present(ring: &Ring, offset: u64) -> Option<bool> {
         use std::io::{Read, Seek, SeekFrom};
-        let page = (ring.map as u64 + offset) / PAGE;
+        let page = (ring.map as u64 + offset) / page_size();
         let mut pagemap = File::open("/proc/self/pagemap").ok()?;
         let mut entry = [0u8; 8];
         pagemap.seek(SeekFrom::Start(page * 8)).ok()?;
