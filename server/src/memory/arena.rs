@@ -115,6 +115,15 @@ impl SlabMem {
 /// ([`Arena::copy_bytes`]).
 const HUGE_PAGE: usize = 2 << 20;
 
+/// The system's page size (4 KiB where it cannot be read).
+pub(crate) fn page_size() -> usize {
+    // SAFETY: `sysconf` only reads a system constant.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&size| size > 0)
+        .unwrap_or(4096)
+}
+
 /// The alignment of a heap slab of `cap` bytes.
 fn heap_align(cap: usize) -> usize {
     if cap >= HUGE_PAGE { HUGE_PAGE } else { ALIGN }
@@ -126,13 +135,8 @@ fn heap_align(cap: usize) -> usize {
 mod os {
     use std::ptr::NonNull;
 
-    use super::heap_align;
+    use super::{heap_align, page_size as page};
     use crate::error::{Error, Result};
-
-    fn page() -> usize {
-        // SAFETY: `sysconf` only reads a system constant.
-        usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
-    }
 
     /// Maps `cap` bytes (rounded up to whole pages) aligned to
     /// [`heap_align`]; `None` when the kernel refuses.

@@ -53,6 +53,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::ipc::IpcMessage;
+use crate::memory::arena::page_size;
 
 pub use flightdeck_client::shm::{ANNOUNCE_TAG, BATCH_TAG, REQUEST_HEADER};
 use flightdeck_client::shm::{ATTACHED_WORD, CONSUMED_WORD, map_shared};
@@ -440,29 +441,33 @@ impl Ring {
         if end <= self.populated {
             return false;
         }
+        let done = std::mem::replace(&mut self.populated, end);
+        let (Ok(from), Ok(to)) = (
+            usize::try_from(DATA_OFFSET + done),
+            usize::try_from(DATA_OFFSET + end),
+        ) else {
+            return false;
+        };
         // From the page that holds the first byte not mapped yet (the
         // mapping starts at a page).
-        let page = page_size();
-        let from = (DATA_OFFSET + self.populated) / page * page;
-        self.populated = end;
+        let from = from / page_size() * page_size();
         #[cfg(target_os = "linux")]
         {
-            let (Ok(from), Ok(len)) = (
-                usize::try_from(from),
-                usize::try_from(DATA_OFFSET + end - from),
-            ) else {
-                return false;
+            // SAFETY: `[from, to)` lies within the mapping (the ring's
+            // data, its memory reserved) and starts at a page; populating
+            // changes how it is backed, never its contents.
+            let rc = unsafe {
+                libc::madvise(
+                    self.map.add(from).cast(),
+                    to - from,
+                    libc::MADV_POPULATE_WRITE,
+                )
             };
-            // SAFETY: `[from, from + len)` lies within the mapping (the
-            // ring's data, its memory reserved) and starts at a page;
-            // populating changes how it is backed, never its contents.
-            let rc =
-                unsafe { libc::madvise(self.map.add(from).cast(), len, libc::MADV_POPULATE_WRITE) };
             rc == 0
         }
         #[cfg(not(target_os = "linux"))]
         {
-            let _ = from;
+            let _ = (from, to);
             false
         }
     }
@@ -577,13 +582,6 @@ impl Unlinked {
             let _ = self.budget.unlink(&path);
         }
     }
-}
-
-/// The system's page size (4 KiB where it cannot be read).
-fn page_size() -> u64 {
-    // SAFETY: `sysconf` only reads its argument.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
 }
 
 /// Reserves the memory of `len` bytes of `file` from `from`: a write
@@ -817,7 +815,7 @@ mod tests {
         assert!(matches!(ring.try_write(&message), Written::At(_)));
         assert_eq!(ring.cap, RING_BYTES);
         // The first message's pages are mapped, and no further.
-        assert!((quarter as u64..RING_BYTES / 4 + page_size()).contains(&ring.populated));
+        assert!((quarter as u64..RING_BYTES / 4 + page_size() as u64).contains(&ring.populated));
         let ahead = DATA_OFFSET + RING_BYTES / 2;
         let before = present(&ring, ahead);
         // Where the kernel populates mappings (Linux 5.14 on), the call
@@ -856,7 +854,7 @@ mod tests {
     /// there is no pagemap to read.
     fn present(ring: &Ring, offset: u64) -> Option<bool> {
         use std::io::{Read, Seek, SeekFrom};
-        let page = (ring.map as u64 + offset) / page_size();
+        let page = (ring.map as u64 + offset) / page_size() as u64;
         let mut pagemap = File::open("/proc/self/pagemap").ok()?;
         let mut entry = [0u8; 8];
         pagemap.seek(SeekFrom::Start(page * 8)).ok()?;
