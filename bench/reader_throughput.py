@@ -172,6 +172,17 @@ def main() -> None:
             same order every time."""
             return kind(uri, "bench", rank=0, world_size=1, batch_rows=args.batch_size, seed=1, **options)
 
+        def timed(work):
+            """Runs `work`: what it returned, the wall-clock seconds it
+            took, and the CPU seconds of the server's process and of this
+            one meanwhile."""
+            server, this = srv.cpu_seconds(), time.process_time()
+            start = time.perf_counter()
+            result = work()
+            sync()
+            took = time.perf_counter() - start
+            return result, took, (srv.cpu_seconds() - server, time.process_time() - this)
+
         for name in models:
             hidden = {"linear": 0, "mlp": args.hidden}[name]
             # Each path's figures, one per repetition, in the order first run.
@@ -190,17 +201,6 @@ def main() -> None:
                     row["stall"].append(stall)
                 row["cpu_server_s"].append(cpu[0])
                 row["cpu_process_s"].append(cpu[1])
-
-            def timed(work):
-                """Runs `work`: what it returned, the wall-clock seconds it
-                took, and the CPU seconds of the server's process and of
-                this one meanwhile."""
-                server, this = srv.cpu_seconds(), time.process_time()
-                start = time.perf_counter()
-                result = work()
-                sync()
-                took = time.perf_counter() - start
-                return result, took, (srv.cpu_seconds() - server, time.process_time() - this)
 
             for rep in range(args.reps):
                 progress(f"{name}: repetition {rep + 1} of {args.reps}")
@@ -281,13 +281,12 @@ def main() -> None:
             for shm, path in (("1", "shared memory"), ("0", "the socket")):
                 os.environ["FLIGHTDECK_SHM"] = shm
                 data = reader(flightdeck.ShardedDataset, prefetch=0)
-                server, this, start = srv.cpu_seconds(), time.process_time(), time.perf_counter()
-                assert sum(b.num_rows for b in data) == args.rows
-                took = time.perf_counter() - start
+                rows, took, (server, this) = timed(lambda: sum(b.num_rows for b in data))
+                assert rows == args.rows, rows
                 row = alone.setdefault(path, {"path": path, "wall_s": [], "cpu_process_s": [], "cpu_server_s": []})
                 row["wall_s"].append(took)
-                row["cpu_process_s"].append(time.process_time() - this)
-                row["cpu_server_s"].append(srv.cpu_seconds() - server)
+                row["cpu_process_s"].append(this)
+                row["cpu_server_s"].append(server)
                 del os.environ["FLIGHTDECK_SHM"]
         run["alone"] = list(alone.values())
     if args.json:

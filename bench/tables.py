@@ -108,9 +108,10 @@ def rates(result: dict) -> tuple[float, float]:
     return size / median(result["runs_s"]), size / min(result["runs_s"])
 
 
-def machine_line(run: dict) -> str:
-    """Where a run was measured: `N cores (CPU, family F model M, vector
-    width, memory)`, with what the run recorded of it."""
+def run_line(run: dict, name: str, what: str) -> str:
+    """A run's first line: its file, commit, date and where it was measured
+    (`N cores (CPU, family F model M, vector width, memory)`, with what the
+    run recorded of it), then `what` it measured."""
     machine = run.get("machine", {})
     cpu = machine.get("cpu") or machine.get("arch", "?")
     if machine.get("cpu_family") is not None:
@@ -119,14 +120,17 @@ def machine_line(run: dict) -> str:
         cpu += f", {machine['vector']}"
     memory = machine.get("memory_bytes")
     memory = f", {memory / 2**30:.0f} GiB" if memory else ""
-    return f"{machine.get('cores', '?')} cores ({cpu}{memory})"
+    commit = (run.get("commit") or "unknown")[:12]
+    return (
+        f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, "
+        f"{machine.get('cores', '?')} cores ({cpu}{memory}); {what}."
+    )
 
 
 def render(run: dict, name: str) -> str:
     """The markdown for one run."""
     if run.get("bench") == "reader_throughput":
         return render_reader(run, name)
-    commit = (run.get("commit") or "unknown")[:12]
     shape = f"{run['rows']:,} rows × "
     if run.get("vector"):
         shape += f"(int64 label + fixed_size_list<float32>[{run['features']}])"
@@ -135,8 +139,7 @@ def render(run: dict, name: str) -> str:
     else:
         shape += f"(int64 label + {run['features']} float32 columns)"
     lines = [
-        f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, "
-        f"{machine_line(run)}; {shape}.",
+        run_line(run, name, shape),
         "",
         "```sh",
         run["command"],
@@ -188,16 +191,18 @@ def render_reader(run: dict, name: str) -> str:
     medians, and of each repetition to the same repetition's floor), the
     loop's wait for data as a share of its epoch, and the CPU seconds of the
     server's process and PyTorch's; then an epoch read alone."""
-    commit = (run.get("commit") or "unknown")[:12]
     where = "the Unix socket" if run.get("transport") == "unix" else "loopback TCP"
     device = run.get("device", "cpu")
     if run.get("device_name"):
         device += f" ({run['device_name']})"
     lines = [
-        f"Run `{name}`: commit `{commit}`, {run.get('date', 'date unknown')}, {machine_line(run)}; "
-        f"{run['rows']:,} rows × {run['dim']} float32, {run['classes']} classes, AdamW, "
-        f"batch {run['batch_size']}, one epoch, {run['threads']} torch threads, PyTorch on {device}, "
-        f"read over {where}; medians of {run['reps']} repetitions.",
+        run_line(
+            run,
+            name,
+            f"{run['rows']:,} rows × {run['dim']} float32, {run['classes']} classes, AdamW, "
+            f"batch {run['batch_size']}, one epoch, {run['threads']} torch threads, "
+            f"PyTorch on {device}, read over {where}; medians of {run['reps']} repetitions",
+        ),
         "",
         "```sh",
         run["command"],
