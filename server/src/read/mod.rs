@@ -49,8 +49,9 @@ const TILE_BYTES: usize = 32 << 10;
 /// Up to this many packed columns are copied straight from each record
 /// to their columns; more go through a tile.
 const DIRECT_COLUMNS: usize = 4;
-/// How many rows ahead a packed gather asks for a record to be loaded.
-const PREFETCH_ROWS: usize = 8;
+/// How many rows ahead a packed gather asks for a record to be loaded
+/// (see [`prefetch`]: fewer leave misses unoverlapped, more gain nothing).
+const PREFETCH_ROWS: usize = 16;
 /// Most parts one batch's packed gather is split into ([`gather_ways`]).
 const MAX_WAYS: usize = 4;
 /// Fewest rows a part of a split gather takes: a thread's start costs
@@ -1050,8 +1051,14 @@ fn packed_run<'a>(packed: &'a Packed, rows: &[(usize, usize)], local: usize) -> 
     Some(&packed.batch(b)[at..at + rows.len() * record])
 }
 
-/// Asks the CPU to start loading `bytes` into cache (a record a few rows
-/// ahead of the copy), every cache line it touches; a hint only.
+/// Asks the CPU to start loading `bytes` into the second-level cache (a
+/// record [`PREFETCH_ROWS`] rows ahead of the copy), every cache line it
+/// touches; a hint only. Into the second level, not the first: a core can
+/// have far more loads outstanding to it, so many more scattered records
+/// are on their way at once (2 M random 264-byte records copied into a
+/// tile, Zen 4: 42–53 ns a record asked into the first level 8 rows
+/// ahead, 23–24 ns into the second 16 ahead, 15 ns in storage order;
+/// `bench/RESULTS.md`).
 #[inline(always)]
 #[allow(unsafe_code)]
 fn prefetch(bytes: &[u8]) {
@@ -1060,11 +1067,11 @@ fn prefetch(bytes: &[u8]) {
         // From the start of the first line `bytes` touches to its last byte.
         let skew = bytes.as_ptr() as usize % 64;
         for line in (0..skew + bytes.len()).step_by(64) {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
             let at = bytes.as_ptr().wrapping_sub(skew).wrapping_add(line);
             // SAFETY: a prefetch neither reads into the program nor faults,
             // whatever the address; `at` is in a line `bytes` touches.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
