@@ -52,6 +52,13 @@ const DIRECT_COLUMNS: usize = 4;
 /// How many rows ahead a packed gather asks for a record to be loaded
 /// (see [`prefetch`]: fewer leave misses unoverlapped, more gain nothing).
 const PREFETCH_ROWS: usize = 16;
+/// How many picks ahead a column's gather of scattered values (in stored
+/// order, a cache line or so apart) asks for a value to be loaded: a value
+/// is one line where a packed record is several, so more of them are
+/// asked for at once (2 M rows × 65 four-byte columns gathered in
+/// 16 384-row batches, Zen 4: 12–14 ns a value with no prefetch, 6.8–7.8 ns
+/// 64 picks ahead, the same 128 or 512 ahead; `bench/RESULTS.md`).
+const PREFETCH_VALUES: usize = 64;
 /// Most parts one batch's packed gather is split into ([`gather_ways`]).
 const MAX_WAYS: usize = 4;
 /// Fewest rows a part of a split gather takes: a thread's start costs
@@ -1344,7 +1351,9 @@ fn bytes_at<const N: usize>(from: &[u8], at: usize) -> [u8; N] {
     value
 }
 
-/// Copies row `r` of source `b` to output row `at` for every pick.
+/// Copies row `r` of source `b` to output row `at` for every pick (picks
+/// in stored order), asking for each source value [`PREFETCH_VALUES`]
+/// picks ahead.
 fn gather_bytes(sources: &[&[u8]], picks: &[(u32, u32, u32)], row_bytes: usize, out: &mut [u8]) {
     match row_bytes {
         1 => gather_rows::<1>(sources, picks, out),
@@ -1353,7 +1362,8 @@ fn gather_bytes(sources: &[&[u8]], picks: &[(u32, u32, u32)], row_bytes: usize, 
         8 => gather_rows::<8>(sources, picks, out),
         16 => gather_rows::<16>(sources, picks, out),
         n => {
-            for &(b, r, at) in picks {
+            for (i, &(b, r, at)) in picks.iter().enumerate() {
+                prefetch_pick(sources, picks, i + PREFETCH_VALUES, n);
                 let (r, at) = (r as usize * n, at as usize * n);
                 out[at..at + n].copy_from_slice(&sources[b as usize][r..r + n]);
             }
@@ -1363,9 +1373,24 @@ fn gather_bytes(sources: &[&[u8]], picks: &[(u32, u32, u32)], row_bytes: usize, 
 
 /// [`gather_bytes`] for rows of `N` bytes: one load and one store per row.
 fn gather_rows<const N: usize>(sources: &[&[u8]], picks: &[(u32, u32, u32)], out: &mut [u8]) {
-    for &(b, r, at) in picks {
+    for (i, &(b, r, at)) in picks.iter().enumerate() {
+        prefetch_pick(sources, picks, i + PREFETCH_VALUES, N);
         let at = at as usize * N;
         out[at..at + N].copy_from_slice(&bytes_at::<N>(sources[b as usize], r as usize * N));
+    }
+}
+
+/// [`prefetch`]es the `row_bytes`-byte value of pick `i`, if there is one.
+#[inline(always)]
+fn prefetch_pick(sources: &[&[u8]], picks: &[(u32, u32, u32)], i: usize, row_bytes: usize) {
+    if let Some(&(b, r, _)) = picks.get(i) {
+        let from = r as usize * row_bytes;
+        if let Some(value) = sources
+            .get(b as usize)
+            .and_then(|s| s.get(from..from + row_bytes))
+        {
+            prefetch(value);
+        }
     }
 }
 
