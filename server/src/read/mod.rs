@@ -1059,10 +1059,11 @@ fn packed_run<'a>(packed: &'a Packed, rows: &[(usize, usize)], local: usize) -> 
 }
 
 /// Asks the CPU to start loading `bytes` into the second-level cache (a
-/// record [`PREFETCH_ROWS`] rows ahead of the copy), every cache line it
-/// touches; a hint only. Into the second level, not the first: a core can
-/// have far more loads outstanding to it, so many more scattered records
-/// are on their way at once (2 M random 264-byte records copied into a
+/// packed record [`PREFETCH_ROWS`] rows ahead of its copy, a column's
+/// value [`PREFETCH_VALUES`] picks ahead), every cache line it touches; a
+/// hint only. Into the second level, not the first: a core can have far
+/// more loads outstanding to it, so many more scattered records are on
+/// their way at once (2 M random 264-byte records copied into a
 /// tile, Zen 4: 42–53 ns a record asked into the first level 8 rows
 /// ahead, 23–24 ns into the second 16 ahead, 15 ns in storage order;
 /// `bench/RESULTS.md`).
