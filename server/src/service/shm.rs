@@ -450,7 +450,8 @@ impl Ring {
         };
         // From the page that holds the first byte not mapped yet (the
         // mapping starts at a page).
-        let from = from / page_size() * page_size();
+        let page = page_size();
+        let from = from / page * page;
         #[cfg(target_os = "linux")]
         {
             // SAFETY: `[from, to)` lies within the mapping (the ring's
