@@ -88,6 +88,13 @@ RATIOS = [
     ),
 ] + [
     (
+        f"NODE, node {g} / one server unshuffled, that node's member's rows",
+        (f"cluster/node/n{g}", "flightdeck"),
+        (f"cluster/single-node-rows/n{g}", "flightdeck"),
+    )
+    for g in range(8)
+] + [
+    (
         f"gather on {t} threads a batch / on 1",
         (f"gather/global/threads-{t}", "flightdeck"),
         ("gather/global/threads-1", "flightdeck"),

@@ -895,7 +895,9 @@ fn gather_phase(run: &mut Run, reps: usize) -> Result<(), BoxError> {
 ///   against `cluster/single-node-rows`: as many ranks reading, unshuffled,
 ///   a dataset that holds just one member's partitions on a server of its
 ///   own, member by member, timed as a round the same way (the same rows,
-///   and reads of the same size).
+///   and reads of the same size). Each node's part of both rounds is
+///   recorded too (`cluster/node/nG`, `cluster/single-node-rows/nG`,
+///   measured repetitions only), to show which node's read is slower.
 /// - `cluster/node-all`: every node's ranks reading their LOCALITY_NODE
 ///   shards at once (every member serving its node and the transfers
 ///   together, as on a cluster, but on this machine's cores); against
@@ -954,6 +956,10 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
         for node in 0..n as u32 {
             let ranks = node * per_node..(node + 1) * per_node;
             let one = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
+            if first.is_empty() {
+                let (s, rows) = (one.0.clone(), one.1);
+                record(run, &format!("cluster/node/n{node}"), rows, s);
+            }
             round = phases::then(round, one);
         }
         let (s, rows) = round;
@@ -964,6 +970,10 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
         for g in 0..n {
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
             let one = phases::get_ranks(&single_rows, one, None).await?;
+            if first.is_empty() {
+                let (s, rows) = (one.0.clone(), one.1);
+                record(run, &format!("cluster/single-node-rows/n{g}"), rows, s);
+            }
             round = phases::then(round, one);
         }
         let (s, rows) = round;
