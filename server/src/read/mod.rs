@@ -293,21 +293,111 @@ fn untile_steps(outputs: &[(usize, Slot)]) -> Vec<Untile> {
 }
 
 impl PackedGather {
-    /// Appends the first `rows` records of `tile` to `outs` (one buffer per
-    /// output), column by column.
-    fn untile(&self, tile: &[u8], rows: usize, outs: &mut [MutableBuffer]) {
-        let record = self.packed.record();
-        untile_records(tile, record, rows, &self.outputs, &self.untiles, outs);
+    /// Appends the records of `from` to `outs` (one buffer per output),
+    /// column by column.
+    fn untile(&self, from: impl Records, outs: &mut [MutableBuffer]) {
+        untile_records(from, &self.outputs, &self.untiles, outs);
     }
 }
 
-/// Appends the first `rows` records (of `record` bytes) of `tile` to `outs`,
-/// one buffer per output (`(projected column, slot)`), by `steps`
-/// ([`untile_steps`] of `outputs`).
-fn untile_records(
-    tile: &[u8],
+/// Records an untile reads, each of the same size: back to back in one
+/// buffer ([`Tile`]), or each where it lies ([`Scattered`]).
+trait Records: Copy {
+    /// Bytes of each record.
+    fn record(&self) -> usize;
+    /// Records held.
+    fn rows(&self) -> usize;
+    /// The start of record `i`, which is `record()` bytes long where `i <
+    /// rows()`; an address only, valid to read where `i < rows()`.
+    fn start(&self, i: usize) -> *const u8;
+    /// Record `i` (below `rows()`).
+    fn at(&self, i: usize) -> &[u8];
+    /// The records as one buffer, when they lie back to back.
+    fn tile(&self) -> Option<&[u8]>;
+}
+
+/// `rows` records of `record` bytes, back to back.
+#[derive(Debug, Clone, Copy)]
+struct Tile<'a> {
+    bytes: &'a [u8],
     record: usize,
     rows: usize,
+}
+
+impl<'a> Tile<'a> {
+    /// The first `rows` records of `record` bytes in `bytes`.
+    fn new(bytes: &'a [u8], record: usize, rows: usize) -> Self {
+        assert!(bytes.len() >= rows * record, "a tile of {rows} records");
+        Self {
+            bytes,
+            record,
+            rows,
+        }
+    }
+}
+
+impl Records for Tile<'_> {
+    fn record(&self) -> usize {
+        self.record
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    #[inline(always)]
+    fn start(&self, i: usize) -> *const u8 {
+        self.bytes.as_ptr().wrapping_add(i * self.record)
+    }
+    fn at(&self, i: usize) -> &[u8] {
+        &self.bytes[i * self.record..][..self.record]
+    }
+    fn tile(&self) -> Option<&[u8]> {
+        Some(&self.bytes[..self.rows * self.record])
+    }
+}
+
+/// Records each where it lies (a shuffled batch's, in the packed copy),
+/// read there rather than copied into a tile first.
+#[derive(Debug, Clone, Copy)]
+struct Scattered<'a, 'b> {
+    records: &'b [&'a [u8]],
+    record: usize,
+}
+
+impl<'a, 'b> Scattered<'a, 'b> {
+    /// `records`, each `record` bytes.
+    fn new(records: &'b [&'a [u8]], record: usize) -> Self {
+        assert!(
+            records.iter().all(|r| r.len() == record),
+            "records of {record} bytes"
+        );
+        Self { records, record }
+    }
+}
+
+impl Records for Scattered<'_, '_> {
+    fn record(&self) -> usize {
+        self.record
+    }
+    fn rows(&self) -> usize {
+        self.records.len()
+    }
+    #[inline(always)]
+    fn start(&self, i: usize) -> *const u8 {
+        self.records[i].as_ptr()
+    }
+    fn at(&self, i: usize) -> &[u8] {
+        self.records[i]
+    }
+    fn tile(&self) -> Option<&[u8]> {
+        None
+    }
+}
+
+/// Appends the records of `from` to `outs`, one buffer per output
+/// (`(projected column, slot)`), by `steps` ([`untile_steps`] of
+/// `outputs`).
+fn untile_records(
+    from: impl Records,
     outputs: &[(usize, Slot)],
     steps: &[Untile],
     outs: &mut [MutableBuffer],
@@ -316,9 +406,9 @@ fn untile_records(
         match step {
             Untile::Eight(first) => {
                 let offset = outputs[first].1.offset;
-                untile_eight(tile, record, rows, offset, &mut outs[first..first + 8]);
+                untile_eight(from, offset, &mut outs[first..first + 8]);
             }
-            Untile::One(i) => untile(tile, record, rows, outputs[i].1, &mut outs[i]),
+            Untile::One(i) => untile(from, outputs[i].1, &mut outs[i]),
         }
     }
 }
@@ -658,9 +748,12 @@ impl Gather {
             r if r >= 16 => r / 16 * 16,
             r => r.max(1),
         };
-        let mut tile = vec![0u8; tile_rows * record];
-        // The tile's rows fetched from other members: (tile row, extra
-        // batch, row in it).
+        // The tile's records where they lie (empty for a row a member sent
+        // as columns), and a tile to copy them into only where some are.
+        let mut scattered: Vec<&[u8]> = Vec::with_capacity(tile_rows);
+        let mut tile: Vec<u8> = Vec::new();
+        // The tile's rows fetched from other members as columns: (tile
+        // row, extra batch, row in it).
         let mut from_members: Vec<(usize, usize, usize)> = Vec::new();
         let mut places: Vec<(usize, usize)> = Vec::with_capacity(tile_rows + PREFETCH_ROWS);
         for start in (0..n).step_by(tile_rows) {
@@ -668,13 +761,14 @@ impl Gather {
             if let Some(run) = packed_run(&p.packed, tile_picks, local) {
                 // Records back to back (an unshuffled read by as many
                 // ranks as the copy's stride): untiled where they lie.
-                p.untile(run, tile_picks.len(), outs);
+                p.untile(Tile::new(run, record, tile_picks.len()), outs);
                 continue;
             }
             // The tile's picks and those a prefetch ahead of its last.
             places.clear();
             let ahead = &rows[start..n.min(start + tile_picks.len() + PREFETCH_ROWS)];
             places.extend(ahead.iter().map(place));
+            scattered.clear();
             for (i, &(b, at)) in places[..tile_picks.len()].iter().enumerate() {
                 if let Some(&(b, at)) = places.get(i + PREFETCH_ROWS)
                     && b < local
@@ -682,17 +776,32 @@ impl Gather {
                     prefetch(p.packed.at(b, at));
                 }
                 match record_at(b, at) {
-                    Some(from) => tile[i * record..(i + 1) * record].copy_from_slice(from),
-                    None => from_members.push((i, b - local, at)),
+                    Some(from) => scattered.push(from),
+                    None => {
+                        from_members.push((i, b - local, at));
+                        scattered.push(&[]);
+                    }
                 }
             }
-            // Rows other members sent as columns, column by column into
-            // the tile.
+            if from_members.is_empty() {
+                // Transposed from where the records lie: copying them
+                // into a tile first cost as much again.
+                p.untile(Scattered::new(&scattered, record), outs);
+                continue;
+            }
+            // Rows other members sent as columns: the others' records
+            // copied into the tile, theirs written column by column.
+            tile.resize(tile_rows * record, 0);
+            for (i, from) in scattered.iter().enumerate() {
+                if !from.is_empty() {
+                    tile[i * record..][..record].copy_from_slice(from);
+                }
+            }
             for (values, &(_, slot)) in fetched.values.iter().zip(&p.outputs) {
                 fetched_into_tile(&mut tile, record, slot, values, &from_members);
             }
             from_members.clear();
-            p.untile(&tile, tile_picks.len(), outs);
+            p.untile(Tile::new(&tile, record, tile_picks.len()), outs);
         }
     }
 
@@ -1086,35 +1195,29 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Appends column `slot` of the first `rows` records in `tile` to `out`,
-/// row after row.
-fn untile(tile: &[u8], record: usize, rows: usize, slot: Slot, out: &mut MutableBuffer) {
+/// Appends column `slot` of the records of `from` to `out`, row after row.
+fn untile(from: impl Records, slot: Slot, out: &mut MutableBuffer) {
     match slot.width {
-        4 => untile_n::<4>(tile, record, rows, slot.offset, out),
-        8 => untile_n::<8>(tile, record, rows, slot.offset, out),
+        4 => untile_n::<4>(from, slot.offset, out),
+        8 => untile_n::<8>(from, slot.offset, out),
         _ => {
-            let values = (0..rows).map(|i| (tile, i * record + slot.offset));
+            let values = (0..from.rows()).map(|i| (from.at(i), slot.offset));
             append_values(values, slot.width, out);
         }
     }
 }
 
-/// Appends the eight 4-byte columns side by side at `offset` in the first
-/// `rows` records of `tile` to `outs` (eight buffers, the first column's
-/// values to the first): eight rows at a time transposed in registers
-/// where the CPU has AVX, the rows left (and every row elsewhere) value by
-/// value. Written straight into each buffer's reserved room, not zeroed
-/// first (zeroing eight outputs a tile cost four times the transpose).
+/// Appends the eight 4-byte columns side by side at `offset` in the
+/// records of `from` to `outs` (eight buffers, the first column's values to
+/// the first): eight rows at a time transposed in registers where the CPU
+/// has AVX, the rows left (and every row elsewhere) value by value. Written
+/// straight into each buffer's reserved room, not zeroed first (zeroing
+/// eight outputs a tile cost four times the transpose).
 #[allow(unsafe_code)]
-fn untile_eight(
-    tile: &[u8],
-    record: usize,
-    rows: usize,
-    offset: usize,
-    outs: &mut [MutableBuffer],
-) {
+fn untile_eight(from: impl Records, offset: usize, outs: &mut [MutableBuffer]) {
     let outs: &mut [MutableBuffer; 8] = outs.try_into().expect("eight outputs");
-    assert!(offset + 32 <= record && tile.len() >= rows * record);
+    let rows = from.rows();
+    assert!(offset + 32 <= from.record());
     for out in outs.iter_mut() {
         out.reserve(rows * 4);
     }
@@ -1124,21 +1227,17 @@ fn untile_eight(
     #[cfg(target_arch = "x86_64")]
     let done = if std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: the CPU has the feature `untile_eight_avx` is compiled
-        // for; `tile` holds `rows` records, `offset + 32 <= record` and
-        // every `to[k]` has room for `rows * 4` bytes (all checked or
+        // for; `from` holds `rows` records of at least `offset + 32` bytes
+        // and every `to[k]` has room for `rows * 4` bytes (all checked or
         // reserved above).
-        unsafe { untile_eight_avx(tile, record, rows, offset, to) }
+        unsafe { untile_eight_avx(from, offset, to) }
     } else {
         0
     };
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
-    for (i, values) in tile[..rows * record]
-        .chunks_exact(record)
-        .enumerate()
-        .skip(done)
-    {
-        let values = &values[offset..offset + 32];
+    for i in done..rows {
+        let values = &from.at(i)[offset..offset + 32];
         for (k, &to) in to.iter().enumerate() {
             // SAFETY: `i < rows` and `to` has room for `rows * 4` bytes.
             unsafe { std::ptr::copy_nonoverlapping(values[4 * k..].as_ptr(), to.add(4 * i), 4) };
@@ -1153,38 +1252,33 @@ fn untile_eight(
 }
 
 /// The AVX part of [`untile_eight`]: writes to `to[k]` the 4-byte value at
-/// `offset + 4k` of each of the first `rows` records of `tile`, eight rows
-/// at a time (two 4 × 4 transposes, one per half of the values, with rows
-/// `i..i + 4` in the low lane and `i + 4..i + 8` in the high one); returns
-/// the rows written, the rest left to the caller.
+/// `offset + 4k` of each record of `from`, eight rows at a time (two 4 × 4
+/// transposes, one per half of the values, with rows `i..i + 4` in the low
+/// lane and `i + 4..i + 8` in the high one); returns the rows written, the
+/// rest left to the caller.
 ///
 /// # Safety
 ///
-/// `tile` holds `rows` records of `record` bytes, `offset + 32 <= record`,
-/// and each `to[k]` is valid for writes of `rows * 4` bytes.
+/// `from`'s records are at least `offset + 32` bytes each, and each `to[k]`
+/// is valid for writes of `from.rows() * 4` bytes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 #[allow(unsafe_code)]
-unsafe fn untile_eight_avx(
-    tile: &[u8],
-    record: usize,
-    rows: usize,
-    offset: usize,
-    to: [*mut u8; 8],
-) -> usize {
+unsafe fn untile_eight_avx(from: impl Records, offset: usize, to: [*mut u8; 8]) -> usize {
     use std::arch::x86_64::*;
+    let rows = from.rows();
     let mut i = 0;
     while i + 8 <= rows {
         for half in 0..2 {
             // SAFETY: the loads read 16 bytes at `offset + 16 * half` of
-            // records `i..i + 8`, inside `tile` (`offset + 32 <= record`,
-            // `i + 8 <= rows`); the stores write `to[k][i * 4..i * 4 +
-            // 32]`, inside the room the caller gives.
+            // records `i..i + 8` (`i + 8 <= rows`), inside each record
+            // (`offset + 32` bytes or more); the stores write `to[k][i *
+            // 4..i * 4 + 32]`, inside the room the caller gives.
             unsafe {
-                let at = tile.as_ptr().add(i * record + offset + 16 * half);
+                let at = offset + 16 * half;
                 let load = |j: usize| {
-                    let low = _mm_loadu_ps(at.add(j * record).cast());
-                    let high = _mm_loadu_ps(at.add((j + 4) * record).cast());
+                    let low = _mm_loadu_ps(from.start(i + j).add(at).cast());
+                    let high = _mm_loadu_ps(from.start(i + j + 4).add(at).cast());
                     _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(low), high)
                 };
                 let (a0, a1, a2, a3) = (load(0), load(1), load(2), load(3));
@@ -1207,34 +1301,29 @@ unsafe fn untile_eight_avx(
 }
 
 /// [`untile`] for a column of `W` bytes a row: the output grown once, then
-/// each record's value copied into place — sixteen (or eight) records at a
-/// time with one AVX-512 gather where the CPU has it, else one by one in a
-/// loop the compiler keeps tight (appending value by value would check
-/// capacity at every row).
-fn untile_n<const W: usize>(
-    tile: &[u8],
-    record: usize,
-    rows: usize,
-    offset: usize,
-    out: &mut MutableBuffer,
-) {
+/// each record's value copied into place — records back to back sixteen
+/// (or eight) at a time with one AVX-512 gather where the CPU has it, else
+/// one by one in a loop the compiler keeps tight (appending value by value
+/// would check capacity at every row).
+fn untile_n<const W: usize>(from: impl Records, offset: usize, out: &mut MutableBuffer) {
+    let rows = from.rows();
     let start = out.len();
     out.extend_zeros(rows * W);
     let to = &mut out.as_slice_mut()[start..];
-    let tile = &tile[..rows * record];
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
-    let done = if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has the feature `untile_avx512` is compiled for.
-        unsafe { untile_avx512::<W>(tile, record, offset, to) }
-    } else {
-        0
+    let done = match from.tile() {
+        Some(tile) if std::arch::is_x86_feature_detected!("avx512f") => {
+            // SAFETY: the CPU has the feature `untile_avx512` is compiled
+            // for.
+            unsafe { untile_avx512::<W>(tile, from.record(), offset, to) }
+        }
+        _ => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
-    let tail = tile.chunks_exact(record).skip(done);
-    for (value, record) in to[done * W..].chunks_exact_mut(W).zip(tail) {
-        value.copy_from_slice(&record[offset..offset + W]);
+    for (i, value) in to.chunks_exact_mut(W).enumerate().skip(done) {
+        value.copy_from_slice(&from.at(i)[offset..offset + W]);
     }
 }
 
@@ -1667,7 +1756,7 @@ mod tests {
             let tile: Vec<u8> = (0..rows * record + 7).map(|i| (i * 31 + 7) as u8).collect();
             let mut out = MutableBuffer::new(0);
             out.extend_from_slice(&[9u8; 3]);
-            untile_n::<W>(&tile, record, rows, offset, &mut out);
+            untile_n::<W>(Tile::new(&tile, record, rows), offset, &mut out);
             let expected: Vec<u8> = (0..rows)
                 .flat_map(|i| tile[i * record + offset..][..W].to_vec())
                 .collect();
@@ -1698,13 +1787,13 @@ mod tests {
                 let before = || (0..8).map(|k| MutableBuffer::from_len_zeroed(k % 3));
                 let mut outs: Vec<MutableBuffer> = before().collect();
                 let mut expected: Vec<MutableBuffer> = before().collect();
-                untile_eight(&tile, record, rows, offset, &mut outs);
+                untile_eight(Tile::new(&tile, record, rows), offset, &mut outs);
                 for (k, out) in expected.iter_mut().enumerate() {
                     let slot = Slot {
                         offset: offset + 4 * k,
                         width: 4,
                     };
-                    untile(&tile, record, rows, slot, out);
+                    untile(Tile::new(&tile, record, rows), slot, out);
                 }
                 for (k, (out, expected)) in outs.iter().zip(&expected).enumerate() {
                     assert_eq!(
@@ -1712,6 +1801,41 @@ mod tests {
                         expected.as_slice(),
                         "column {k}, rows {rows}, record {record}, offset {offset}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scattered_records_untile_as_the_same_records_copied_into_a_tile() {
+        for rows in [0, 1, 7, 8, 9, 16, 31, 124] {
+            for record in [32, 41, 264] {
+                let pool: Vec<u8> = (0..300 * record).map(|i| (i * 37 + 11) as u8).collect();
+                // Records picked out of order, one of them twice.
+                let picks: Vec<usize> = (0..rows).map(|i| (i * 113 + 7) % 300).collect();
+                let picked: Vec<&[u8]> = picks
+                    .iter()
+                    .map(|&r| &pool[r * record..][..record])
+                    .collect();
+                let copied: Vec<u8> = picked.concat();
+                let scattered = Scattered::new(&picked, record);
+                let tile = Tile::new(&copied, record, rows);
+                let slots = [(0, 4), (record - 8, 8), (3, 3), (record - 4, 4), (1, 8)];
+                for (offset, width) in slots {
+                    let slot = Slot { offset, width };
+                    let (mut a, mut b) = (MutableBuffer::new(0), MutableBuffer::new(0));
+                    untile(scattered, slot, &mut a);
+                    untile(tile, slot, &mut b);
+                    assert_eq!(a.as_slice(), b.as_slice(), "{rows} rows {record} {slot:?}");
+                }
+                for offset in [0, record - 32] {
+                    let outs = || (0..8).map(|_| MutableBuffer::new(0)).collect::<Vec<_>>();
+                    let (mut a, mut b) = (outs(), outs());
+                    untile_eight(scattered, offset, &mut a);
+                    untile_eight(tile, offset, &mut b);
+                    for (k, (a, b)) in a.iter().zip(&b).enumerate() {
+                        assert_eq!(a.as_slice(), b.as_slice(), "{rows} rows {record} {k}");
+                    }
                 }
             }
         }

@@ -29,7 +29,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use super::packed::{Packed, Slot};
 use super::{
-    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, gather_ways, in_parts,
+    Column, Gather, PREFETCH_ROWS, PackedGather, Picks, TILE_BYTES, Tile, gather_ways, in_parts,
     prefetch, untile_records, untile_steps,
 };
 use crate::error::{Error, Result};
@@ -254,8 +254,8 @@ impl Gather {
         let tile_rows = (TILE_BYTES / record).max(1);
         for start in (0..n).step_by(tile_rows) {
             let rows = tile_rows.min(n - start);
-            let tile = &records.values.as_slice()[start * record..];
-            untile_records(tile, record, rows, &outputs, &steps, &mut outs);
+            let tile = Tile::new(&records.values.as_slice()[start * record..], record, rows);
+            untile_records(tile, &outputs, &steps, &mut outs);
         }
         let columns = fixed
             .into_iter()
