@@ -8,11 +8,11 @@
 //! in the small output batch). When the rows are scattered (a shuffled
 //! order, or one rank's every `W`-th row of an unshuffled one) and the
 //! gather was given the arena, those columns are instead gathered from the
-//! dataset's [`packed`] copy: one contiguous record per row into a tile that
-//! stays in cache, transposed back into columns. The copy groups each stored
-//! batch's records by row residue modulo the world size of the plan that
-//! built it, so a rank's rows of an unshuffled read by that many ranks are
-//! one run of records, copied into the tile as one forward stream. Other
+//! dataset's [`packed`] copy: one contiguous record per row, a tile's worth
+//! of records at a time transposed back into columns where they lie. The
+//! copy groups each stored batch's records by row residue modulo the world
+//! size of the plan that built it, so a rank's rows of an unshuffled read by
+//! that many ranks are one run of records, read as one forward stream. Other
 //! columns go through Arrow's `interleave`. Where cores are to spare, a
 //! batch's packed gather is split into parts gathered on threads of their
 //! own (`gather_ways`, `--gather-threads`). Every path gives the same
@@ -43,11 +43,11 @@ use crate::order::{ReadPlan, ShardOrder};
 use crate::query::{Derive, Filter, Selection};
 use packed::{Packed, Slot};
 
-/// Bytes of the tile a packed gather copies records into: small enough to
-/// stay in the first-level cache while it is transposed into columns.
+/// Bytes of the records a packed gather transposes into columns at a time
+/// (a tile): small enough to stay in the first-level cache meanwhile.
 const TILE_BYTES: usize = 32 << 10;
 /// Up to this many packed columns are copied straight from each record
-/// to their columns; more go through a tile.
+/// to their columns; more are transposed a tile at a time.
 const DIRECT_COLUMNS: usize = 4;
 /// How many rows ahead a packed gather asks for a record to be loaded
 /// (see [`prefetch`]: fewer leave misses unoverlapped, more gain nothing).
@@ -680,10 +680,11 @@ impl Gather {
 
     /// Appends the packed columns of `rows` (`(batch, row)`; a batch index
     /// past the local batches names a fetched one) to `outs`, one buffer per
-    /// packed output: records copied into a tile, the tile transposed into
-    /// columns; for a few (wide) columns, each value copied straight from
-    /// its record. Rows fetched from other members as columns are written
-    /// column by column.
+    /// packed output: a tile's worth of records at a time transposed into
+    /// columns where they lie; for a few (wide) columns, each value copied
+    /// straight from its record. A tile with rows fetched from other
+    /// members as columns is copied into a buffer, their values written
+    /// into it column by column, and transposed from there.
     fn gather_rows(
         &self,
         p: &PackedGather,

@@ -22,9 +22,9 @@
 //! Which columns are packed is the gather's choice of byte-copied columns
 //! (fixed-width values without nulls, and lists whose rows all hold one
 //! number of values; on a cluster's member, those its layout gathers as
-//! bytes on every member); the gather copies records into a
-//! small tile that stays in cache and transposes the tile back into columns,
-//! so the arrays it produces are the ones the columnar gather produces.
+//! bytes on every member); the gather transposes a small tile of records
+//! at a time (each where it lies in the copy) back into columns, so the
+//! arrays it produces are the ones the columnar gather produces.
 //! The build is that transpose the other way: a block of records small
 //! enough to stay in cache at a time, every column written into it (eight
 //! side-by-side 4-byte columns eight rows at a time, in registers), and a
