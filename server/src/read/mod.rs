@@ -302,13 +302,19 @@ impl PackedGather {
 
 /// Records an untile reads, each of the same size: back to back in one
 /// buffer ([`Tile`]), or each where it lies ([`Scattered`]).
-trait Records: Copy {
+///
+/// # Safety
+///
+/// For every `i < rows()`, `start(i)` is valid to read `record()` bytes
+/// from (the untile kernels load through it without bounds checks).
+#[allow(unsafe_code)]
+unsafe trait Records: Copy {
     /// Bytes of each record.
     fn record(&self) -> usize;
     /// Records held.
     fn rows(&self) -> usize;
-    /// The start of record `i`, which is `record()` bytes long where `i <
-    /// rows()`; an address only, valid to read where `i < rows()`.
+    /// The start of record `i`: an address only, valid to read
+    /// `record()` bytes from where `i < rows()`.
     fn start(&self, i: usize) -> *const u8;
     /// Record `i` (below `rows()`).
     fn at(&self, i: usize) -> &[u8];
@@ -336,7 +342,9 @@ impl<'a> Tile<'a> {
     }
 }
 
-impl Records for Tile<'_> {
+// SAFETY: `Tile::new` checks that `bytes` holds `rows` records.
+#[allow(unsafe_code)]
+unsafe impl Records for Tile<'_> {
     fn record(&self) -> usize {
         self.record
     }
@@ -374,7 +382,9 @@ impl<'a, 'b> Scattered<'a, 'b> {
     }
 }
 
-impl Records for Scattered<'_, '_> {
+// SAFETY: `Scattered::new` checks that every record is `record` bytes.
+#[allow(unsafe_code)]
+unsafe impl Records for Scattered<'_, '_> {
     fn record(&self) -> usize {
         self.record
     }
