@@ -88,19 +88,30 @@ RATIOS = [
     ),
 ] + [
     (
-        f"NODE, node {g} / one server unshuffled, that node's member's rows",
-        (f"cluster/node/n{g}", "flightdeck"),
-        (f"cluster/single-node-rows/n{g}", "flightdeck"),
-    )
-    for g in range(8)
-] + [
-    (
         f"gather on {t} threads a batch / on 1",
         (f"gather/global/threads-{t}", "flightdeck"),
         ("gather/global/threads-1", "flightdeck"),
     )
     for t in (2, 4, 8)
 ]
+
+
+def node_ratios(found: dict) -> list:
+    """The cluster phase's per-node ratios, one for each node the run
+    recorded (`cluster/node/nG` against `cluster/single-node-rows/nG`)."""
+    nodes = sorted(
+        int(phase.removeprefix("cluster/node/n"))
+        for phase, _ in found
+        if phase.startswith("cluster/node/n") and phase.removeprefix("cluster/node/n").isdigit()
+    )
+    return [
+        (
+            f"NODE, node {g} / one server unshuffled, that node's member's rows",
+            (f"cluster/node/n{g}", "flightdeck"),
+            (f"cluster/single-node-rows/n{g}", "flightdeck"),
+        )
+        for g in nodes
+    ]
 
 
 def median(values: list[float]) -> float:
@@ -166,7 +177,7 @@ def render(run: dict, name: str) -> str:
         )
     ratios = [
         (label, rates(found[a]), rates(found[b]))
-        for label, a, b in RATIOS
+        for label, a, b in RATIOS + node_ratios(found)
         if a in found and b in found
     ]
     if ratios:

@@ -957,8 +957,7 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
             let ranks = node * per_node..(node + 1) * per_node;
             let one = phases::get_ranks(&uris[0], node_plan.clone(), Some(ranks)).await?;
             if first.is_empty() {
-                let (s, rows) = (one.0.clone(), one.1);
-                record(run, &format!("cluster/node/n{node}"), rows, s);
+                record(run, &format!("cluster/node/n{node}"), one.1, one.0.clone());
             }
             round = phases::then(round, one);
         }
@@ -971,8 +970,12 @@ async fn cluster_phase(run: &mut Run, single: &str, reps: usize) -> Result<(), B
             let one = phases::read_plan(&node_rows(g), per_node, Shuffle::None, batch_rows);
             let one = phases::get_ranks(&single_rows, one, None).await?;
             if first.is_empty() {
-                let (s, rows) = (one.0.clone(), one.1);
-                record(run, &format!("cluster/single-node-rows/n{g}"), rows, s);
+                record(
+                    run,
+                    &format!("cluster/single-node-rows/n{g}"),
+                    one.1,
+                    one.0.clone(),
+                );
             }
             round = phases::then(round, one);
         }
