@@ -22,6 +22,7 @@
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.
 
+mod output;
 pub mod packed;
 pub mod records;
 
@@ -30,7 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayData, ArrayRef, RecordBatch, RecordBatchOptions, make_array};
-use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::buffer::Buffer;
 use arrow::compute::interleave;
 use arrow::datatypes::{DataType, Schema, SchemaRef};
 
@@ -41,6 +42,7 @@ use crate::memory::device::{ColumnSegments, segments_at, value_bytes};
 use crate::metrics::Metrics;
 use crate::order::{ReadPlan, ShardOrder};
 use crate::query::{Derive, Filter, Selection};
+use output::{Columns, Output};
 use packed::{Packed, Slot};
 
 /// Bytes of the records a packed gather transposes into columns at a time
@@ -106,27 +108,41 @@ fn gather_ways(rows: usize) -> usize {
 }
 
 /// Runs `gather` over `rows` in parts of `part` rows, appending to `outs`
-/// (one buffer per output) in order: the first part on this thread, each
-/// other on a thread of its own into buffers from `empty(rows)`, joined
-/// when done. A part that panics panics here, as one gather would.
-fn in_parts<T: Sync>(
+/// (one output per column, `widths[k]` bytes a row) in order: the first
+/// part on this thread, each other on a thread of its own into the part of
+/// each output that [`Output::split_rest`] gives, joined when done. A part
+/// that panics panics here, as one gather would.
+fn in_parts<T: Sync, O: Output>(
     rows: &[T],
     part: usize,
-    outs: &mut [MutableBuffer],
-    empty: impl Fn(usize) -> Vec<MutableBuffer> + Sync,
-    gather: impl Fn(&[T], &mut [MutableBuffer]) + Sync,
+    outs: &mut [O],
+    widths: &[usize],
+    gather: impl Fn(&[T], &mut [O]) + Sync,
 ) {
     if part == 0 || part >= rows.len() {
         return gather(rows, outs);
     }
     let (first, rest) = rows.split_at(part);
-    let (empty, gather) = (&empty, &gather);
+    let mut parts: Vec<Vec<O>> = Vec::new();
+    let mut left = rest.len();
+    let mut keep = first.len();
+    for chunk in rest.chunks(part) {
+        let before = parts.last_mut().map_or(&mut *outs, |p| p.as_mut_slice());
+        let split = before
+            .iter_mut()
+            .zip(widths)
+            .map(|(out, &width)| out.split_rest(keep * width, left * width))
+            .collect();
+        parts.push(split);
+        (keep, left) = (chunk.len(), left - chunk.len());
+    }
+    let gather = &gather;
     std::thread::scope(|scope| {
         let others: Vec<_> = rest
             .chunks(part)
-            .map(|rows| {
+            .zip(parts)
+            .map(|(rows, mut outs)| {
                 scope.spawn(move || {
-                    let mut outs = empty(rows.len());
                     gather(rows, &mut outs);
                     outs
                 })
@@ -138,7 +154,7 @@ fn in_parts<T: Sync>(
                 .join()
                 .unwrap_or_else(|e| std::panic::resume_unwind(e));
             for (out, part) in outs.iter_mut().zip(parts) {
-                out.extend_from_slice(part.as_slice());
+                out.join(part);
             }
         }
     });
@@ -295,7 +311,7 @@ fn untile_steps(outputs: &[(usize, Slot)]) -> Vec<Untile> {
 impl PackedGather {
     /// Appends the records of `from` to `outs` (one buffer per output),
     /// column by column.
-    fn untile(&self, from: impl Records, outs: &mut [MutableBuffer]) {
+    fn untile(&self, from: impl Records, outs: &mut [impl Output]) {
         untile_records(from, &self.outputs, &self.untiles, outs);
     }
 }
@@ -410,7 +426,7 @@ fn untile_records(
     from: impl Records,
     outputs: &[(usize, Slot)],
     steps: &[Untile],
-    outs: &mut [MutableBuffer],
+    outs: &mut [impl Output],
 ) {
     for &step in steps {
         match step {
@@ -573,14 +589,49 @@ impl Gather {
             Some(p) => self.gather_packed(p, picks, extra)?,
             None => Vec::new(),
         };
+        // The fixed-width columns not gathered packed, in one buffer as
+        // the packed ones are (`gather_packed`).
+        let fixed: Vec<(usize, &FixedColumn)> = self
+            .columns
+            .iter()
+            .enumerate()
+            .filter_map(|(j, c)| match c {
+                Column::Fixed(c) if packed.get(j).is_none_or(Option::is_none) => Some((j, c)),
+                _ => None,
+            })
+            .collect();
+        let n = picks.len();
+        let widths: Vec<usize> = fixed.iter().map(|(_, c)| c.row_bytes).collect();
+        let mut values = Columns::new(n, &widths);
+        let mut outs = values.regions();
+        for (out, &(j, c)) in outs.iter_mut().zip(&fixed) {
+            c.gather_into(picks, extra, j, out)?;
+        }
+        if !outs.iter().all(|out| out.is_full()) {
+            return Err(Error::Internal(
+                "a gather left a column short of its rows".into(),
+            ));
+        }
+        drop(outs);
+        // SAFETY: every region was written whole (checked above).
+        #[allow(unsafe_code)]
+        let mut values = unsafe { values.finish() }.into_iter();
         let columns = self
             .columns
             .iter()
             .enumerate()
-            .map(|(j, c)| match packed.get_mut(j).and_then(Option::take) {
-                Some(array) => Ok(array),
-                None => c.gather(picks, extra, j),
-            })
+            .map(
+                |(j, c)| match (packed.get_mut(j).and_then(Option::take), c) {
+                    (Some(array), _) => Ok(array),
+                    (None, Column::Fixed(c)) => {
+                        let v = values.next().ok_or_else(|| {
+                            Error::Internal("a gathered column went missing".into())
+                        })?;
+                        c.array(v, n)
+                    }
+                    (None, Column::Other(arrays)) => Column::gather_other(arrays, extra, picks, j),
+                },
+            )
             .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(picks.len()));
         RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)
@@ -672,20 +723,27 @@ impl Gather {
             records: &extra_records,
             values: &extra_values,
         };
-        let outputs = |rows: usize| -> Vec<MutableBuffer> {
-            p.outputs
-                .iter()
-                .map(|(_, s)| MutableBuffer::with_capacity(rows * s.width))
-                .collect()
-        };
-        let mut outs = outputs(n);
+        // The columns in one buffer, as the IPC body lays them out: the
+        // `DoGet` edge sends neighbours in it as one piece.
+        let widths: Vec<usize> = p.outputs.iter().map(|(_, s)| s.width).collect();
+        let mut columns = Columns::new(n, &widths);
+        let mut outs = columns.regions();
         let ways = self.split.unwrap_or_else(|| gather_ways(n));
         // Parts of whole groups of 16 rows (the transposes' step).
         let part = n.div_ceil(ways.max(1)).next_multiple_of(16);
-        in_parts(&picks.rows, part, &mut outs, outputs, |rows, outs| {
+        in_parts(&picks.rows, part, &mut outs, &widths, |rows, outs| {
             self.gather_rows(p, rows, fetched, outs)
         });
-        self.packed_arrays(p, outs, n)
+        if !outs.iter().all(|out| out.is_full()) {
+            return Err(Error::Internal(
+                "a packed gather left a column short of its rows".into(),
+            ));
+        }
+        drop(outs);
+        // SAFETY: every region was written whole (checked above).
+        #[allow(unsafe_code)]
+        let values = unsafe { columns.finish() };
+        self.packed_arrays(p, values, n)
     }
 
     /// Appends the packed columns of `rows` (`(batch, row)`; a batch index
@@ -700,7 +758,7 @@ impl Gather {
         p: &PackedGather,
         rows: &[(usize, usize)],
         fetched: Fetched<'_>,
-        outs: &mut [MutableBuffer],
+        outs: &mut [impl Output],
     ) {
         let local = self.data.batches().len();
         let record = p.packed.record();
@@ -820,7 +878,7 @@ impl Gather {
     fn packed_arrays(
         &self,
         p: &PackedGather,
-        outs: Vec<MutableBuffer>,
+        outs: Vec<Buffer>,
         n: usize,
     ) -> Result<Vec<Option<ArrayRef>>> {
         let mut arrays: Vec<Option<ArrayRef>> = vec![None; self.columns.len()];
@@ -1033,63 +1091,70 @@ impl Column {
         }
     }
 
-    fn gather(&self, picks: &Picks, extra: &[RecordBatch], j: usize) -> Result<ArrayRef> {
-        let internal =
-            |e: arrow::error::ArrowError| Error::Internal(format!("gathering rows: {e}"));
-        match self {
-            Self::Other(arrays) => {
-                let arrays: Vec<&dyn Array> = arrays
-                    .iter()
-                    .chain(extra.iter().map(|b| b.column(j)))
-                    .map(|a| a.as_ref())
-                    .collect();
-                interleave(&arrays, &picks.rows).map_err(internal)
-            }
-            Self::Fixed(c) => {
-                let extra_segments = extra
-                    .iter()
-                    .map(|b| fetched_values(b, j, c.row_bytes))
-                    .collect::<Result<Vec<_>>>()?;
-                let sources: Vec<&[u8]> = c
-                    .segments
-                    .segments
-                    .iter()
-                    .chain(&extra_segments)
-                    .map(|s| s.as_slice())
-                    .collect();
-                let len = picks.len() * c.row_bytes;
-                let out = if !picks.scattered {
-                    // Mostly runs of neighbouring rows: one copy per run.
-                    let mut out = MutableBuffer::with_capacity(len);
-                    for (b, rows) in picks.runs().iter().cloned() {
-                        out.extend_from_slice(
-                            &sources[b][rows.start * c.row_bytes..rows.end * c.row_bytes],
-                        );
-                    }
-                    out
-                } else if picks.in_order {
-                    // Output order is source order: append, nothing to zero.
-                    let mut out = MutableBuffer::with_capacity(len);
-                    let values = picks
-                        .rows
-                        .iter()
-                        .map(|&(b, r)| (sources[b], r * c.row_bytes));
-                    append_values(values, c.row_bytes, &mut out);
-                    out
-                } else {
-                    let mut out = MutableBuffer::from_len_zeroed(len);
-                    gather_bytes(&sources, picks.sorted(), c.row_bytes, out.as_slice_mut());
-                    out
-                };
-                c.array(out, picks.len())
-            }
-        }
+    /// Column `j` of the picked rows, for a column gathered by `interleave`.
+    fn gather_other(
+        arrays: &[ArrayRef],
+        extra: &[RecordBatch],
+        picks: &Picks,
+        j: usize,
+    ) -> Result<ArrayRef> {
+        let arrays: Vec<&dyn Array> = arrays
+            .iter()
+            .chain(extra.iter().map(|b| b.column(j)))
+            .map(|a| a.as_ref())
+            .collect();
+        interleave(&arrays, &picks.rows)
+            .map_err(|e| Error::Internal(format!("gathering rows: {e}")))
     }
 }
 
 impl FixedColumn {
+    /// Appends the bytes of column `j` of the picked rows to `out`.
+    fn gather_into(
+        &self,
+        picks: &Picks,
+        extra: &[RecordBatch],
+        j: usize,
+        out: &mut impl Output,
+    ) -> Result<()> {
+        let extra_segments = extra
+            .iter()
+            .map(|b| fetched_values(b, j, self.row_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        let sources: Vec<&[u8]> = self
+            .segments
+            .segments
+            .iter()
+            .chain(&extra_segments)
+            .map(|s| s.as_slice())
+            .collect();
+        let len = picks.len() * self.row_bytes;
+        out.reserve(len);
+        if !picks.scattered {
+            // Mostly runs of neighbouring rows: one copy per run.
+            for (b, rows) in picks.runs().iter().cloned() {
+                out.extend_from_slice(
+                    &sources[b][rows.start * self.row_bytes..rows.end * self.row_bytes],
+                );
+            }
+        } else if picks.in_order {
+            // Output order is source order: append, nothing to zero.
+            let values = picks
+                .rows
+                .iter()
+                .map(|&(b, r)| (sources[b], r * self.row_bytes));
+            append_values(values, self.row_bytes, out);
+        } else {
+            let start = out.len();
+            out.extend_zeros(len);
+            let to = &mut out.as_slice_mut()[start..];
+            gather_bytes(&sources, picks.sorted(), self.row_bytes, to);
+        }
+        Ok(())
+    }
+
     /// The column's array of `rows` rows whose bytes are `values`.
-    fn array(&self, values: MutableBuffer, rows: usize) -> Result<ArrayRef> {
+    fn array(&self, values: Buffer, rows: usize) -> Result<ArrayRef> {
         let internal =
             |e: arrow::error::ArrowError| Error::Internal(format!("gathering rows: {e}"));
         let values = ArrayData::try_new(
@@ -1097,7 +1162,7 @@ impl FixedColumn {
             rows * self.segments.width,
             None,
             0,
-            vec![values.into()],
+            vec![values],
             vec![],
         )
         .map_err(internal)?;
@@ -1207,7 +1272,7 @@ fn prefetch(bytes: &[u8]) {
 }
 
 /// Appends column `slot` of the records of `from` to `out`, row after row.
-fn untile(from: impl Records, slot: Slot, out: &mut MutableBuffer) {
+fn untile(from: impl Records, slot: Slot, out: &mut impl Output) {
     match slot.width {
         4 => untile_n::<4>(from, slot.offset, out),
         8 => untile_n::<8>(from, slot.offset, out),
@@ -1225,8 +1290,8 @@ fn untile(from: impl Records, slot: Slot, out: &mut MutableBuffer) {
 /// straight into each buffer's reserved room, not zeroed first (zeroing
 /// eight outputs a tile cost four times the transpose).
 #[allow(unsafe_code)]
-fn untile_eight(from: impl Records, offset: usize, outs: &mut [MutableBuffer]) {
-    let outs: &mut [MutableBuffer; 8] = outs.try_into().expect("eight outputs");
+fn untile_eight<O: Output>(from: impl Records, offset: usize, outs: &mut [O]) {
+    let outs: &mut [O; 8] = outs.try_into().expect("eight outputs");
     let rows = from.rows();
     assert!(offset + 32 <= from.record());
     for out in outs.iter_mut() {
@@ -1316,7 +1381,7 @@ unsafe fn untile_eight_avx(from: impl Records, offset: usize, to: [*mut u8; 8]) 
 /// (or eight) at a time with one AVX-512 gather where the CPU has it, else
 /// one by one in a loop the compiler keeps tight (appending value by value
 /// would check capacity at every row).
-fn untile_n<const W: usize>(from: impl Records, offset: usize, out: &mut MutableBuffer) {
+fn untile_n<const W: usize>(from: impl Records, offset: usize, out: &mut impl Output) {
     let rows = from.rows();
     let start = out.len();
     out.extend_zeros(rows * W);
@@ -1395,14 +1460,14 @@ fn untile_avx512<const W: usize>(
 fn append_values<'a>(
     values: impl Iterator<Item = (&'a [u8], usize)>,
     width: usize,
-    out: &mut MutableBuffer,
+    out: &mut impl Output,
 ) {
     match width {
-        1 => out.extend(values.map(|(s, at)| s[at])),
-        2 => out.extend(values.map(|(s, at)| u16::from_ne_bytes(bytes_at(s, at)))),
-        4 => out.extend(values.map(|(s, at)| u32::from_ne_bytes(bytes_at(s, at)))),
-        8 => out.extend(values.map(|(s, at)| u64::from_ne_bytes(bytes_at(s, at)))),
-        16 => out.extend(values.map(|(s, at)| i128::from_ne_bytes(bytes_at(s, at)))),
+        1 => out.extend_values(values.map(|(s, at)| s[at])),
+        2 => out.extend_values(values.map(|(s, at)| u16::from_ne_bytes(bytes_at(s, at)))),
+        4 => out.extend_values(values.map(|(s, at)| u32::from_ne_bytes(bytes_at(s, at)))),
+        8 => out.extend_values(values.map(|(s, at)| u64::from_ne_bytes(bytes_at(s, at)))),
+        16 => out.extend_values(values.map(|(s, at)| i128::from_ne_bytes(bytes_at(s, at)))),
         n => {
             for (s, at) in values {
                 out.extend_from_slice(&s[at..at + n]);
@@ -1506,6 +1571,7 @@ mod tests {
         AsArray, FixedSizeBinaryArray, FixedSizeListArray, Float32Array, Float64Array, Int16Array,
         Int64Array, ListArray, StringArray,
     };
+    use arrow::buffer::MutableBuffer;
     use arrow::buffer::{NullBuffer, OffsetBuffer};
     use arrow::compute::interleave_record_batch;
     use arrow::datatypes::Field;
@@ -1979,6 +2045,70 @@ mod tests {
             Picks::new(rows).runs(),
             [(0, 1..2), (0, 1..3), (1, 0..1), (0, 3..4)]
         );
+    }
+
+    #[test]
+    fn a_gather_writes_its_fixed_width_columns_back_to_back_in_one_buffer() {
+        // What lets the DoGet edge send them as one piece (service::ipc):
+        // each column's values start at the next 64-byte boundary after
+        // the one before, in projection order, in one allocation — packed
+        // or column by column, and when a packed batch is gathered in
+        // parts on threads.
+        let local = vec![batch(0, 700), batch(700, 500)];
+        let data = Arc::new(SealedData::from_batches(
+            local[0].schema(),
+            vec![],
+            local.clone(),
+        ));
+        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let columns: Vec<String> = ["c0", "c10", "c11", "c12", "c13", "c14", "c15", "c16"]
+            .into_iter()
+            .chain(["c17", "c18", "c8", "c3"])
+            .map(String::from)
+            .collect();
+        let rows: Vec<(usize, usize)> = (0..999).map(|i| (i % 2, (i * 7) % 500)).collect();
+        let sources: Vec<&RecordBatch> = local.iter().collect();
+        let (indices, _) = project(data.schema(), &columns, "d").expect("projection");
+        let want = interleave_record_batch(&sources, &rows)
+            .expect("interleave")
+            .project(&indices)
+            .expect("projection");
+        for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
+            let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
+            if packing {
+                gather = gather.packing(arena.clone(), Arc::default());
+            }
+            if let Some(ways) = split {
+                gather = gather.split(ways);
+            }
+            let got = gather
+                .batch(&Picks::new(rows.clone()), &[])
+                .expect("gathered");
+            assert_eq!(got, want, "packing {packing} split {split:?}");
+            let packed = gather.packed.get().is_some_and(Option::is_some);
+            assert_eq!(packed, packing);
+            let values: Vec<Buffer> = got
+                .columns()
+                .iter()
+                .map(|c| {
+                    let data = c.to_data();
+                    match data.child_data().first() {
+                        Some(child) => child.buffers()[0].clone(),
+                        None => data.buffers()[0].clone(),
+                    }
+                })
+                .collect();
+            let mut end = values[0].as_ptr() as usize;
+            for v in &values {
+                assert_eq!(v.data_ptr(), values[0].data_ptr(), "one allocation");
+                assert_eq!(
+                    v.as_ptr() as usize,
+                    end.next_multiple_of(64),
+                    "back to back"
+                );
+                end = v.as_ptr() as usize + v.len();
+            }
+        }
     }
 
     #[test]

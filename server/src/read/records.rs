@@ -179,7 +179,7 @@ impl Gather {
             &places,
             places.len().div_ceil(ways.max(1)),
             std::slice::from_mut(&mut out),
-            |rows| vec![MutableBuffer::with_capacity(rows * record)],
+            &[record],
             |places, out| copy_records(&p.packed, places, &mut out[0]),
         );
         let internal = |e: arrow::error::ArrowError| Error::Internal(format!("records: {e}"));
@@ -260,7 +260,7 @@ impl Gather {
         let columns = fixed
             .into_iter()
             .zip(outs)
-            .map(|(c, out)| c.array(out, n))
+            .map(|(c, out)| c.array(out.into(), n))
             .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(n));
         RecordBatch::try_new_with_options(self.schema.clone(), columns, &options)

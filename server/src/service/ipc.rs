@@ -313,25 +313,33 @@ impl Pieces {
         self.pieces.iter().all(|p| p.is_empty())
     }
 
-    /// The next `n` bytes as shared pieces.
+    /// The next `n` bytes as shared pieces, neighbouring buffers of one
+    /// allocation as one piece ([`Span`]).
     fn take(&mut self, mut n: usize) -> Result<Vec<Bytes>> {
-        let mut out = Vec::new();
+        let mut out: Vec<Span> = Vec::new();
         while n > 0 {
             let Some(front) = self.pieces.pop_front() else {
                 return Err(Error::Internal("Arrow IPC stream ended early".into()));
             };
-            if front.len() > n {
+            let piece = if front.len() > n {
                 self.pieces.push_front(front.slice(n));
-                out.push(shared(front.slice_with_length(0, n)));
-                n = 0;
+                front.slice_with_length(0, n)
             } else {
-                n -= front.len();
-                if !front.is_empty() {
-                    out.push(shared(front));
-                }
+                front
+            };
+            n -= piece.len();
+            if piece.is_empty() {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if last.reaches(&piece) => last.len += piece.len(),
+                _ => out.push(Span {
+                    len: piece.len(),
+                    first: piece,
+                }),
             }
         }
-        Ok(out)
+        Ok(out.into_iter().map(Span::bytes).collect())
     }
 
     /// The next `n` bytes in one buffer.
@@ -369,6 +377,49 @@ impl Pieces {
 /// An Arrow buffer's bytes as `Bytes`, sharing its memory (no copy).
 pub fn shared(buffer: Buffer) -> Bytes {
     Bytes::from_owner(Owned(buffer))
+}
+
+/// Buffers of a message body back to back in one allocation — a batch's
+/// columns gathered into one buffer (`read::Gather::gather_packed`) — as
+/// one piece: `len` bytes from the start of `first`. Each piece leaves as
+/// an HTTP/2 DATA frame and each frame as a write of its own, so a
+/// 65-column batch sent as one piece is a few writes of up to the
+/// client's frame size rather than 65 of one column each.
+struct Span {
+    first: Buffer,
+    len: usize,
+}
+
+impl Span {
+    /// Whether `next` starts where this span ends, inside the allocation
+    /// `first` keeps alive.
+    fn reaches(&self, next: &Buffer) -> bool {
+        let end = self.first.as_ptr() as usize + self.len;
+        let allocation = self.first.data_ptr().as_ptr() as usize;
+        next.data_ptr() == self.first.data_ptr()
+            && next.as_ptr() as usize == end
+            && end + next.len() <= allocation + self.first.capacity()
+    }
+
+    fn bytes(self) -> Bytes {
+        if self.len == self.first.len() {
+            shared(self.first)
+        } else {
+            Bytes::from_owner(self)
+        }
+    }
+}
+
+impl AsRef<[u8]> for Span {
+    #[allow(unsafe_code)]
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the span is `first` and the buffers that followed it back
+        // to back ([`Span::reaches`]): every byte lies in one allocation,
+        // which `first` keeps alive, and in a buffer that was initialised
+        // and is immutable while shared (a `Buffer` is never written
+        // through once another holds it, and `first` does).
+        unsafe { std::slice::from_raw_parts(self.first.as_ptr(), self.len) }
+    }
 }
 
 /// A buffer as the owner `Bytes::from_owner` keeps alive.
@@ -555,6 +606,47 @@ mod tests {
         assert_eq!(pieces.len(), 3, "head and a, b; big; c, d");
         assert_eq!(pieces[1].as_ptr(), ptr, "the large buffer is not copied");
         assert_eq!(unframe(&pieces), msg.to_flight_data());
+    }
+
+    #[test]
+    fn columns_back_to_back_in_one_buffer_leave_as_one_piece() {
+        // Three 64 KiB columns in one allocation, laid out as the body
+        // lays them out (as a packed gather writes them), then one of its
+        // own: the first three are one piece, sent from where they are.
+        let rows = 16_384;
+        let values: Vec<f32> = (0..3 * rows).map(|v| v as f32).collect();
+        let whole = Buffer::from_vec(values);
+        let column = |k: usize| {
+            let values = whole.slice_with_length(k * rows * 4, rows * 4);
+            Arc::new(Float32Array::new(values.into(), None)) as ArrayRef
+        };
+        let apart = Float32Array::from_iter_values((0..rows).map(|v| -(v as f32)));
+        let input = RecordBatch::try_from_iter([
+            ("a", column(0)),
+            ("b", column(1)),
+            ("c", column(2)),
+            ("d", Arc::new(apart) as ArrayRef),
+        ])
+        .expect("batch");
+        let mut m = Messages::new(&input.schema()).expect("encoder");
+        let msg = m.batch(&input).expect("encodes").remove(0);
+        assert_eq!(msg.body.len(), 2, "a, b, c as one piece; d apart");
+        assert_eq!(msg.body[0].as_ptr(), whole.as_ptr(), "not copied");
+        assert_eq!(msg.body[0].len(), 3 * rows * 4);
+        let pieces = msg.to_grpc_frame(64 << 20).expect("fits");
+        assert_eq!(pieces.len(), 3, "head; a, b, c; d");
+        let framed = unframe(&pieces);
+        assert_eq!(framed, msg.to_flight_data());
+        let got = flight_data_to_arrow_batch(&framed, input.schema(), &HashMap::new())
+            .expect("record batch");
+        assert_eq!(got.columns(), input.columns());
+
+        // Two slices of one buffer with a gap between them stay apart.
+        let gapped =
+            RecordBatch::try_from_iter([("a", column(0)), ("c", column(2))]).expect("batch");
+        let mut m = Messages::new(&gapped.schema()).expect("encoder");
+        let msg = m.batch(&gapped).expect("encodes").remove(0);
+        assert_eq!(msg.body.len(), 2, "a gap between them: two pieces");
     }
 
     #[test]
