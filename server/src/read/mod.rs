@@ -1586,6 +1586,43 @@ mod tests {
         ))
     }
 
+    /// `batches` as a sealed dataset (no attempts recorded).
+    fn sealed(batches: &[RecordBatch]) -> Arc<SealedData> {
+        Arc::new(SealedData::from_batches(
+            batches[0].schema(),
+            vec![],
+            batches.to_vec(),
+        ))
+    }
+
+    /// An arena with room for every test's packed copy.
+    fn roomy_arena() -> Arc<Arena> {
+        Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap))
+    }
+
+    /// A gather of `columns` of `data` each way a batch is gathered: column
+    /// by column, packed, and packed in three parts on threads — with
+    /// whether it packs and its split.
+    fn every_gather(
+        data: &Arc<SealedData>,
+        columns: &[String],
+    ) -> Vec<(bool, Option<usize>, Gather)> {
+        let arena = roomy_arena();
+        [(false, None), (true, None), (true, Some(3))]
+            .into_iter()
+            .map(|(packing, split)| {
+                let mut gather = Gather::new(data.clone(), columns, "d", None).expect("gather");
+                if packing {
+                    gather = gather.packing(arena.clone(), Arc::default());
+                }
+                if let Some(ways) = split {
+                    gather = gather.split(ways);
+                }
+                (packing, split, gather)
+            })
+            .collect()
+    }
+
     /// Batch `i` of `rows` rows starting at `start`: every kind of column the
     /// gather distinguishes (1, 2, 4, 8, 12, 16 and 20 bytes per row,
     /// nulls, strings, nine `float32` columns side by side, lists).
@@ -1680,7 +1717,7 @@ mod tests {
             }],
             batches.clone(),
         ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let arena = roomy_arena();
         let shape = |name: &str| {
             let shard =
                 Shard::new(data.clone(), &plan(Shuffle::None, 1, vec![]), 0).expect("shard");
@@ -1781,12 +1818,8 @@ mod tests {
             batch(700, 1300).slice(100, 1000),
             batch(1700, 2299),
         ];
-        let data = Arc::new(SealedData::from_batches(
-            batches[0].schema(),
-            vec![],
-            batches,
-        ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let data = sealed(&batches);
+        let arena = roomy_arena();
         let wide = ["c0", "c5", "c4", "c3"].map(String::from).to_vec();
         for shuffle in [
             Shuffle::None,
@@ -1951,12 +1984,8 @@ mod tests {
     /// Gathers of four wide columns (8, 12, 16 and 20 bytes a row) of one
     /// 10-row batch, as `(packing, gather)`: without and with a packed copy.
     fn wide_gathers() -> Vec<(bool, Gather)> {
-        let data = Arc::new(SealedData::from_batches(
-            batch(0, 10).schema(),
-            vec![],
-            vec![batch(0, 10)],
-        ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let data = sealed(&[batch(0, 10)]);
+        let arena = roomy_arena();
         let columns: Vec<String> = ["c0", "c3", "c4", "c5"].map(String::from).into();
         [false, true]
             .into_iter()
@@ -2055,12 +2084,7 @@ mod tests {
         // or column by column, and when a packed batch is gathered in
         // parts on threads.
         let local = vec![batch(0, 700), batch(700, 500)];
-        let data = Arc::new(SealedData::from_batches(
-            local[0].schema(),
-            vec![],
-            local.clone(),
-        ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let data = sealed(&local);
         let columns: Vec<String> = ["c0", "c10", "c11", "c12", "c13", "c14", "c15", "c16"]
             .into_iter()
             .chain(["c17", "c18", "c8", "c3"])
@@ -2073,14 +2097,7 @@ mod tests {
             .expect("interleave")
             .project(&indices)
             .expect("projection");
-        for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
-            let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
-            if packing {
-                gather = gather.packing(arena.clone(), Arc::default());
-            }
-            if let Some(ways) = split {
-                gather = gather.split(ways);
-            }
+        for (packing, split, gather) in every_gather(&data, &columns) {
             let got = gather
                 .batch(&Picks::new(rows.clone()), &[])
                 .expect("gathered");
@@ -2115,12 +2132,7 @@ mod tests {
     fn rows_from_members_gather_the_same_from_packed_rows() {
         let local = vec![batch(0, 700), batch(700, 500)];
         let extra = vec![batch(5000, 300), batch(6000, 1)];
-        let data = Arc::new(SealedData::from_batches(
-            local[0].schema(),
-            vec![],
-            local.clone(),
-        ));
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let data = sealed(&local);
         let sizes = [700, 500, 300, 1];
         // Scattered picks over both stored batches and both fetched ones,
         // every row of the fetched ones among them.
@@ -2150,14 +2162,7 @@ mod tests {
                 .map(|b| b.project(&indices).expect("projection"))
                 .collect();
             // Packed, the batch also split among three threads.
-            for (packing, split) in [(false, None), (true, None), (true, Some(3))] {
-                let mut gather = Gather::new(data.clone(), &columns, "d", None).expect("gather");
-                if packing {
-                    gather = gather.packing(arena.clone(), Arc::default());
-                }
-                if let Some(ways) = split {
-                    gather = gather.split(ways);
-                }
+            for (packing, split, gather) in every_gather(&data, &columns) {
                 let got = gather.batch(&picks, &extra).expect("gathered");
                 assert_eq!(got, want, "{columns:?} packing {packing} split {split:?}");
                 let packed = gather.packed.get().is_some_and(Option::is_some);
@@ -2205,13 +2210,6 @@ mod tests {
         columns: Vec<String>,
         cluster: bool,
     ) {
-        let sealed = |batches: &Vec<RecordBatch>| {
-            Arc::new(SealedData::from_batches(
-                batches[0].schema(),
-                vec![],
-                batches.clone(),
-            ))
-        };
         let (data, member) = (sealed(&local), sealed(&held));
         // As members of a cluster: the columns the seal decides both gather
         // as bytes; else each decides alone.
@@ -2221,7 +2219,7 @@ mod tests {
             crate::cluster::byte_columns(&[(&a.0[..], &a.1[..]), (&b.0[..], &b.1[..])], &lists)
         });
         let fixed = layout.as_deref();
-        let arena = Arc::new(Arena::new(Budget::new(64 << 20), 1 << 20, HostMemory::Heap));
+        let arena = roomy_arena();
         let (indices, _) = project(data.schema(), &columns, "d").expect("projection");
         // The member's picks of its rows, two messages' worth.
         let mut x = 99u64;
@@ -2382,11 +2380,7 @@ mod tests {
     #[test]
     fn rows_are_located_alike_in_any_order_with_and_without_a_selection() {
         let batches = vec![batch(0, 5), batch(5, 1), batch(6, 40), batch(46, 9)];
-        let data = Arc::new(SealedData::from_batches(
-            batches[0].schema(),
-            vec![],
-            batches,
-        ));
+        let data = sealed(&batches);
         let n = data.rows();
         let strided: Vec<u64> = (0..3).flat_map(|r| (r..n).step_by(3)).collect();
         let shuffled: Vec<u64> = (0..n).map(|k| (k * 37 + 11) % n).collect();
@@ -2411,11 +2405,7 @@ mod tests {
     #[test]
     fn a_full_budget_gathers_column_by_column() {
         let batches = vec![batch(0, 500), batch(500, 500)];
-        let data = Arc::new(SealedData::from_batches(
-            batches[0].schema(),
-            vec![],
-            batches.clone(),
-        ));
+        let data = sealed(&batches);
         let arena = Arc::new(Arena::new(Budget::new(1 << 10), 1 << 10, HostMemory::Heap));
         let plan = plan(Shuffle::Global, 2, vec![]);
         let with = Shard::new(data.clone(), &plan, 1)
