@@ -16,8 +16,11 @@
 //! columns go through Arrow's `interleave`. Where cores are to spare, a
 //! batch's packed gather is split into parts gathered on threads of their
 //! own (`gather_ways`, `--gather-threads`). Every path gives the same
-//! arrays. A member's rows of another member's rank stream cross between
-//! them as those [`records`] where the copy holds every gathered column.
+//! arrays, and writes a batch's fixed-width columns into one buffer, back
+//! to back as an Arrow IPC body lays them out (`output.rs`), so that the
+//! `DoGet` edge sends them as one piece. A member's rows of another
+//! member's rank stream cross between them as those [`records`] where the
+//! copy holds every gathered column.
 //!
 //! Synchronous and CPU-bound: the Flight edge runs it off the async reactor and
 //! feeds a small bounded channel, so memory waits for the socket.

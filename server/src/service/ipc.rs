@@ -9,7 +9,10 @@
 //! gRPC framing, the protobuf tags and lengths of `FlightData`'s
 //! `data_header` and `data_body`, then the body's buffers as they are — for
 //! the hand-written `DoGet` response (`edge.rs`), so the only copies left on
-//! the way to the socket are the gather and the kernel's.
+//! the way to the socket are the gather and the kernel's. Neighbouring
+//! buffers of one allocation — a batch's fixed-width columns, which the
+//! gather writes back to back as the body lays them out — are one piece
+//! ([`Span`]): each piece is an HTTP/2 DATA frame, and each frame a write.
 
 use std::collections::VecDeque;
 
