@@ -126,18 +126,18 @@ fn in_parts<T: Sync, O: Output>(
         return gather(rows, outs);
     }
     let (first, rest) = rows.split_at(part);
+    // Each part's outputs split from the part's before it.
     let mut parts: Vec<Vec<O>> = Vec::new();
-    let mut left = rest.len();
     let mut keep = first.len();
     for chunk in rest.chunks(part) {
         let before = parts.last_mut().map_or(&mut *outs, |p| p.as_mut_slice());
         let split = before
             .iter_mut()
             .zip(widths)
-            .map(|(out, &width)| out.split_rest(keep * width, left * width))
+            .map(|(out, &width)| out.split_rest(keep * width, chunk.len() * width))
             .collect();
         parts.push(split);
-        (keep, left) = (chunk.len(), left - chunk.len());
+        keep = chunk.len();
     }
     let gather = &gather;
     std::thread::scope(|scope| {

@@ -40,10 +40,11 @@ pub trait Output: Send + Sized {
     fn extend_from_slice(&mut self, bytes: &[u8]);
     /// Appends `values`, each as its native bytes.
     fn extend_values<T: ArrowNativeType>(&mut self, values: impl Iterator<Item = T>);
-    /// An output for the `rest` bytes that follow the next `keep`, which
-    /// this one keeps: a part of a gather split over threads
-    /// (`read::in_parts`), appended back with [`Output::join`].
-    fn split_rest(&mut self, keep: usize, rest: usize) -> Self;
+    /// An output for what follows the next `keep` bytes, which this one
+    /// keeps, the first `next` of them for the new output itself (a part
+    /// of a gather split over threads, `read::in_parts`; split again for
+    /// the part after it), appended back with [`Output::join`].
+    fn split_rest(&mut self, keep: usize, next: usize) -> Self;
     /// Appends a part [`Output::split_rest`] gave.
     fn join(&mut self, part: Self);
 }
@@ -74,9 +75,9 @@ impl Output for MutableBuffer {
     fn extend_values<T: ArrowNativeType>(&mut self, values: impl Iterator<Item = T>) {
         self.extend(values);
     }
-    fn split_rest(&mut self, keep: usize, rest: usize) -> Self {
+    fn split_rest(&mut self, keep: usize, next: usize) -> Self {
         MutableBuffer::reserve(self, keep);
-        MutableBuffer::with_capacity(rest)
+        MutableBuffer::with_capacity(next)
     }
     fn join(&mut self, part: Self) {
         MutableBuffer::extend_from_slice(self, part.as_slice());
@@ -154,10 +155,10 @@ impl Output for Region<'_> {
             self.len += size_of::<T>();
         }
     }
-    fn split_rest(&mut self, keep: usize, rest: usize) -> Self {
+    fn split_rest(&mut self, keep: usize, next: usize) -> Self {
         let at = self.len + keep;
         assert!(
-            at + rest <= self.cap,
+            at + next <= self.cap,
             "a column region of {} bytes split past its end",
             self.cap
         );
