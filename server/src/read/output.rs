@@ -1,7 +1,8 @@
 //! Where a gather writes a column's values: a buffer of its own
 //! (`MutableBuffer`), or a [`Region`] of one buffer that holds all the
-//! packed columns of a batch back to back, laid out as the batch's Arrow
-//! IPC body lays them out ([`Columns`]).
+//! fixed-width columns of a batch (packed or gathered column by column)
+//! back to back, laid out as the batch's Arrow IPC body lays them out
+//! ([`Columns`]).
 //!
 //! One buffer for the batch's columns is what lets the `DoGet` edge send
 //! them as one piece (`service::ipc`): a 65-column batch of separate

@@ -383,7 +383,7 @@ pub fn shared(buffer: Buffer) -> Bytes {
 }
 
 /// Buffers of a message body back to back in one allocation — a batch's
-/// columns gathered into one buffer (`read::Gather::gather_packed`) — as
+/// fixed-width columns, which the gather writes into one buffer — as
 /// one piece: `len` bytes from the start of `first`. Each piece leaves as
 /// an HTTP/2 DATA frame and each frame as a write of its own, so a
 /// 65-column batch sent as one piece is a few writes of up to the
