@@ -605,20 +605,14 @@ impl Gather {
             .collect();
         let n = picks.len();
         let widths: Vec<usize> = fixed.iter().map(|(_, c)| c.row_bytes).collect();
-        let mut values = Columns::new(n, &widths);
-        let mut outs = values.regions();
-        for (out, &(j, c)) in outs.iter_mut().zip(&fixed) {
-            c.gather_into(picks, extra, j, out)?;
-        }
-        if !outs.iter().all(|out| out.is_full()) {
-            return Err(Error::Internal(
-                "a gather left a column short of its rows".into(),
-            ));
-        }
-        drop(outs);
-        // SAFETY: every region was written whole (checked above).
-        #[allow(unsafe_code)]
-        let mut values = unsafe { values.finish() }.into_iter();
+        let mut values = Columns::new(n, &widths)
+            .fill(|outs| {
+                for (out, &(j, c)) in outs.iter_mut().zip(&fixed) {
+                    c.gather_into(picks, extra, j, out)?;
+                }
+                Ok(())
+            })?
+            .into_iter();
         let columns = self
             .columns
             .iter()
@@ -726,26 +720,18 @@ impl Gather {
             records: &extra_records,
             values: &extra_values,
         };
-        // The columns in one buffer, as the IPC body lays them out: the
-        // `DoGet` edge sends neighbours in it as one piece.
-        let widths: Vec<usize> = p.outputs.iter().map(|(_, s)| s.width).collect();
-        let mut columns = Columns::new(n, &widths);
-        let mut outs = columns.regions();
         let ways = self.split.unwrap_or_else(|| gather_ways(n));
         // Parts of whole groups of 16 rows (the transposes' step).
         let part = n.div_ceil(ways.max(1)).next_multiple_of(16);
-        in_parts(&picks.rows, part, &mut outs, &widths, |rows, outs| {
-            self.gather_rows(p, rows, fetched, outs)
-        });
-        if !outs.iter().all(|out| out.is_full()) {
-            return Err(Error::Internal(
-                "a packed gather left a column short of its rows".into(),
-            ));
-        }
-        drop(outs);
-        // SAFETY: every region was written whole (checked above).
-        #[allow(unsafe_code)]
-        let values = unsafe { columns.finish() };
+        // The columns in one buffer, as the IPC body lays them out: the
+        // `DoGet` edge sends neighbours in it as one piece.
+        let widths: Vec<usize> = p.outputs.iter().map(|(_, s)| s.width).collect();
+        let values = Columns::new(n, &widths).fill(|outs| {
+            in_parts(&picks.rows, part, outs, &widths, |rows, outs| {
+                self.gather_rows(p, rows, fetched, outs)
+            });
+            Ok(())
+        })?;
         self.packed_arrays(p, values, n)
     }
 

@@ -15,6 +15,8 @@ use std::marker::PhantomData;
 use arrow::buffer::{Buffer, MutableBuffer};
 use arrow::datatypes::ArrowNativeType;
 
+use crate::error::{Error, Result};
+
 /// Where the IPC body starts each buffer (Arrow's default alignment).
 pub const ALIGNMENT: usize = 64;
 
@@ -216,10 +218,16 @@ impl Columns {
         Self { buffer, spans }
     }
 
-    /// Each column's region, to be written from its start.
-    pub fn regions(&mut self) -> Vec<Region<'_>> {
+    /// Each column's values, written by `write` into the columns' regions
+    /// (one each, in order, to be filled from their starts), sharing the
+    /// one buffer; an internal error where a region is left short.
+    pub fn fill(
+        mut self,
+        write: impl FnOnce(&mut [Region<'_>]) -> Result<()>,
+    ) -> Result<Vec<Buffer>> {
         let base = self.buffer.as_mut_ptr();
-        self.spans
+        let mut regions: Vec<Region<'_>> = self
+            .spans
             .iter()
             .map(|&(start, bytes)| Region {
                 // SAFETY: every span lies inside the capacity.
@@ -228,24 +236,24 @@ impl Columns {
                 cap: bytes,
                 _columns: PhantomData,
             })
-            .collect()
-    }
-
-    /// Each column's values, sharing the one buffer.
-    ///
-    /// # Safety
-    ///
-    /// Every region [`Columns::regions`] gave was written whole.
-    pub unsafe fn finish(mut self) -> Vec<Buffer> {
+            .collect();
+        write(&mut regions)?;
+        if !regions.iter().all(Region::is_full) {
+            return Err(Error::Internal(
+                "a gather left a column short of its rows".into(),
+            ));
+        }
+        drop(regions);
         let total = self.spans.last().map_or(0, |&(start, bytes)| start + bytes);
-        // SAFETY: every column was written (the caller promises) and the
+        // SAFETY: every column was written whole (checked above) and the
         // padding between them zeroed (`new`).
         unsafe { self.buffer.set_len(total) };
         let buffer: Buffer = self.buffer.into();
-        self.spans
+        Ok(self
+            .spans
             .iter()
             .map(|&(start, bytes)| buffer.slice_with_length(start, bytes))
-            .collect()
+            .collect())
     }
 }
 
@@ -257,20 +265,19 @@ mod tests {
     fn columns_lie_back_to_back_at_aligned_starts_and_parts_join_in_place() {
         let widths = [8, 4, 3, 4];
         let rows = 37;
-        let mut columns = Columns::new(rows, &widths);
-        {
-            let mut regions = columns.regions();
-            for (k, (region, &width)) in regions.iter_mut().zip(&widths).enumerate() {
-                // The first ten rows here, the rest as a part of their own.
-                let mut rest = region.split_rest(10 * width, (rows - 10) * width);
-                region.extend_values((0..10 * width).map(|i| (k * 1000 + i) as u8));
-                rest.extend_values((10 * width..rows * width).map(|i| (k * 1000 + i) as u8));
-                region.join(rest);
-                assert!(region.is_full());
-            }
-        }
-        // SAFETY: every region was written whole above.
-        let buffers = unsafe { columns.finish() };
+        let buffers = Columns::new(rows, &widths)
+            .fill(|regions| {
+                for (k, (region, &width)) in regions.iter_mut().zip(&widths).enumerate() {
+                    // The first ten rows here, the rest as a part of their own.
+                    let mut rest = region.split_rest(10 * width, (rows - 10) * width);
+                    region.extend_values((0..10 * width).map(|i| (k * 1000 + i) as u8));
+                    rest.extend_values((10 * width..rows * width).map(|i| (k * 1000 + i) as u8));
+                    region.join(rest);
+                    assert!(region.is_full());
+                }
+                Ok(())
+            })
+            .expect("filled");
         let base = buffers[0].as_ptr() as usize;
         assert_eq!(base % ALIGNMENT, 0);
         for (k, (buffer, &width)) in buffers.iter().zip(&widths).enumerate() {
@@ -285,8 +292,21 @@ mod tests {
     #[test]
     #[should_panic(expected = "overflowed")]
     fn a_region_refuses_bytes_past_its_end() {
-        let mut columns = Columns::new(4, &[4]);
-        let mut regions = columns.regions();
-        regions[0].extend_from_slice(&[0; 17]);
+        let _ = Columns::new(4, &[4]).fill(|regions| {
+            regions[0].extend_from_slice(&[0; 17]);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_column_left_short_is_an_error() {
+        let err = Columns::new(4, &[4, 8])
+            .fill(|regions| {
+                regions[0].extend_from_slice(&[0; 16]);
+                regions[1].extend_from_slice(&[0; 8]);
+                Ok(())
+            })
+            .expect_err("short");
+        assert!(err.to_string().contains("short of its rows"), "{err}");
     }
 }

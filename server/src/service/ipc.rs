@@ -336,10 +336,7 @@ impl Pieces {
             }
             match out.last_mut() {
                 Some(last) if last.reaches(&piece) => last.len += piece.len(),
-                _ => out.push(Span {
-                    len: piece.len(),
-                    first: piece,
-                }),
+                _ => out.push(Span::of(piece)),
             }
         }
         Ok(out.into_iter().map(Span::bytes).collect())
@@ -379,7 +376,7 @@ impl Pieces {
 
 /// An Arrow buffer's bytes as `Bytes`, sharing its memory (no copy).
 pub fn shared(buffer: Buffer) -> Bytes {
-    Bytes::from_owner(Owned(buffer))
+    Span::of(buffer).bytes()
 }
 
 /// Buffers of a message body back to back in one allocation — a batch's
@@ -387,13 +384,22 @@ pub fn shared(buffer: Buffer) -> Bytes {
 /// one piece: `len` bytes from the start of `first`. Each piece leaves as
 /// an HTTP/2 DATA frame and each frame as a write of its own, so a
 /// 65-column batch sent as one piece is a few writes of up to the
-/// client's frame size rather than 65 of one column each.
+/// client's frame size rather than 65 of one column each. The owner
+/// `Bytes::from_owner` keeps alive.
 struct Span {
     first: Buffer,
     len: usize,
 }
 
 impl Span {
+    /// `buffer` alone.
+    fn of(buffer: Buffer) -> Self {
+        Self {
+            len: buffer.len(),
+            first: buffer,
+        }
+    }
+
     /// Whether `next` starts where this span ends, inside the allocation
     /// `first` keeps alive.
     fn reaches(&self, next: &Buffer) -> bool {
@@ -405,32 +411,22 @@ impl Span {
     }
 
     fn bytes(self) -> Bytes {
-        if self.len == self.first.len() {
-            shared(self.first)
-        } else {
-            Bytes::from_owner(self)
-        }
+        Bytes::from_owner(self)
     }
 }
 
 impl AsRef<[u8]> for Span {
     #[allow(unsafe_code)]
     fn as_ref(&self) -> &[u8] {
+        if self.len == self.first.len() {
+            return self.first.as_slice();
+        }
         // SAFETY: the span is `first` and the buffers that followed it back
         // to back ([`Span::reaches`]): every byte lies in one allocation,
         // which `first` keeps alive, and in a buffer that was initialised
         // and is immutable while shared (a `Buffer` is never written
         // through once another holds it, and `first` does).
         unsafe { std::slice::from_raw_parts(self.first.as_ptr(), self.len) }
-    }
-}
-
-/// A buffer as the owner `Bytes::from_owner` keeps alive.
-struct Owned(Buffer);
-
-impl AsRef<[u8]> for Owned {
-    fn as_ref(&self) -> &[u8] {
-        self.0.as_slice()
     }
 }
 
