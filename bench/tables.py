@@ -100,9 +100,7 @@ def node_ratios(found: dict) -> list:
     """The cluster phase's per-node ratios, one for each node the run
     recorded (`cluster/node/nG` against `cluster/single-node-rows/nG`)."""
     nodes = sorted(
-        int(phase.removeprefix("cluster/node/n"))
-        for phase, _ in found
-        if phase.startswith("cluster/node/n") and phase.removeprefix("cluster/node/n").isdigit()
+        int(m.group(1)) for phase, _ in found if (m := re.fullmatch(r"cluster/node/n(\d+)", phase))
     )
     return [
         (
