@@ -39,6 +39,19 @@ pub const ATTACHED_WORD: usize = 1;
 /// The header's word the reader sets to the ring position it has consumed
 /// up to.
 pub const CONSUMED_WORD: usize = 2;
+/// The header's word a reader that keeps batches in the ring (handing out
+/// views of it rather than copies, [`FEATURES_WORD`] permitting) sets to 1
+/// while it waits for the stream's next message and back to 0 once it has
+/// it. A server whose next batch finds the ring full while the reader
+/// waits sends the batch over the socket instead: the reader is holding
+/// what it was lent and will not make room.
+pub const WAITING_WORD: usize = 3;
+/// The header's word where the server says what it does beyond the
+/// protocol's first version: [`LENDS`], or 0.
+pub const FEATURES_WORD: usize = 4;
+/// [`FEATURES_WORD`]'s bit saying that the server honours [`WAITING_WORD`],
+/// so that a reader may hold batches in the ring without copying them out.
+pub const LENDS: u64 = 1;
 
 /// Maps the first `len` bytes of `file` shared, for reading and writing
 /// (the server's side and the reader's map a ring alike).

@@ -105,6 +105,82 @@ def test_a_shard_many_times_the_ring_and_messages_larger_than_it(flightdeck_serv
     eventually("rings removed", lambda: rings_of(flightdeck_server) == [])
 
 
+def wide(client: flightdeck.Client, name: str, rows: int) -> None:
+    """`rows` rows of an id and 64 float32 columns (260 bytes a row),
+    sealed as `name`."""
+    table = pa.table(
+        {"id": pa.array(np.arange(rows, dtype=np.int64))}
+        | {f"c{i}": pa.array(np.arange(rows, dtype=np.float32) + i) for i in range(64)}
+    )
+    client.put_partition(name, 0, table)
+    client.seal(name, partitions=1)
+
+
+def in_ring(reader: _shm.RingReader, batch: pa.RecordBatch) -> bool:
+    """Whether `batch`'s data lies in `reader`'s ring (lent, not copied)."""
+    address = batch.column(1).buffers()[1].address
+    start = reader._lender._address
+    return start <= address < start + len(reader._map)
+
+
+def test_a_lending_reader_hands_out_views_and_gives_each_back_once_dropped(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    wide(client, "lent", 200_000)  # 52 MB, three rings' worth
+    plan = dict(world_size=1, shuffle="global", seed=3, batch_rows=8192)  # 2 MiB messages
+    (socket,), _ = read(flightdeck_server.uri, False, "lent", **plan)
+    reader = client._do_get(client.plan("lent", **plan).shards[0], lend=True)
+    assert isinstance(reader, _shm.RingReader) and reader.lends
+    consumed = lambda: int(reader._words[_shm._CONSUMED])  # noqa: E731
+    first, second, third, fourth = (reader.read_chunk().data for _ in range(4))
+    assert all(in_ring(reader, b) for b in (first, second, third, fourth))
+    # Nothing given back while the batches live: the server may not write
+    # over them.
+    time.sleep(scaled(0.2))
+    assert consumed() == 0
+    tensor = np.asarray(first.column(1))  # a view of the batch keeps it too
+    del first
+    assert consumed() == 0
+    del tensor
+    after_first = consumed()
+    assert after_first > 0
+    # Given back in order: a later batch dropped first waits for the one
+    # before it.
+    del third
+    assert consumed() == after_first
+    del second
+    after_third = consumed()
+    assert after_third > after_first
+    del fourth
+    assert consumed() > after_third
+    # A caller that keeps every batch (`read_all`) fills the ring, and the
+    # rest of the stream comes over the socket: the same batches in order.
+    rest = reader.read_all()
+    assert sum(in_ring(reader, b) for b in rest.to_batches()) > 0
+    assert sum(not in_ring(reader, b) for b in rest.to_batches()) > 0
+    assert rest.equals(socket.slice(4 * 8192))
+
+
+def test_a_loop_that_keeps_its_batches_reads_them_unchanged(flightdeck_server):
+    client = flightdeck.connect(flightdeck_server.uri)
+    wide(client, "kept", 200_000)
+    (socket,), _ = read(flightdeck_server.uri, False, "kept", world_size=1, shuffle="global", seed=4)
+    for prefetch in (0, 2):
+        ds = ShardedDataset(
+            flightdeck_server.uri, "kept", rank=0, world_size=1, batch_rows=8192, seed=4,
+            prefetch=prefetch,
+        )
+        kept = list(ds)  # every batch held to the end: none written over
+        assert pa.Table.from_batches(kept).equals(socket), prefetch
+        # One batch kept while the rest are dropped holds the ring back
+        # behind it, not the stream.
+        it = iter(ds)
+        held = next(it)
+        firsts = [b.column("id")[0].as_py() for b in it]
+        assert held.equals(kept[0]), prefetch
+        assert firsts == [b.column("id")[0].as_py() for b in kept[1:]], prefetch
+    eventually("rings removed", lambda: rings_of(flightdeck_server) == [])
+
+
 def test_dictionary_columns_follow_their_dictionaries_over_the_socket(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
     words = pa.array(["a", "bb", "ccc"] * 1000).dictionary_encode()

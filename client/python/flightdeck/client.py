@@ -823,16 +823,17 @@ class Client:
             self._advertised = normalize_uri(self.location)
         return named == self._advertised
 
-    def _do_get(self, shard: Shard) -> flight.FlightStreamReader | shm.RingReader:
+    def _do_get(self, shard: Shard, lend: bool = False) -> flight.FlightStreamReader | shm.RingReader:
         """The shard's stream; from a server on this machine, its record
         batches through shared memory where the server offers it (the same
-        batches: see `_shm`), else over the connection."""
+        batches: see `_shm`; with `lend`, views of its ring rather than
+        copies), else over the connection."""
         member = self._serving(shard)
         ticket = flight.Ticket(shard.ticket)
         options = member._shm_options
         if options is not None:
             ring = shm.RingReader(
-                translate(lambda: member._flight.do_get(ticket, options=options))
+                translate(lambda: member._flight.do_get(ticket, options=options)), lend=lend
             )
             try:
                 translate(ring.start)
@@ -844,11 +845,15 @@ class Client:
                 ring.cancel()
         return translate(lambda: member._flight.do_get(ticket, options=member._options))
 
-    def read_shard(self, shard: Shard) -> Iterator[pa.RecordBatch]:
+    def read_shard(self, shard: Shard, lend: bool = False) -> Iterator[pa.RecordBatch]:
         """Streams a shard's record batches in order (`ShardedDataset` reads
         ahead of its loop with `Prefetched`). Closing the iterator before
-        its end cancels the call, so the server stops sending."""
-        reader = self._do_get(shard)
+        its end cancels the call, so the server stops sending. With `lend`,
+        batches from the server's shared memory are views of it rather than
+        copies, for a caller that drops each batch before long (one that
+        keeps them all gets the rest of the stream over the socket: see
+        `_shm`)."""
+        reader = self._do_get(shard, lend)
         ended = False
         try:
             while True:

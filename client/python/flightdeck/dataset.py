@@ -107,6 +107,13 @@ class ShardedDataset:
     `split_count`) reads `batch_rows` a message, since it splits the
     stream by batch, and so does a `select` list unless `read_rows` is
     given (derived rows may be wider than stored ones).
+
+    From a server on this machine the messages come through its shared
+    memory, and the batches are views of it, not copies (bursts copy): a
+    message's place there is given back once nothing refers to its
+    batches. A loop that keeps batches (a list of them, a tensor it holds
+    on to) gets the same batches; once the shared ring is full of kept
+    ones, the rest come over the socket.
     """
 
     def __init__(
@@ -492,8 +499,11 @@ class ShardedDataset:
     ) -> Iterator[tuple[pa.RecordBatch, Any]]:
         """`shard`'s batches, each with what to hand out for it (itself, or
         what `prepare` makes of it), read as :meth:`iter_batches` describes."""
+        # The loop drops each batch once it trained on it, so batches from
+        # the server's shared memory are lent rather than copied; a burst
+        # holds many at once, so it copies.
         if self.prefetch == 0:
-            messages = self.client.read_shard(shard)
+            messages = self.client.read_shard(shard, lend=not self.burst_bytes)
             if self.burst_bytes:
                 messages = _bursts(messages, self.burst_bytes)
             slices = (
@@ -507,7 +517,7 @@ class ShardedDataset:
                 yield batch, batch if prepare is None else item
             return
         reader = Prefetched(
-            self.client._do_get(shard), self.prefetch, prepare, self.batch_rows, slice_prepared
+            self.client._do_get(shard, lend=True), self.prefetch, prepare, self.batch_rows, slice_prepared
         )
         self._reader = reader
         try:

@@ -10,7 +10,7 @@
 //! each one lies. Neither side's network stack touches those bytes: the
 //! server copies a gathered batch into the ring once, the reader copies it
 //! out once (so that the ring can be used again however long the reader
-//! keeps the batch), and nothing else is copied.
+//! keeps the batch) or reads it in place, and nothing else is copied.
 //!
 //! The stream first announces the ring ([`announce`]: its file, size and
 //! where its data starts); the reader maps the file and says it did by
@@ -24,6 +24,15 @@
 //! [`fits`]). A reader that never attaches or stops consuming takes nothing
 //! from the stream, so the stream idle timeout ends it as it ends any other
 //! stalled reader.
+//!
+//! The header's features word says the server lets a reader *hold* batches
+//! in the ring: hand them out as views and move `consumed` past one only
+//! once nothing refers to it (the Python reader's training loop does, and
+//! copies nothing). Such a reader sets the `waiting` word while it waits
+//! for the next message; a batch that finds the ring full while the reader
+//! waits goes through the socket instead, and so do the ones after it
+//! until the reader consumes again ([`Holding`]), so a reader that keeps
+//! its batches gets them all.
 //!
 //! The file is created with mode 0600 under an unguessable name: only the
 //! server's own user can open it, and a reader that cannot (another user,
@@ -49,6 +58,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -56,7 +66,9 @@ use super::ipc::IpcMessage;
 use crate::memory::arena::page_size;
 
 pub use flightdeck_client::shm::{ANNOUNCE_TAG, BATCH_TAG, REQUEST_HEADER};
-use flightdeck_client::shm::{ATTACHED_WORD, CONSUMED_WORD, map_shared};
+use flightdeck_client::shm::{
+    ATTACHED_WORD, CONSUMED_WORD, FEATURES_WORD, LENDS, WAITING_WORD, map_shared,
+};
 /// Most bytes of a ring's data part, after its header page.
 pub const RING_BYTES: u64 = 16 << 20;
 /// Fewest bytes of a ring's data part.
@@ -111,6 +123,66 @@ pub fn ring_for(len: u64) -> Option<u64> {
             .next_power_of_two()
             .clamp(MIN_RING_BYTES, RING_BYTES)
     })
+}
+
+/// Whether a stream's batches go through the socket because its reader
+/// holds the ring. A reader may keep the batches it read in the ring
+/// rather than copy them out (it hands out views, and says it is done with
+/// a batch only when nothing refers to it any more), so a reader that
+/// keeps every batch (`list(dataset)`) fills the ring and makes no room:
+/// waiting for it would stall the stream until its idle timeout. When a
+/// batch finds the ring full and the reader has said it waits for the next
+/// message ([`Ring::reader_waiting`]) at every look for [`Holding::PATIENCE`],
+/// the batch goes through the socket, and so do the ones after it until
+/// the reader consumes something. One look is not enough: a reader also
+/// says it waits in the moment between asking for a message already on its
+/// way and getting it.
+#[derive(Debug, Default)]
+pub struct Holding {
+    /// Since when every look found the ring full and the reader waiting.
+    waiting_since: Option<Instant>,
+    /// Where the reader had consumed up to when its batches went to the
+    /// socket (`None`: they go through the ring).
+    held_at: Option<u64>,
+}
+
+impl Holding {
+    /// How long the reader must have waited on a full ring.
+    pub const PATIENCE: Duration = Duration::from_millis(1);
+
+    /// Whether the next batch goes through the socket before the ring is
+    /// tried, the reader having consumed up to `consumed`: while it has
+    /// consumed nothing since its batches went there.
+    pub fn socket_first(&mut self, consumed: u64) -> bool {
+        match self.held_at {
+            Some(at) if at == consumed => true,
+            _ => {
+                self.held_at = None;
+                false
+            }
+        }
+    }
+
+    /// Whether a batch that found the ring full at `now` goes through the
+    /// socket, the reader saying whether it is `waiting` and having consumed
+    /// up to `consumed`.
+    pub fn full(&mut self, waiting: bool, consumed: u64, now: Instant) -> bool {
+        let since = match (waiting, self.waiting_since) {
+            (false, _) => None,
+            (true, since) => Some(since.unwrap_or(now)),
+        };
+        let held = since.is_some_and(|t| now.duration_since(t) >= Self::PATIENCE);
+        self.waiting_since = since.filter(|_| !held);
+        if held {
+            self.held_at = Some(consumed);
+        }
+        held
+    }
+
+    /// The ring took a batch.
+    pub fn written(&mut self) {
+        self.waiting_since = None;
+    }
 }
 
 /// The announcement of a ring: [`ANNOUNCE_TAG`], the size of the file's
@@ -385,8 +457,20 @@ impl Ring {
             path: Some(path),
             slot,
         };
+        ring.word(FEATURES_WORD).store(LENDS, Ordering::Release);
         ring.word(0).store(MAGIC, Ordering::Release);
         Ok(ring)
+    }
+
+    /// The ring position the reader has consumed up to.
+    pub fn consumed(&self) -> u64 {
+        self.word(CONSUMED_WORD).load(Ordering::Acquire)
+    }
+
+    /// Whether the reader says it is waiting for the stream's next message
+    /// (see [`Holding`]).
+    pub fn reader_waiting(&self) -> bool {
+        self.word(WAITING_WORD).load(Ordering::Acquire) != 0
     }
 
     /// The file, while it is linked.
@@ -512,8 +596,7 @@ impl Ring {
         let Some((start, end)) = place(self.pos, len, self.cap) else {
             return Written::Never;
         };
-        let consumed = self.word(CONSUMED_WORD).load(Ordering::Acquire);
-        if !fits(start, end, self.pos, consumed, self.cap) {
+        if !fits(start, end, self.pos, self.consumed(), self.cap) {
             return Written::NotYet;
         }
         let offset = DATA_OFFSET + start % self.cap;
@@ -672,6 +755,49 @@ mod tests {
         assert_eq!(ring_for((1 << 20) + 1), Some(8 << 20));
         assert_eq!(ring_for(RING_BYTES), Some(RING_BYTES));
         assert_eq!(ring_for(RING_BYTES + 1), None);
+    }
+
+    #[test]
+    fn a_full_ring_sends_batches_through_the_socket_once_its_reader_waits_on_it() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut h = Holding::default();
+        // A reader busy with what it has, or waiting only for a moment: the
+        // batch waits for room.
+        assert!(!h.full(false, 100, at(0)));
+        assert!(!h.full(true, 100, at(1)), "one look is not enough");
+        assert!(!h.full(false, 100, at(2)));
+        assert!(!h.full(true, 100, at(3)), "nor two looks apart");
+        h.written();
+        assert!(
+            !h.full(true, 100, at(4)),
+            "nor a look before the ring took one"
+        );
+        assert!(!h.full(true, 100, at(4)), "nor looks in the same moment");
+        assert!(!h.socket_first(100));
+        // Waiting at every look for the patience: through the socket, then
+        // the batches after it too while the reader consumes nothing...
+        assert!(h.full(true, 100, at(5)));
+        assert!(h.socket_first(100));
+        assert!(h.socket_first(100));
+        // ...and through the ring again once it did.
+        assert!(!h.socket_first(160));
+        assert!(!h.socket_first(100), "a new start, not a comparison");
+        assert!(!h.full(true, 160, at(6)), "the wait is timed anew");
+        assert!(h.full(true, 160, at(7)));
+    }
+
+    #[test]
+    fn a_ring_tells_its_reader_that_it_may_hold_batches_and_hears_it_wait() {
+        let dir = Scratch::new("lends");
+        let budget = Budget::new(1 << 30);
+        let ring = Ring::create(dir.path(), &budget).expect("a ring");
+        assert_eq!(ring.word(FEATURES_WORD).load(Ordering::Acquire), LENDS);
+        assert!(!ring.reader_waiting());
+        ring.word(WAITING_WORD).store(1, Ordering::Release);
+        assert!(ring.reader_waiting());
+        ring.word(CONSUMED_WORD).store(64, Ordering::Release);
+        assert_eq!(ring.consumed(), 64);
     }
 
     #[test]
