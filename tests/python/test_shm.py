@@ -181,6 +181,22 @@ def test_a_loop_that_keeps_its_batches_reads_them_unchanged(flightdeck_server):
     eventually("rings removed", lambda: rings_of(flightdeck_server) == [])
 
 
+@pytest.mark.parametrize("lend", [False, True])
+def test_a_batch_described_outside_the_ring_is_refused(lend):
+    import mmap
+    import struct
+
+    reader = _shm.RingReader(None, lend=lend)
+    reader._map = mmap.mmap(-1, 8192)
+    reader._words = np.frombuffer(reader._map, dtype=np.uint64, count=5)
+    if lend:
+        reader._lender = _shm._Lender(reader._map, reader._words)
+    for offset, length in [(8000, 400), (0, 64), (4096, 1 << 40)]:
+        raw = _shm._BATCH + struct.pack("<QQQ", offset, length, offset + length)
+        with pytest.raises(flight.FlightServerError, match="outside its ring"):
+            reader._take(raw)
+
+
 def test_dictionary_columns_follow_their_dictionaries_over_the_socket(flightdeck_server):
     client = flightdeck.connect(flightdeck_server.uri)
     words = pa.array(["a", "bb", "ccc"] * 1000).dictionary_encode()

@@ -181,11 +181,16 @@ class RingReader:
         self._words[_ATTACHED] = 1
 
     def _take(self, raw: bytes) -> pa.RecordBatch:
-        """The batch a descriptor names, copied out of the ring."""
+        """The batch a descriptor names, copied out of the ring or lent."""
         offset, length, end = struct.unpack_from("<QQQ", raw, 8)
         if self._map is None or self._words is None:
             raise flight.FlightServerError(
                 "the server sent a shared-memory batch before announcing its ring"
+            )
+        if offset < 8 * (_FEATURES + 1) or length < 8 or offset + length > len(self._map):
+            raise flight.FlightServerError(
+                "the server described a shared-memory batch outside its ring; read without "
+                "shared memory (FLIGHTDECK_SHM=0) and report it"
             )
         if self._lender is not None:
             out = self._lender.lend(offset, length, end)

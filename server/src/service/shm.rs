@@ -771,7 +771,7 @@ mod tests {
         h.written();
         assert!(
             !h.full(true, 100, at(4)),
-            "nor a look before the ring took one"
+            "the ring took one: the wait is timed anew"
         );
         assert!(!h.full(true, 100, at(4)), "nor looks in the same moment");
         assert!(!h.socket_first(100));
