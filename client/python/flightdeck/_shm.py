@@ -19,7 +19,9 @@ batch only once nothing refers to it any more (:class:`_Lender`), so the
 server never writes over a batch still in use. A loop that keeps its
 batches fills the ring; the reader then says it waits for the next
 message, and the server sends the rest of the stream over the socket
-until room is made — the same batches, in the same order.
+until room is made — the same batches, in the same order. A lent batch
+kept after its stream ended keeps the ring mapped in this process (at
+most its 16 MiB) until the batch goes.
 """
 
 from __future__ import annotations
