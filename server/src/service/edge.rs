@@ -526,9 +526,6 @@ struct ShmSend {
     /// Wakes the body to look at the ring again while the reader has yet to
     /// make room in it.
     timer: Pin<Box<tokio::time::Sleep>>,
-    /// Whether batches go through the socket while the reader holds the
-    /// ring full.
-    holding: shm::Holding,
 }
 
 impl ShmSend {
@@ -549,7 +546,6 @@ impl ShmSend {
                 socket_only: false,
                 attach_within,
                 timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
-                holding: shm::Holding::default(),
             })),
             Err(e) => {
                 tracing::debug!(dir = %dir.display(), error = %e, "a local reader's stream goes through the socket: no shared-memory ring");
@@ -585,26 +581,14 @@ impl ShmSend {
         }
         let attached = self.ring.attached();
         let written = match attached {
-            true if self.holding.socket_first(self.ring.consumed()) => shm::Written::Never,
             true => self.ring.try_write(m),
             false => shm::Written::NotYet,
         };
         match written {
             shm::Written::At(descriptor) => {
-                self.holding.written();
                 Poll::Ready(Ok(vec![IpcMessage::metadata_frame(&descriptor)]))
             }
-            shm::Written::Never => Poll::Ready(m.to_grpc_frame(max_message)),
-            shm::Written::NotYet
-                if attached
-                    && self.holding.full(
-                        self.ring.reader_waiting(),
-                        self.ring.consumed(),
-                        Instant::now(),
-                    ) =>
-            {
-                Poll::Ready(m.to_grpc_frame(max_message))
-            }
+            shm::Written::Never | shm::Written::Held => Poll::Ready(m.to_grpc_frame(max_message)),
             shm::Written::NotYet
                 if !attached
                     && self

@@ -132,7 +132,7 @@ pub fn ring_for(len: u64) -> Option<u64> {
 /// keeps every batch (`list(dataset)`) fills the ring and makes no room:
 /// waiting for it would stall the stream until its idle timeout. When a
 /// batch finds the ring full and the reader has said it waits for the next
-/// message ([`Ring::reader_waiting`]) at every look for [`Holding::PATIENCE`],
+/// message (the header's `waiting` word) at every look for [`Holding::PATIENCE`],
 /// the batch goes through the socket, and so do the ones after it until
 /// the reader consumes something. One look is not enough: a reader also
 /// says it waits in the moment between asking for a message already on its
@@ -290,6 +290,9 @@ pub enum Written {
     /// It can never go through this ring (larger than it, or the ring
     /// could not be sized): send it through the socket.
     Never,
+    /// The reader holds the ring full and waits ([`Holding`]): send it
+    /// through the socket.
+    Held,
 }
 
 /// The rings of a server: where they are made, and their [`Budget`].
@@ -402,6 +405,9 @@ pub struct Ring {
     /// The file, until unlinked.
     path: Option<PathBuf>,
     slot: Slot,
+    /// Whether batches go through the socket while the reader holds the
+    /// ring full.
+    holding: Holding,
 }
 
 // SAFETY: the mapping is owned by the ring alone (no other `Ring` shares
@@ -456,6 +462,7 @@ impl Ring {
             populated: 0,
             path: Some(path),
             slot,
+            holding: Holding::default(),
         };
         ring.word(FEATURES_WORD).store(LENDS, Ordering::Release);
         ring.word(0).store(MAGIC, Ordering::Release);
@@ -463,13 +470,13 @@ impl Ring {
     }
 
     /// The ring position the reader has consumed up to.
-    pub fn consumed(&self) -> u64 {
+    fn consumed(&self) -> u64 {
         self.word(CONSUMED_WORD).load(Ordering::Acquire)
     }
 
     /// Whether the reader says it is waiting for the stream's next message
     /// (see [`Holding`]).
-    pub fn reader_waiting(&self) -> bool {
+    fn reader_waiting(&self) -> bool {
         self.word(WAITING_WORD).load(Ordering::Acquire) != 0
     }
 
@@ -587,7 +594,8 @@ impl Ring {
 
     /// Writes `m` into the ring as an encapsulated Arrow IPC message (the
     /// continuation marker, the header's length, the header padded, the
-    /// body) if the reader has consumed where it goes.
+    /// body) if the reader has consumed where it goes; [`Written::Held`]
+    /// while the reader holds the ring full and waits ([`Holding`]).
     pub fn try_write(&mut self, m: &IpcMessage) -> Written {
         let (len, padded) = encapsulated_len(m);
         if !self.size_for(len) {
@@ -596,8 +604,18 @@ impl Ring {
         let Some((start, end)) = place(self.pos, len, self.cap) else {
             return Written::Never;
         };
-        if !fits(start, end, self.pos, self.consumed(), self.cap) {
-            return Written::NotYet;
+        let consumed = self.consumed();
+        if self.holding.socket_first(consumed) {
+            return Written::Held;
+        }
+        if !fits(start, end, self.pos, consumed, self.cap) {
+            return match self
+                .holding
+                .full(self.reader_waiting(), consumed, Instant::now())
+            {
+                true => Written::Held,
+                false => Written::NotYet,
+            };
         }
         let offset = DATA_OFFSET + start % self.cap;
         let _ = self.populate(start % self.cap + len);
@@ -620,6 +638,7 @@ impl Ring {
             put(piece);
         }
         self.pos = end;
+        self.holding.written();
         Written::At(descriptor(offset, len, end))
     }
 }
@@ -901,6 +920,15 @@ mod tests {
             "and the second"
         );
         assert_eq!(ring.try_write(m), Written::NotYet);
+        // A reader that waits on the full ring past the patience holds it:
+        // the message goes through the socket, and the next too until the
+        // reader consumes.
+        ring.word(WAITING_WORD).store(1, Ordering::Release);
+        assert_eq!(ring.try_write(m), Written::NotYet, "one look");
+        std::thread::sleep(Holding::PATIENCE * 2);
+        assert_eq!(ring.try_write(m), Written::Held);
+        assert_eq!(ring.try_write(m), Written::Held, "until it consumes");
+        ring.word(WAITING_WORD).store(0, Ordering::Release);
         let file = std::fs::read(ring.path().expect("linked")).expect("read the file");
         let offset = u64::from_le_bytes(first[8..16].try_into().expect("8 bytes")) as usize;
         let len = u64::from_le_bytes(first[16..24].try_into().expect("8 bytes")) as usize;
